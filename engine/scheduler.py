@@ -1,0 +1,86 @@
+"""Admission policy: which waiting sequences get the free KV slots (DESIGN.md section 2).
+
+Order in ``continuous``: priority class (``high`` > ``normal`` > ``low``), then earliest
+deadline, then tenant fair share, then arrival. Fair share follows the Virtual Token Counter of
+Sheng et al., "Fairness in Serving Large Language Models" (OSDI 2024): each tenant's counter
+grows by the tokens it is served divided by its weight, the tenant with the smallest counter
+goes first, and a tenant that becomes backlogged is lifted to the smallest counter among the
+backlogged so it cannot bank credit while idle. Starvation is impossible because waiting ages a
+request: every ``aging_s`` seconds it climbs one priority class.
+"""
+from __future__ import annotations
+
+import math
+
+from engine.sequence import Sequence
+
+
+class Scheduler:
+    """Waiting queue, slot table and per-tenant virtual counters.
+
+    Args:
+        max_slots: number of KV slots (slot id = llama ``seq_id``).
+        policy: ``continuous`` (admit whenever a slot is free), ``static`` (admit only into an
+            empty batch) or ``fifo`` (one sequence at a time, arrival order).
+        aging_s: seconds of waiting per priority-class promotion.
+    """
+
+    def __init__(self, max_slots: int, policy: str, aging_s: float):
+        self.policy = policy
+        self.aging_s = aging_s
+        self.waiting: list[Sequence] = []
+        self.running: dict[int, Sequence] = {}
+        self.free_slots = list(range(max_slots))[::-1]
+        self.counters: dict[int, float] = {}
+
+    def add(self, seq: Sequence) -> None:
+        """Queue a new sequence; lift its tenant's counter if the tenant was idle (VTC)."""
+        if not any(s.tenant == seq.tenant for s in self._backlogged()):
+            active = [self.counters[s.tenant] for s in self._backlogged()]
+            floor = min(active) if active else 0.0
+            self.counters[seq.tenant] = max(self.counters.get(seq.tenant, 0.0), floor)
+        self.waiting.append(seq)
+
+    def _backlogged(self):
+        yield from self.waiting
+        yield from self.running.values()
+
+    def charge(self, seq: Sequence, n_tokens: int) -> None:
+        """Account ``n_tokens`` of service (prefilled or generated) to the sequence's tenant."""
+        self.counters[seq.tenant] = self.counters.get(seq.tenant, 0.0) + n_tokens / seq.weight
+
+    def key(self, seq: Sequence, now: float) -> tuple:
+        """Sort key of a waiting sequence: smaller is admitted first."""
+        promoted = int((now - seq.arrival) / self.aging_s)
+        deadline = seq.deadline or math.inf
+        return (max(0, seq.priority - promoted), deadline, self.counters.get(seq.tenant, 0.0), seq.order)
+
+    def admit(self, now: float) -> list[Sequence]:
+        """Move waiting sequences into free slots as the policy allows; returns the admitted."""
+        if not self.waiting or not self.free_slots:
+            return []
+        if self.policy == "fifo":
+            if self.running:
+                return []
+            room = 1
+            order = sorted(self.waiting, key=lambda s: s.order)
+        else:
+            if self.policy == "static" and self.running:
+                return []
+            room = len(self.free_slots)
+            order = sorted(self.waiting, key=lambda s: self.key(s, now))
+        admitted = order[:room]
+        for seq in admitted:
+            self.waiting.remove(seq)
+            seq.slot = self.free_slots.pop()
+            self.running[seq.slot] = seq
+        return admitted
+
+    def drop_waiting(self, seq: Sequence) -> None:
+        self.waiting.remove(seq)
+
+    def release(self, seq: Sequence) -> None:
+        """Give a retired sequence's slot back."""
+        del self.running[seq.slot]
+        self.free_slots.append(seq.slot)
+        seq.slot = -1

@@ -1,0 +1,121 @@
+"""Starts the engine process, watches it, restarts it, and reclaims leases of dead processes.
+
+Runs in the process that owns the transport (the ``inference-server`` / gunicorn master).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import subprocess
+import sys
+import threading
+import time
+
+from engine.config import EngineConfig
+from shm.layout import ENGINE_DEAD, ENGINE_READY, ERR_ENGINE_DIED, ERR_SHUTDOWN
+from shm.mailbox import Mailboxes
+from shm.ring import RequestRing
+from shm.transport import Transport
+
+log = logging.getLogger("supervisor")
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def pid_alive(pid: int) -> bool:
+    """True if a process with ``pid`` exists and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except (FileNotFoundError, IndexError):
+        return False
+
+
+class EngineSupervisor:
+    """Keeps exactly one engine process running over ``transport``.
+
+    When the engine exits unexpectedly, every in-flight mailbox is failed (readers raise
+    ``EngineUnavailable``), unread ring records are dropped, and a new engine is started after
+    ``restart_delay_s``. Every ``sweep_s`` the leases of dead owner processes are reclaimed.
+
+    Args:
+        env: extra environment for the engine (e.g. ``OMP_WAIT_POLICY``).
+    """
+
+    def __init__(self, config: EngineConfig, transport: Transport, env: dict | None = None,
+                 sweep_s: float = 0.5, restart_delay_s: float = 0.5):
+        self.config = config
+        self.t = transport
+        self.env = {**os.environ, **engine_environment(), **(env or {})}
+        self.sweep_s = sweep_s
+        self.restart_delay_s = restart_delay_s
+        self.proc: subprocess.Popen | None = None
+        self.restarts = 0
+        self._stopping = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        self._spawn()
+        self._thread = threading.Thread(target=self._watch, name="engine-supervisor", daemon=True)
+        self._thread.start()
+
+    def _spawn(self) -> None:
+        args = [sys.executable, "-m", "engine.process", self.t.name,
+                json.dumps(dataclasses.asdict(self.config))]
+        env = dict(self.env)
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [_ROOT, env.get("PYTHONPATH")]))
+        self.proc = subprocess.Popen(args, env=env)
+
+    def wait_ready(self, timeout: float = 120.0) -> bool:
+        """Block until the engine reports ready; False on timeout or if it exited."""
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            if int(self.t.control["engine_state"][0]) == ENGINE_READY:
+                return True
+            if self.proc is not None and self.proc.poll() is not None and self.restarts == 0:
+                return False
+            time.sleep(0.05)
+        return False
+
+    def reclaim(self) -> list[int]:
+        """Reclaim mailboxes leased by processes that no longer exist."""
+        return Mailboxes(self.t).reclaim(pid_alive)
+
+    def _watch(self) -> None:
+        while not self._stopping.is_set():
+            try:
+                self.proc.wait(timeout=self.sweep_s)
+            except subprocess.TimeoutExpired:
+                self.reclaim()
+                continue
+            if self._stopping.is_set():
+                return
+            log.error("engine exited with %s; failing in-flight requests and restarting", self.proc.returncode)
+            self.t.control["engine_state"][0] = ENGINE_DEAD
+            RequestRing(self.t).reset()
+            Mailboxes(self.t).fail_in_flight(ERR_ENGINE_DIED)
+            self.t.control[0]["slot_mailbox"] = -1
+            self.restarts += 1
+            if self._stopping.wait(self.restart_delay_s):
+                return
+            self._spawn()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stop the engine (SIGTERM, then SIGKILL after ``timeout``) and fail what remains."""
+        self._stopping.set()
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        if self._thread is not None:
+            self._thread.join(timeout)
+        Mailboxes(self.t).fail_in_flight(ERR_SHUTDOWN)
+
+
+def engine_environment() -> dict:
+    """Environment for llama.cpp's OpenMP threads: see README "Threads" for the measurement."""
+    return {"OMP_WAIT_POLICY": "PASSIVE"}

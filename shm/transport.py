@@ -1,0 +1,124 @@
+"""Create or attach the shared segment and expose its arrays as numpy views."""
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+from multiprocessing import resource_tracker, shared_memory
+
+import numpy as np
+
+from shm.layout import Layout
+from shm.lock import FlockLock
+from shm.wakeup import Doorbells
+
+_MAGIC = 0x494E4652  # "INFR"
+_META = np.dtype([("magic", np.uint32), ("max_slots", np.int32),
+                  ("n_mailboxes", np.int32), ("max_seq_len", np.int32)])
+_META_BYTES = 64
+SHM_DIR = "/dev/shm"
+
+
+class Transport:
+    """One shared segment plus its FIFO/lock folder ``/dev/shm/<name>.d``.
+
+    Use :meth:`create` in the process that owns the transport (it unlinks everything in
+    :meth:`close`) and :meth:`attach` everywhere else. Attributes ``control`` (a one-element
+    record array), ``ring``, ``mailboxes``, ``tokens`` ``[n_mailboxes, max_seq_len]``,
+    ``logprobs``, ``top_ids`` and ``top_logprobs`` ``[n_mailboxes, max_seq_len, 20]`` are numpy
+    views of the segment.
+    """
+
+    def __init__(self, shm: shared_memory.SharedMemory, layout: Layout, owner: bool):
+        self.name = shm.name
+        self.layout = layout
+        self.owner = owner
+        self._shm = shm
+        self.directory = os.path.join(SHM_DIR, f"{shm.name}.d")
+        offsets, _ = layout.offsets()
+        for name, dtype, shape in layout.arrays():
+            view = np.ndarray(shape, dtype=dtype, buffer=shm.buf, offset=_META_BYTES + offsets[name])
+            setattr(self, name, view)
+        self.lock = FlockLock(os.path.join(self.directory, "lock"))
+        self.bells = Doorbells(self.directory, layout.n_mailboxes)
+
+    @classmethod
+    def create(cls, layout: Layout, name: str | None = None) -> "Transport":
+        """Allocate and zero a new segment.
+
+        Raises:
+            FileExistsError: a segment of that name exists.
+        """
+        name = name or f"infer-{os.getpid()}-{secrets.token_hex(4)}"
+        _, size = layout.offsets()
+        # The creator stays registered with Python's resource tracker, which unlinks the
+        # segment should this process die without closing it.
+        shm = shared_memory.SharedMemory(name=name, create=True, size=_META_BYTES + size)
+        try:
+            os.mkdir(os.path.join(SHM_DIR, f"{name}.d"), 0o700)
+            transport = cls(shm, layout, owner=True)
+            transport.bells.create_all()
+        except BaseException:
+            shm.close()
+            shm.unlink()
+            shutil.rmtree(os.path.join(SHM_DIR, f"{name}.d"), ignore_errors=True)
+            raise
+        np.ndarray((), _META, buffer=shm.buf)[()] = (_MAGIC, layout.max_slots,
+                                                     layout.n_mailboxes, layout.max_seq_len)
+        transport.mailboxes["slot"] = -1
+        transport.control[0]["slot_mailbox"] = -1
+        transport.control[0]["slot_kv_pos_max"] = -1
+        return transport
+
+    @classmethod
+    def attach(cls, name: str) -> "Transport":
+        """Map an existing segment by name; its layout is read from its header.
+
+        Raises:
+            FileNotFoundError: no such segment.
+            ValueError: the segment is not one of ours.
+        """
+        shm = shared_memory.SharedMemory(name=name)
+        _untrack(shm)
+        meta = np.ndarray((), _META, buffer=shm.buf)[()]
+        if int(meta["magic"]) != _MAGIC:
+            shm.close()
+            raise ValueError(f"shared memory segment {name!r} is not an inference transport")
+        layout = Layout(int(meta["max_slots"]), int(meta["n_mailboxes"]), int(meta["max_seq_len"]))
+        return cls(shm, layout, owner=False)
+
+    def close(self) -> None:
+        """Unmap; the owner also unlinks the segment and removes its folder. Idempotent."""
+        if self._shm is None:
+            return
+        self.bells.close()
+        self.lock.close()
+        for name, _, _ in self.layout.arrays():
+            setattr(self, name, None)
+        shm, self._shm = self._shm, None
+        try:
+            shm.close()
+        except BufferError:
+            pass  # a view is still referenced somewhere; the mapping goes with the process
+        if self.owner:
+            try:
+                shm.unlink()
+            except FileNotFoundError:
+                pass
+            shutil.rmtree(self.directory, ignore_errors=True)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def _untrack(shm: shared_memory.SharedMemory) -> None:
+    """Stop Python's resource tracker from unlinking an *attached* segment when this process
+    exits (Python < 3.13 registers attachers too, cpython issue #82300): only the creator owns it.
+    """
+    try:
+        resource_tracker.unregister(shm._name, "shared_memory")  # noqa: SLF001
+    except Exception:  # pragma: no cover - tracker not running
+        pass

@@ -1,0 +1,86 @@
+"""Wake-ups between processes: one named FIFO per mailbox plus one for the engine.
+
+A FIFO is a file descriptor, so a front-end thread can ``poll()`` its mailbox's wake-up and its
+client's socket together. Every process opens FIFOs ``O_RDWR | O_NONBLOCK``: on Linux that never
+blocks and never fails for lack of a peer, and a full pipe (a slow reader) makes ``ring`` a no-op
+instead of blocking the engine: the reader is already due to wake.
+"""
+from __future__ import annotations
+
+import os
+import select
+
+
+class Doorbells:
+    """The FIFOs of one transport, opened lazily per process.
+
+    Args:
+        directory: folder holding ``engine.fifo`` and ``mb<i>.fifo`` for ``i < n_mailboxes``.
+    """
+
+    ENGINE = -1
+
+    def __init__(self, directory: str, n_mailboxes: int):
+        self.directory = directory
+        self.n_mailboxes = n_mailboxes
+        self._pid = -1
+        self._fds: dict[int, int] = {}
+
+    def path(self, index: int) -> str:
+        name = "engine" if index == self.ENGINE else f"mb{index}"
+        return os.path.join(self.directory, f"{name}.fifo")
+
+    def create_all(self) -> None:
+        """Make every FIFO (by the segment's owner, once)."""
+        for index in [self.ENGINE, *range(self.n_mailboxes)]:
+            os.mkfifo(self.path(index), 0o600)
+
+    def fd(self, index: int) -> int:
+        """The descriptor for FIFO ``index`` in this process (re-opened after fork)."""
+        if self._pid != os.getpid():
+            self._fds, self._pid = {}, os.getpid()
+        fd = self._fds.get(index)
+        if fd is None:
+            fd = os.open(self.path(index), os.O_RDWR | os.O_NONBLOCK | os.O_CLOEXEC)
+            self._fds[index] = fd
+        return fd
+
+    def ring(self, index: int) -> None:
+        """Wake whoever waits on FIFO ``index``; never blocks."""
+        try:
+            os.write(self.fd(index), b"\x01")
+        except BlockingIOError:
+            pass  # pipe full: a wake-up is already pending
+
+    def drain(self, index: int) -> None:
+        """Consume pending wake-ups of FIFO ``index``."""
+        fd = self.fd(index)
+        try:
+            while os.read(fd, 4096):
+                pass
+        except BlockingIOError:
+            pass
+
+    def wait(self, index: int, timeout: float | None, extra_fd: int | None = None) -> set[int]:
+        """Block until FIFO ``index`` is readable or ``extra_fd`` (a client socket) hangs up.
+
+        The socket is watched for ``POLLRDHUP``/``POLLHUP`` only, so bytes a client pipelines
+        do not wake the caller.
+
+        Args:
+            timeout: seconds; None waits forever.
+        Returns:
+            the ready descriptors (empty on timeout).
+        """
+        poller = select.poll()
+        poller.register(self.fd(index), select.POLLIN)
+        if extra_fd is not None:
+            poller.register(extra_fd, select.POLLRDHUP)
+        ms = None if timeout is None else max(0, int(timeout * 1000))
+        return {fd for fd, _ in poller.poll(ms)}
+
+    def close(self) -> None:
+        if self._pid == os.getpid():
+            for fd in self._fds.values():
+                os.close(fd)
+        self._fds, self._pid = {}, -1
