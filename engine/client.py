@@ -130,6 +130,8 @@ class Timings:
     prefill_done: float = 0.0
     first_token: float = 0.0
     finished: float = 0.0
+    step_admitted: int = 0
+    step_finished: int = 0
 
 
 class EngineClient:
@@ -231,6 +233,14 @@ class EngineClient:
         """Mailbox index held by each KV slot (-1: free), as of the engine's last step."""
         return self.t.control[0]["slot_mailbox"].tolist()
 
+    def step(self) -> int:
+        """The engine's last completed step number."""
+        return int(self.t.control["step"][0])
+
+    def kv_pos_max(self) -> list[int]:
+        """Highest KV position of each slot (-1: no cells), as of the engine's last step."""
+        return self.t.control[0]["slot_kv_pos_max"].tolist()
+
     def mailboxes_in_use(self) -> int:
         return self._mailboxes.in_use()
 
@@ -301,7 +311,8 @@ class Stream:
         box = self.client.t.mailboxes[self.index]
         return Timings(float(box["t_queued"]), float(box["t_admitted"]),
                        float(box["t_prefill_done"]), float(box["t_first_token"]),
-                       float(box["t_finished"]))
+                       float(box["t_finished"]), int(box["step_admitted"]),
+                       int(box["step_finished"]))
 
     def cancel(self) -> None:
         """Ask the engine to stop this sequence (it retires it within one step)."""

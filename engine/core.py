@@ -41,6 +41,7 @@ class EngineCore:
         self.sched = Scheduler(config.max_slots, config.policy, config.aging_s)
         self.batch = Batch(config.n_batch)
         self.stopping = False
+        self.step_no = int(transport.control["step"][0])
 
     # -- loop ---------------------------------------------------------------------------------
     def run(self) -> None:
@@ -55,6 +56,7 @@ class EngineCore:
 
     def step(self) -> None:
         """One iteration: every phase once, at most one ``llama_decode``."""
+        self.step_no += 1
         now = time.monotonic()
         self.ingest(now)
         self.expire(now)
@@ -115,6 +117,7 @@ class EngineCore:
         box = self.t.mailboxes[seq.mailbox]
         box["slot"] = seq.slot
         box["t_admitted"] = now
+        box["step_admitted"] = self.step_no
         box["state"] = RUNNING
 
     def fill_batch(self) -> list[tuple[Sequence, int]]:
@@ -187,13 +190,14 @@ class EngineCore:
         box["finish"] = finish
         box["error"] = error
         box["t_finished"] = time.monotonic()
+        box["step_finished"] = self.step_no
         box["state"] = DONE
         self.t.bells.ring(i)
 
     def publish_control(self) -> None:
         """Refresh the control block: step counter, queue sizes, slot table, KV occupancy."""
         c = self.t.control[0]
-        c["step"] += 1
+        c["step"] = self.step_no
         c["n_waiting"] = len(self.sched.waiting)
         c["n_running"] = len(self.sched.running)
         slots = np.full(self.config.max_slots, -1, np.int32)

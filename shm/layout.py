@@ -83,6 +83,8 @@ class Layout:
             ("t_queued", np.float64), ("t_admitted", np.float64),
             ("t_first_token", np.float64), ("t_finished", np.float64),
             ("t_prefill_done", np.float64),
+            # engine step numbers (control "step") at admission and at retirement.
+            ("step_admitted", np.uint64), ("step_finished", np.uint64),
         ])
 
     def arrays(self) -> list[tuple[str, np.dtype, tuple]]:

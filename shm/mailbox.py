@@ -46,6 +46,7 @@ class Mailboxes:
             box["finish"] = FINISH_NONE
             box["error"] = ERR_NONE
             box["slot"] = -1
+            box["step_admitted"] = box["step_finished"] = 0
             for field in ("t_queued", "t_admitted", "t_first_token", "t_finished", "t_prefill_done"):
                 box[field] = 0.0
             box["state"] = LEASED

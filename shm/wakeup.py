@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import select
+import threading
 
 
 class Doorbells:
@@ -23,8 +24,14 @@ class Doorbells:
     def __init__(self, directory: str, n_mailboxes: int):
         self.directory = directory
         self.n_mailboxes = n_mailboxes
-        self._pid = -1
         self._fds: dict[int, int] = {}
+        self._lock = threading.Lock()
+        os.register_at_fork(after_in_child=self._forget)
+
+    def _forget(self) -> None:
+        """In a forked child: inherited descriptors are left alone (the parent owns them)."""
+        self._fds = {}
+        self._lock = threading.Lock()
 
     def path(self, index: int) -> str:
         name = "engine" if index == self.ENGINE else f"mb{index}"
@@ -36,13 +43,14 @@ class Doorbells:
             os.mkfifo(self.path(index), 0o600)
 
     def fd(self, index: int) -> int:
-        """The descriptor for FIFO ``index`` in this process (re-opened after fork)."""
-        if self._pid != os.getpid():
-            self._fds, self._pid = {}, os.getpid()
+        """The descriptor for FIFO ``index`` in this process (opened on first use)."""
         fd = self._fds.get(index)
         if fd is None:
-            fd = os.open(self.path(index), os.O_RDWR | os.O_NONBLOCK | os.O_CLOEXEC)
-            self._fds[index] = fd
+            with self._lock:
+                fd = self._fds.get(index)
+                if fd is None:
+                    fd = os.open(self.path(index), os.O_RDWR | os.O_NONBLOCK | os.O_CLOEXEC)
+                    self._fds[index] = fd
         return fd
 
     def ring(self, index: int) -> None:
@@ -80,7 +88,7 @@ class Doorbells:
         return {fd for fd, _ in poller.poll(ms)}
 
     def close(self) -> None:
-        if self._pid == os.getpid():
+        with self._lock:
             for fd in self._fds.values():
                 os.close(fd)
-        self._fds, self._pid = {}, -1
+            self._fds = {}

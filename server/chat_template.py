@@ -1,0 +1,54 @@
+"""Chat prompts: the GGUF's ``tokenizer.chat_template`` rendered with Jinja2 in a sandbox.
+
+Message text is data, never template code, and special-token text inside it (``<|im_start|>``)
+must stay plain text. So the template is rendered with a random placeholder in place of each
+message's text; the rendered template pieces are tokenized with special tokens parsed, the
+message texts without, and the ids are concatenated in order.
+"""
+from __future__ import annotations
+
+import re
+import secrets
+
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from server.tokenizer import Tokenizer
+
+# Roles as the template sees them: OpenAI's "developer" is the system role of older models.
+ROLE_ALIASES = {"developer": "system"}
+
+
+class ChatTemplate:
+    """Renders and tokenizes a list of ``{"role", "content"}`` messages (content: str).
+
+    Raises (from ``__init__``):
+        ValueError: the model has no chat template, or it does not compile.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, source: str | None = None):
+        source = source or tokenizer.chat_template
+        if not source:
+            raise ValueError("the model has no chat template (tokenizer.chat_template)")
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env.globals["raise_exception"] = _raise
+        self.template = env.from_string(source)
+        self.tokenizer = tokenizer
+
+    def encode(self, messages: list[dict]) -> list[int]:
+        """Prompt token ids for ``messages`` followed by the assistant's generation prompt."""
+        tag = secrets.token_hex(8)
+        marked = [{"role": ROLE_ALIASES.get(m["role"], m["role"]), "content": f"\x00{tag}:{i}\x00"}
+                  for i, m in enumerate(messages)]
+        rendered = self.template.render(messages=marked, add_generation_prompt=True,
+                                        bos_token="", eos_token="")
+        ids: list[int] = []
+        for k, part in enumerate(re.split(f"\x00{tag}:(\\d+)\x00", rendered)):
+            if k % 2:
+                ids += self.tokenizer.encode(messages[int(part)]["content"], special=False)
+            elif part:
+                ids += self.tokenizer.encode(part, special=True, add_bos=(k == 0))
+        return ids
+
+
+def _raise(message: str):
+    raise ValueError(message)

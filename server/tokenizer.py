@@ -1,0 +1,59 @@
+"""Front-end tokenizer: the served GGUF loaded ``vocab_only`` (no weights), as in vLLM v1 the
+front end tokenizes and detokenizes while the engine sees token ids only."""
+from __future__ import annotations
+
+import ctypes
+
+import llama_cpp
+
+from engine.model import load_model
+
+
+class Tokenizer:
+    """Text <-> token ids with llama.cpp's tokenizer for the model at ``model_path``.
+
+    Raises:
+        ConfigError: the file is missing or not GGUF.
+    """
+
+    def __init__(self, model_path: str):
+        self._model = load_model(model_path, vocab_only=True)
+        self.vocab = llama_cpp.llama_model_get_vocab(self._model)
+        self.n_vocab = llama_cpp.llama_vocab_n_tokens(self.vocab)
+        self.bos = llama_cpp.llama_vocab_bos(self.vocab)
+        self.add_bos = bool(llama_cpp.llama_vocab_get_add_bos(self.vocab))
+        # Every token's bytes, precomputed once: detokenizing is then a list lookup.
+        # Special tokens render as empty bytes (they are control, not text).
+        buf = ctypes.create_string_buffer(256)
+        self.pieces = []
+        for t in range(self.n_vocab):
+            n = llama_cpp.llama_token_to_piece(self.vocab, t, buf, len(buf), 0, False)
+            self.pieces.append(buf.raw[:n] if n > 0 else b"")
+        tmpl = llama_cpp.llama_model_chat_template(self._model, None)
+        self.chat_template = tmpl.decode("utf-8") if tmpl else None
+
+    def encode(self, text: str, *, special: bool = False, add_bos: bool = False) -> list[int]:
+        """Token ids of ``text``.
+
+        Args:
+            special: parse special-token text (``<|im_start|>``) as those tokens. Off for user
+                data, so such text stays plain text.
+            add_bos: prepend BOS if the model wants one.
+        """
+        data = text.encode("utf-8")
+        cap = len(data) + 8
+        out = (llama_cpp.llama_token * cap)()
+        n = llama_cpp.llama_tokenize(self.vocab, data, len(data), out, cap, add_bos and self.add_bos, special)
+        if n < 0:  # buffer too small: -n is the size needed
+            cap = -n
+            out = (llama_cpp.llama_token * cap)()
+            n = llama_cpp.llama_tokenize(self.vocab, data, len(data), out, cap, add_bos and self.add_bos, special)
+        return list(out[:n])
+
+    def piece(self, token: int) -> bytes:
+        """UTF-8 bytes of one token (possibly part of a code point)."""
+        return self.pieces[token]
+
+    def decode(self, tokens) -> str:
+        """Whole text of ``tokens``; invalid UTF-8 becomes U+FFFD."""
+        return b"".join(self.pieces[t] for t in tokens).decode("utf-8", errors="replace")

@@ -1,0 +1,228 @@
+"""The engine through shared memory: real model, real engine process, real producer processes."""
+from __future__ import annotations
+
+import multiprocessing as mp
+import threading
+import time
+from concurrent.futures import ProcessPoolExecutor
+
+import pytest
+
+from engine.client import (DeadlineExceeded, EngineClient, PromptTooLong, SamplingParams)
+from tests.conftest import assert_idle_and_clean, running_engine, wait_steps
+from tests.producers import generate_many
+
+GREEDY = {"temperature": 0.0}
+SPAWN = mp.get_context("spawn")
+
+CHATS = ["What is the capital of France?", "Write a haiku about the sea.",
+         "List three prime numbers.", "Say hello in Spanish.", "What is 2 + 2?",
+         "Name a color of the rainbow.", "Describe a cat in one sentence.",
+         "Why is the sky blue?"]
+
+
+def _in_other_process(name: str, jobs: list[dict]) -> list[dict]:
+    with ProcessPoolExecutor(1, mp_context=SPAWN) as pool:
+        return pool.submit(generate_many, name, jobs).result(timeout=300)
+
+
+def test_batch_isolation_outputs_equal_solo_runs(chat):
+    prompts = [chat.encode([{"role": "user", "content": c}]) for c in CHATS]
+    jobs = [{"prompt": p, "params": {**GREEDY, "max_new_tokens": 32}} for p in prompts]
+    with running_engine(max_slots=8) as (client, _):
+        together = _in_other_process(client.t.name, jobs)
+        alone = [_in_other_process(client.t.name, [job])[0] for job in jobs]
+        assert_idle_and_clean(client)
+    # All 8 really ran together: each was admitted before any finished.
+    assert max(r["timings"]["step_admitted"] for r in together) < min(r["timings"]["step_finished"] for r in together)
+    for t, a in zip(together, alone):
+        assert len(t["ids"]) > 0
+        assert t["ids"] == a["ids"]
+
+
+def test_64_mixed_requests_from_4_producers_through_4_slots():
+    jobs = [[{"prompt": list(range(100 + p, 100 + p + 3 + (7 * i) % 40)),
+              "params": {**GREEDY, "max_new_tokens": 1 + (5 * i + p) % 23, "ignore_eos": True},
+              "tenant": p}
+             for i in range(16)] for p in range(4)]
+    with running_engine(max_slots=4, max_queued=60) as (client, _):
+        violations = []
+        stop = threading.Event()
+
+        def watch_kv():  # a free slot never keeps KV cells, at any step
+            while not stop.is_set():
+                c = client.t.control[0]
+                slots, kv = c["slot_mailbox"].tolist(), c["slot_kv_pos_max"].tolist()
+                violations.extend(s for s in range(4) if slots[s] == -1 and kv[s] != -1 and
+                                  c["slot_mailbox"][s] == -1 and c["slot_kv_pos_max"][s] != -1)
+                time.sleep(0.002)
+
+        watcher = threading.Thread(target=watch_kv)
+        watcher.start()
+        with ProcessPoolExecutor(4, mp_context=SPAWN) as pool:
+            results = list(pool.map(generate_many, [client.t.name] * 4, jobs, timeout=600))
+        stop.set()
+        watcher.join()
+        assert_idle_and_clean(client)
+    assert not violations
+    for p in range(4):
+        for job, r in zip(jobs[p], results[p]):
+            assert r["finish"] == "length"
+            assert len(r["ids"]) == job["params"]["max_new_tokens"]
+
+
+def _spans(results):
+    return [(r["timings"]["step_admitted"], r["timings"]["step_finished"]) for r in results]
+
+
+def test_static_admits_only_into_an_empty_batch():
+    jobs = [{"prompt": [300 + i, 301, 302], "params": {**GREEDY, "max_new_tokens": n, "ignore_eos": True}}
+            for i, n in enumerate([3, 12, 5, 9, 4, 7])]
+    with running_engine(max_slots=2, policy="static") as (client, _):
+        results = _in_other_process(client.t.name, jobs)
+    spans = sorted(_spans(results))
+    for admitted, _ in spans:
+        running = [s for s in spans if s[0] < admitted <= s[1]]
+        assert not running, f"admitted at step {admitted} while {running} still ran"
+
+
+def test_fifo_never_runs_two_sequences_at_once():
+    jobs = [{"prompt": [400 + i, 401], "params": {**GREEDY, "max_new_tokens": 4, "ignore_eos": True}}
+            for i in range(5)]
+    with running_engine(max_slots=4, policy="fifo") as (client, _):
+        results = _in_other_process(client.t.name, jobs)
+    spans = sorted(_spans(results))
+    for (a1, f1), (a2, _) in zip(spans, spans[1:]):
+        assert a2 > f1
+
+
+def test_continuous_admits_into_a_freed_slot_on_the_next_step():
+    jobs = [{"prompt": [500, 501], "params": {**GREEDY, "max_new_tokens": 3, "ignore_eos": True}},
+            {"prompt": [502, 503], "params": {**GREEDY, "max_new_tokens": 40, "ignore_eos": True}},
+            {"prompt": [504, 505], "params": {**GREEDY, "max_new_tokens": 3, "ignore_eos": True}}]
+    with running_engine(max_slots=2) as (client, _):
+        results = _in_other_process(client.t.name, jobs)
+    short, long_, queued = _spans(results)
+    if queued[0] < short[0]:  # the two short ones may be admitted in either order
+        short, queued = queued, short
+    assert queued[0] == short[1] + 1
+    assert queued[1] < long_[1], "the queued request had to wait for the long one"
+
+
+def _blocker(client, n=60):
+    """A running sequence holding a slot: returns (stream, its iterator past the first token)."""
+    stream = client.submit([600, 601], SamplingParams(max_new_tokens=n, temperature=0, ignore_eos=True))
+    it = iter(stream)
+    next(it)
+    return stream, it
+
+
+def test_deadline_while_queued_and_while_running():
+    with running_engine(max_slots=1) as (client, _):
+        blocker, it = _blocker(client)
+        with blocker:
+            queued = client.submit([7, 8], SamplingParams(max_new_tokens=5, temperature=0), deadline_ms=150)
+            with pytest.raises(DeadlineExceeded):
+                list(queued)
+            assert queued.timings().admitted == 0.0
+            assert list(it)
+        running = client.submit([9, 10], SamplingParams(max_new_tokens=200, temperature=0, ignore_eos=True),
+                                deadline_ms=400)
+        ids = [t.id for t in running]
+        assert running.finish_reason == "deadline"
+        assert 0 < len(ids) < 200
+        assert_idle_and_clean(client)
+
+
+def test_cancel_while_queued_and_while_running_frees_within_one_step():
+    with running_engine(max_slots=1) as (client, _):
+        blocker, it = _blocker(client, 200)
+        with blocker:
+            queued = client.submit([7, 8], SamplingParams(max_new_tokens=5, temperature=0))
+            wait_steps(client, 2)
+            queued.cancel()
+            queued.close()
+            assert queued.timings().admitted == 0.0 and queued.finish_reason is None
+            for _ in range(3):
+                next(it)
+            at_cancel = client.step()
+            blocker.cancel()
+            assert list(it) is not None
+            assert blocker.finish_reason == "cancelled"
+            assert blocker.timings().step_finished <= at_cancel + 2
+        assert_idle_and_clean(client)
+
+
+def test_priority_then_deadline_order_when_slots_are_busy():
+    with running_engine(max_slots=1) as (client, _):
+        blocker, it = _blocker(client, 40)
+        with blocker:
+            p = SamplingParams(max_new_tokens=2, temperature=0, ignore_eos=True)
+            streams = {
+                "low": client.submit([11, 12], p, priority="low"),
+                "normal": client.submit([13, 14], p, priority="normal"),
+                "normal+deadline": client.submit([15, 16], p, priority="normal", deadline_ms=60_000),
+                "high": client.submit([17, 18], p, priority="high"),
+            }
+            list(it)
+        order = []
+        for name, s in streams.items():
+            with s:
+                list(s)
+                order.append((s.timings().step_admitted, name))
+        assert [n for _, n in sorted(order)] == ["high", "normal+deadline", "normal", "low"]
+
+
+def test_low_priority_completes_under_sustained_high_load():
+    with running_engine(max_slots=1, aging_s=0.5) as (client, _):
+        p = SamplingParams(max_new_tokens=4, temperature=0, ignore_eos=True)
+        stop = threading.Event()
+        high_done = []
+
+        def flood():
+            while not stop.is_set():
+                with client.submit([21, 22], p, priority="high") as s:
+                    list(s)
+                    high_done.append(s.timings().step_finished)
+
+        flooders = [threading.Thread(target=flood) for _ in range(3)]
+        for f in flooders:
+            f.start()
+        time.sleep(0.3)
+        with client.submit([23, 24], p, priority="low") as low:
+            assert len(list(low)) == 4
+            low_finished = low.timings().step_finished
+        time.sleep(0.3)
+        stop.set()
+        for f in flooders:
+            f.join()
+        assert any(step > low_finished for step in high_done), "high traffic had stopped"
+
+
+def test_too_long_prompts_are_rejected_before_the_engine():
+    with running_engine(max_slots=1, max_seq_len=64) as (client, _):
+        before = client.step()
+        with pytest.raises(PromptTooLong, match=r"64 tokens.*limit of 63|prompt has 64 tokens"):
+            client.submit(list(range(100, 164)), SamplingParams(max_new_tokens=1))
+        with pytest.raises(PromptTooLong, match=r"\(50 tokens\) \+ max_tokens \(20\).*64"):
+            client.submit(list(range(100, 150)), SamplingParams(max_new_tokens=20))
+        with pytest.raises(ValueError):
+            client.submit([], SamplingParams(max_new_tokens=1))
+        assert client.mailboxes_in_use() == 0
+        with client.submit([5, 6], SamplingParams(max_new_tokens=3, temperature=0, ignore_eos=True)) as s:
+            assert len(list(s)) == 3
+        assert client.step() > before
+
+
+def test_logprobs_and_seeded_sampling():
+    with running_engine(max_slots=2) as (client, _):
+        def run(**kw):
+            with client.submit([30, 31, 32], SamplingParams(max_new_tokens=8, ignore_eos=True, **kw)) as s:
+                return list(s)
+        a, b = run(temperature=0.9, seed=7), run(temperature=0.9, seed=7)
+        assert [t.id for t in a] == [t.id for t in b]
+        greedy = run(temperature=0, logprobs=5)
+        for tok in greedy:
+            assert len(tok.top) == 5 and tok.top[0][0] == tok.id  # greedy = the most likely
+            assert tok.logprob <= 0 and abs(tok.logprob - tok.top[0][1]) < 1e-5
+            assert [lp for _, lp in tok.top] == sorted((lp for _, lp in tok.top), reverse=True)
