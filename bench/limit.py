@@ -29,7 +29,7 @@ def measure(model_path: str, batch: int, prompt: int, gen: int, threads: int) ->
     from engine.model import Model
 
     n_batch = max(512, batch * prompt)
-    model = Model(model_path, batch, prompt + gen + 1, n_batch, threads)
+    model = Model(model_path, batch, max(256, prompt + gen + 1), n_batch, threads)
     eog = np.array(sorted(model.eog), dtype=np.int64)
     b = Batch(n_batch)
     prompts = prompt_tokens(batch, prompt, model.n_vocab)

@@ -101,6 +101,9 @@ class Transport:
         except BufferError:
             pass  # a view is still referenced somewhere; the mapping goes with the process
         if self.owner:
+            # An attacher sharing our resource tracker (a spawned child) may have unregistered
+            # the name; register it again so unlink's own unregister finds it.
+            resource_tracker.register(shm._name, "shared_memory")  # noqa: SLF001
             try:
                 shm.unlink()
             except FileNotFoundError:
