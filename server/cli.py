@@ -1,0 +1,35 @@
+"""``inference-server``: shared memory, the engine process and gunicorn, from one command.
+
+Flags override environment variables (``inference-server --help`` lists both). The flags are
+turned into the environment that ``server.gunicorn_conf`` and ``server.wsgi`` read, so running
+gunicorn by hand with that config module behaves the same. Ctrl-C / SIGTERM stops every
+process and unlinks the shared memory.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+from engine.config import ConfigError
+
+
+def main(argv=None) -> int:
+    from server.config import from_args
+
+    try:
+        config = from_args(argv)
+        config.check_model()
+    except ConfigError as e:
+        print(f"inference-server: {e}", file=sys.stderr)
+        return 2
+    os.environ.update(config.to_env())
+    os.environ["MODEL_PATH"] = config.resolved_model_path()
+    from gunicorn.app.wsgiapp import WSGIApplication
+
+    sys.argv = ["inference-server", "-c", "python:server.gunicorn_conf", "server.wsgi:app"]
+    WSGIApplication("%(prog)s [OPTIONS]").run()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

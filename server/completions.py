@@ -1,0 +1,169 @@
+"""``POST /v1/chat/completions`` and ``POST /v1/completions`` (OpenAI API reference), with SSE
+streaming as OpenAI sends it: ``data: <chunk>`` events, ``data: [DONE]`` last."""
+from __future__ import annotations
+
+import secrets
+import time
+from typing import Iterator
+
+import falcon
+import ujson
+
+from engine.client import ClientDisconnected, EngineClient, EngineError, PromptTooLong
+from server.chat_template import ChatTemplate
+from server.config import ServerConfig
+from server.errors import APIError, bad_request, error_body
+from server.generation import Delta, Generation
+from server.params import (GenerationRequest, check_model, parse_generation, parse_messages,
+                           parse_prompt, read_json)
+from server.tokenizer import Tokenizer
+
+CLIENT_CLOSED = "499 Client Closed Request"
+
+
+def dumps(obj) -> str:
+    return ujson.dumps(obj, ensure_ascii=False, escape_forward_slashes=False)
+
+
+def sse(obj) -> bytes:
+    return f"data: {dumps(obj)}\n\n".encode("utf-8")
+
+
+class _Completions:
+    """Shared flow: parse -> tokenize -> check length -> submit -> respond (JSON or SSE)."""
+
+    chat = False
+    object_name = ""
+    id_prefix = ""
+
+    def __init__(self, config: ServerConfig, engine: EngineClient, tokenizer: Tokenizer,
+                 template: ChatTemplate):
+        self.config, self.engine, self.tokenizer, self.template = config, engine, tokenizer, template
+
+    def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
+        body = read_json(req, self.config.max_body_bytes)
+        check_model(body, self.config.model_id)
+        greq = parse_generation(body, chat=self.chat)
+        prompt_ids = self.prompt_ids(body)
+        try:
+            max_new = self.engine.check_fits(len(prompt_ids), greq.max_tokens)
+        except PromptTooLong as e:
+            param = greq.max_tokens_param if e.max_new_tokens is not None else ("messages" if self.chat else "prompt")
+            raise bad_request(str(e), param, "context_length_exceeded") from None
+        except ValueError as e:
+            raise bad_request(str(e), "prompt") from None
+        gen = Generation(self.engine, self.tokenizer.pieces, prompt_ids, greq, max_new,
+                         watch_socket=req.env.get("gunicorn.socket"))
+        meta = {"id": f"{self.id_prefix}-{secrets.token_hex(12)}", "created": int(time.time()),
+                "model": self.config.model_id}
+        if greq.stream:
+            resp.content_type = "text/event-stream; charset=utf-8"
+            resp.set_header("Cache-Control", "no-cache")
+            resp.set_header("X-Accel-Buffering", "no")
+            resp.stream = self.sse_events(gen, greq, meta)
+            return
+        try:
+            result = self.collect(gen, greq, meta)
+        except ClientDisconnected:
+            resp.status = CLIENT_CLOSED
+            return
+        except EngineError as e:
+            raise APIError(503, str(e), code="engine_unavailable", headers={"Retry-After": "1"}) from None
+        finally:
+            gen.close()
+        resp.content_type = falcon.MEDIA_JSON
+        resp.text = dumps(result)
+
+    def prompt_ids(self, body: dict) -> list[int]:
+        raise NotImplementedError
+
+    # -- non-streaming --------------------------------------------------------------------------
+    def collect(self, gen: Generation, greq: GenerationRequest, meta: dict) -> dict:
+        texts = [[] for _ in range(greq.n)]
+        tokens = [[] for _ in range(greq.n)]
+        finish = [None] * greq.n
+        for d in gen.deltas():
+            texts[d.index].append(d.text)
+            tokens[d.index].extend(d.tokens)
+            if d.finish_reason:
+                finish[d.index] = d.finish_reason
+        choices = [self.choice(i, "".join(texts[i]), tokens[i], finish[i], greq) for i in range(greq.n)]
+        return {**meta, "object": self.object_name, "choices": choices, "usage": gen.usage()}
+
+    # -- streaming ------------------------------------------------------------------------------
+    def sse_events(self, gen: Generation, greq: GenerationRequest, meta: dict) -> Iterator[bytes]:
+        chunk = {**meta, "object": self.object_name + ".chunk" if self.chat else self.object_name}
+        if greq.include_usage:
+            chunk["usage"] = None
+        try:
+            if self.chat:
+                for i in range(greq.n):
+                    yield sse({**chunk, "choices": [self.chunk_choice(Delta(i), greq, first=True)]})
+            for d in gen.deltas():
+                yield sse({**chunk, "choices": [self.chunk_choice(d, greq)]})
+            if greq.include_usage:
+                yield sse({**chunk, "choices": [], "usage": gen.usage()})
+        except ClientDisconnected:
+            return
+        except EngineError as e:
+            yield sse(error_body(str(e), "server_error", code="engine_unavailable"))
+        finally:
+            gen.close()
+        yield b"data: [DONE]\n\n"
+
+    # -- shapes ---------------------------------------------------------------------------------
+    def token_entry(self, token_id: int, logprob: float) -> dict:
+        piece = self.tokenizer.piece(token_id)
+        return {"token": piece.decode("utf-8", errors="replace"), "logprob": logprob, "bytes": list(piece)}
+
+
+class ChatCompletions(_Completions):
+    chat = True
+    object_name = "chat.completion"
+    id_prefix = "chatcmpl"
+
+    def prompt_ids(self, body: dict) -> list[int]:
+        return self.template.encode(parse_messages(body))
+
+    def logprobs(self, tokens, greq) -> dict | None:
+        if greq.logprobs is None:
+            return None
+        return {"content": [{**self.token_entry(t.id, t.logprob),
+                             "top_logprobs": [self.token_entry(i, lp) for i, lp in t.top]} for t in tokens]}
+
+    def choice(self, i, text, tokens, finish, greq) -> dict:
+        return {"index": i, "message": {"role": "assistant", "content": text},
+                "logprobs": self.logprobs(tokens, greq), "finish_reason": finish}
+
+    def chunk_choice(self, d: Delta, greq, first: bool = False) -> dict:
+        delta = {"role": "assistant", "content": ""} if first else ({"content": d.text} if d.text else {})
+        return {"index": d.index, "delta": delta,
+                "logprobs": None if first else self.logprobs(d.tokens, greq), "finish_reason": d.finish_reason}
+
+
+class Completions(_Completions):
+    object_name = "text_completion"
+    id_prefix = "cmpl"
+
+    def prompt_ids(self, body: dict) -> list[int]:
+        return self.tokenizer.encode(parse_prompt(body), special=False, add_bos=True)
+
+    def logprobs(self, tokens, greq, offset: int = 0) -> dict | None:
+        """Legacy shape: tokens, token_logprobs, top_logprobs (token -> logprob), text_offset."""
+        if greq.logprobs is None:
+            return None
+        entries = [self.token_entry(t.id, t.logprob) for t in tokens]
+        offsets, pos = [], offset
+        for e in entries:
+            offsets.append(pos)
+            pos += len(e["token"])
+        return {"tokens": [e["token"] for e in entries], "token_logprobs": [t.logprob for t in tokens],
+                "top_logprobs": [{self.token_entry(i, lp)["token"]: lp for i, lp in t.top} for t in tokens],
+                "text_offset": offsets}
+
+    def choice(self, i, text, tokens, finish, greq) -> dict:
+        return {"index": i, "text": text, "logprobs": self.logprobs(tokens, greq), "finish_reason": finish}
+
+    def chunk_choice(self, d: Delta, greq, first: bool = False) -> dict:
+        return {"index": d.index, "text": d.text, "logprobs": self.logprobs(d.tokens, greq),
+                "finish_reason": d.finish_reason}

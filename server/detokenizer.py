@@ -1,0 +1,61 @@
+"""Incremental, UTF-8-safe detokenization with stop strings.
+
+Tokens arrive one at a time; a token may carry part of a code point (the bundled model splits
+one CJK character over two tokens) and a stop string may span tokens or sit inside one. Text
+goes out only when it is (1) whole code points and (2) cannot become the start of a stop
+string; the rest is held back and flushed at the end when no stop string matched.
+"""
+from __future__ import annotations
+
+import codecs
+
+
+class Detokenizer:
+    """Turns token byte-pieces into text deltas.
+
+    Args:
+        pieces: ``token id -> bytes`` (``Tokenizer.pieces``).
+        stops: stop strings; the text ends right before the first occurrence of any of them.
+    """
+
+    def __init__(self, pieces: list[bytes], stops: list[str]):
+        self.pieces = pieces
+        self.stops = stops
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._held = ""
+        self.stopped = False
+
+    def push(self, token: int) -> str:
+        """Add one token; returns the text now safe to emit ('' if none). After a stop string
+        matched, ``stopped`` is True and later calls return ''."""
+        if self.stopped:
+            return ""
+        self._held += self._utf8.decode(self.pieces[token])
+        if not self.stops:
+            out, self._held = self._held, ""
+            return out
+        cut = min((i for i in (self._held.find(s) for s in self.stops) if i >= 0), default=-1)
+        if cut >= 0:
+            self.stopped = True
+            out, self._held = self._held[:cut], ""
+            return out
+        keep = self._partial_stop_suffix()
+        out, self._held = self._held[:len(self._held) - keep], self._held[len(self._held) - keep:]
+        return out
+
+    def _partial_stop_suffix(self) -> int:
+        """Length of the longest tail of the held text that is a proper prefix of a stop."""
+        text = self._held
+        for n in range(min(len(text), max(len(s) for s in self.stops) - 1), 0, -1):
+            tail = text[-n:]
+            if any(s.startswith(tail) for s in self.stops):
+                return n
+        return 0
+
+    def flush(self) -> str:
+        """End of generation: whatever is held (incomplete bytes become U+FFFD)."""
+        if self.stopped:
+            return ""
+        out = self._held + self._utf8.decode(b"", final=True)
+        self._held = ""
+        return out

@@ -1,0 +1,126 @@
+"""Runs the choices of one HTTP request on the engine and yields text deltas.
+
+Tokenization happened in the caller; here token ids go to the engine through
+:mod:`engine.client` and come back as text through :class:`Detokenizer`.
+"""
+from __future__ import annotations
+
+import queue
+import threading
+from dataclasses import dataclass, field
+from typing import Iterator
+
+from engine.client import (DeadlineExceeded, EngineClient, EngineUnavailable, Saturated,
+                           Stream, Token)
+from server.detokenizer import Detokenizer
+from server.errors import APIError
+from server.params import GenerationRequest
+
+ENGINE_TO_OPENAI = {"stop": "stop", "length": "length", "deadline": "deadline"}
+
+
+@dataclass
+class Delta:
+    """A piece of one choice: ``text`` (may be ''), the tokens' logprob entries, and the
+    ``finish_reason`` on the choice's last delta (None before)."""
+
+    index: int
+    text: str = ""
+    tokens: list[Token] = field(default_factory=list)
+    finish_reason: str | None = None
+
+
+def overload_error(e: Exception) -> APIError:
+    """Saturated / EngineUnavailable -> 503 with Retry-After."""
+    retry = getattr(e, "retry_after", 1)
+    return APIError(503, str(e) or "engine unavailable", code="server_overloaded" if isinstance(e, Saturated)
+                    else "engine_unavailable", headers={"Retry-After": str(retry)})
+
+
+class Generation:
+    """``n`` sequences for one prompt, submitted at construction.
+
+    Args:
+        prompt_ids: token ids (already checked to fit).
+        watch_socket: the client connection; when it closes, every choice is cancelled.
+    Raises:
+        APIError: 503 when the engine is saturated or unavailable (nothing is left submitted).
+    """
+
+    def __init__(self, engine: EngineClient, pieces: list[bytes], prompt_ids: list[int],
+                 req: GenerationRequest, max_new_tokens: int, tenant: int = 0, watch_socket=None):
+        self.req = req
+        self.pieces = pieces
+        self.prompt_tokens = len(prompt_ids)
+        self.counts = [0] * req.n  # completion tokens per choice (each choice has its own thread)
+        self.streams: list[Stream] = []
+        params = req.sampling_params(max_new_tokens)
+        try:
+            for _ in range(req.n):
+                self.streams.append(engine.submit(prompt_ids, params, priority=req.priority,
+                                                  deadline_ms=req.deadline_ms, tenant=tenant,
+                                                  watch_socket=watch_socket))
+        except (Saturated, EngineUnavailable) as e:
+            self.close()
+            raise overload_error(e) from None
+
+    def deltas(self) -> Iterator[Delta]:
+        """Deltas of every choice as they come; each choice ends with one finish_reason."""
+        if len(self.streams) == 1:
+            yield from self._choice(0)
+            return
+        merged: queue.Queue = queue.Queue()
+
+        def pump(i):
+            try:
+                for d in self._choice(i):
+                    merged.put(d)
+            except BaseException as e:  # noqa: BLE001 - re-raised in the consumer
+                merged.put(e)
+            merged.put(None)
+
+        threads = [threading.Thread(target=pump, args=(i,), daemon=True) for i in range(len(self.streams))]
+        for t in threads:
+            t.start()
+        running = len(threads)
+        while running:
+            item = merged.get()
+            if item is None:
+                running -= 1
+            elif isinstance(item, BaseException):
+                self.close()
+                raise item
+            else:
+                yield item
+
+    def _choice(self, index: int) -> Iterator[Delta]:
+        stream = self.streams[index]
+        detok = Detokenizer(self.pieces, self.req.stop)
+        finish = None
+        try:
+            for token in stream:
+                self.counts[index] += 1
+                text = detok.push(token.id)
+                if detok.stopped:
+                    finish = "stop"
+                    yield Delta(index, text, [token])
+                    break
+                if text or token.logprob is not None:
+                    yield Delta(index, text, [token])
+            else:
+                finish = ENGINE_TO_OPENAI.get(stream.finish_reason, stream.finish_reason)
+        except DeadlineExceeded:
+            finish = "deadline"
+        finally:
+            stream.close()
+        yield Delta(index, detok.flush(), [], finish)
+
+    def close(self) -> None:
+        """Cancel and release every choice still running (idempotent)."""
+        for s in self.streams:
+            s.close()
+
+    def usage(self) -> dict:
+        completion = sum(self.counts)
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion,
+                "total_tokens": self.prompt_tokens + completion}

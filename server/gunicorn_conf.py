@@ -1,0 +1,65 @@
+"""Gunicorn configuration module with the server hooks.
+
+``inference-server`` runs gunicorn with it; to run gunicorn yourself::
+
+    MODEL_PATH=... PORT=8080 gunicorn -c python:server.gunicorn_conf server.wsgi:app
+
+Settings come from the same environment variables as the CLI flags (``server.config``).
+The master process owns the shared memory and the engine: ``on_starting`` creates the
+transport and starts the engine supervisor before any worker forks; ``child_exit`` reclaims the
+mailboxes a dead worker leased; ``on_exit`` stops the engine and unlinks the shared memory.
+"""
+from __future__ import annotations
+
+import logging
+import os
+
+from engine.config import ConfigError
+from engine.supervisor import EngineSupervisor
+from server.config import ServerConfig
+from shm import Layout, Transport
+
+try:
+    _config = ServerConfig.from_env()
+except ConfigError as e:  # gunicorn would print a traceback; one line is enough
+    raise SystemExit(f"inference-server: {e}") from None
+
+bind = f"{_config.host}:{_config.port}"
+workers = _config.workers
+threads = _config.threads
+worker_class = "gthread"
+graceful_timeout = 5
+keepalive = 5
+timeout = 120
+proc_name = "inference-server"
+
+_state: dict = {}
+
+
+def on_starting(server) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    _config.check_model()
+    engine = _config.engine_config()
+    transport = Transport.create(Layout(engine.max_slots, engine.n_mailboxes, engine.max_seq_len))
+    os.environ["INFERENCE_SHM"] = transport.name
+    supervisor = EngineSupervisor(engine, transport)
+    _state.update(transport=transport, supervisor=supervisor)
+    supervisor.start()
+    server.log.info("engine starting: %d slots x %d tokens, policy %s, %d threads; shared memory %s",
+                    engine.max_slots, engine.max_seq_len, engine.policy, engine.threads, transport.name)
+
+
+def child_exit(server, worker) -> None:
+    supervisor = _state.get("supervisor")
+    if supervisor is not None:
+        freed = supervisor.reclaim()
+        if freed:
+            server.log.warning("reclaimed %d mailboxes of dead worker %s", len(freed), worker.pid)
+
+
+def on_exit(server) -> None:
+    supervisor, transport = _state.pop("supervisor", None), _state.pop("transport", None)
+    if supervisor is not None:
+        supervisor.stop()
+    if transport is not None:
+        transport.close()

@@ -1,0 +1,68 @@
+"""``POST /infer``: the original endpoint.
+
+Request: ``{"tenant_id", "payload", "priority": "high|normal|low", "deadline_ms",
+"max_new_tokens"}``; ``payload`` is the user's message, rendered with the chat template.
+Response: ``{"tenant_id", "text", "tokens", "finish_reason": "stop|length|deadline",
+"queue_wait_ms", "latency_ms"}``.
+"""
+from __future__ import annotations
+
+import time
+
+import falcon
+
+from engine.client import ClientDisconnected, EngineError, PromptTooLong
+from server.completions import CLIENT_CLOSED, dumps
+from server.errors import APIError, bad_request
+from server.generation import Generation
+from server.params import GenerationRequest, number, read_json
+
+
+class Infer:
+    def __init__(self, config, engine, tokenizer, template):
+        self.config, self.engine, self.tokenizer, self.template = config, engine, tokenizer, template
+
+    def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
+        started = time.monotonic()
+        body = read_json(req, self.config.max_body_bytes)
+        tenant_id = body.get("tenant_id", "default")
+        if not isinstance(tenant_id, str):
+            raise bad_request("tenant_id must be a string", "tenant_id")
+        payload = body.get("payload")
+        if not isinstance(payload, str):
+            raise bad_request("payload must be a string", "payload")
+        greq = GenerationRequest(max_tokens=number(body, "max_new_tokens", 1, 2**31 - 1, integer=True),
+                                 max_tokens_param="max_new_tokens", sampling={"temperature": 0.0},
+                                 deadline_ms=number(body, "deadline_ms", 0, 1e9, lo_open=True))
+        priority = body.get("priority", "normal")
+        if priority not in ("high", "normal", "low"):
+            raise bad_request("priority must be one of high, normal, low", "priority")
+        greq.priority = priority
+        prompt_ids = self.template.encode([{"role": "user", "content": payload}])
+        try:
+            max_new = self.engine.check_fits(len(prompt_ids), greq.max_tokens)
+        except PromptTooLong as e:
+            raise bad_request(str(e), "max_new_tokens" if e.max_new_tokens is not None else "payload",
+                              "context_length_exceeded") from None
+        gen = Generation(self.engine, self.tokenizer.pieces, prompt_ids, greq, max_new,
+                         watch_socket=req.env.get("gunicorn.socket"))
+        try:
+            text, finish = [], None
+            for d in gen.deltas():
+                text.append(d.text)
+                finish = d.finish_reason or finish
+            timings = gen.streams[0].timings()
+        except ClientDisconnected:
+            resp.status = CLIENT_CLOSED
+            return
+        except EngineError as e:
+            raise APIError(503, str(e), code="engine_unavailable", headers={"Retry-After": "1"}) from None
+        finally:
+            gen.close()
+        admitted = timings.admitted or timings.finished
+        resp.content_type = falcon.MEDIA_JSON
+        resp.text = dumps({
+            "tenant_id": tenant_id, "text": "".join(text), "tokens": gen.usage()["completion_tokens"],
+            "finish_reason": finish,
+            "queue_wait_ms": round(max(0.0, admitted - timings.queued) * 1000, 3),
+            "latency_ms": round((time.monotonic() - started) * 1000, 3)})

@@ -1,0 +1,43 @@
+"""``GET /health`` (Kubernetes probes) and ``GET /v1/models`` (OpenAI API reference: Models)."""
+from __future__ import annotations
+
+import time
+
+import falcon
+
+from engine.client import EngineClient
+from server.config import ServerConfig
+from server.errors import APIError
+
+
+class Health:
+    """200 ``{"status": "ok"}`` when the engine is ready; 503 while loading or unavailable."""
+
+    def __init__(self, engine: EngineClient):
+        self.engine = engine
+
+    def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
+        if not self.engine.ready():
+            raise APIError(503, "engine is loading or unavailable", code="engine_unavailable",
+                           headers={"Retry-After": "1"})
+        resp.media = {"status": "ok"}
+
+
+class Models:
+    """The one served model, with ``context_length``: the real per-sequence token limit."""
+
+    def __init__(self, config: ServerConfig):
+        self.config = config
+        self.created = int(time.time())
+
+    def card(self) -> dict:
+        return {"id": self.config.model_id, "object": "model", "created": self.created,
+                "owned_by": "local", "context_length": self.config.max_seq_len}
+
+    def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
+        resp.media = {"object": "list", "data": [self.card()]}
+
+    def on_get_one(self, req: falcon.Request, resp: falcon.Response, model: str) -> None:
+        if model != self.config.model_id:
+            raise APIError(404, f"The model {model!r} does not exist", param="model", code="model_not_found")
+        resp.media = self.card()
