@@ -91,11 +91,14 @@ class EngineSupervisor:
                 continue
             if self._stopping.is_set():
                 return
-            log.error("engine exited with %s; failing in-flight requests and restarting", self.proc.returncode)
             self.t.control["engine_state"][0] = ENGINE_DEAD
             RequestRing(self.t).reset()
             Mailboxes(self.t).fail_in_flight(ERR_ENGINE_DIED)
             self.t.control[0]["slot_mailbox"] = -1
+            if self.proc.returncode == 0:  # it was told to stop (a signal to our process group)
+                log.info("engine stopped")
+                return
+            log.error("engine exited with %s; failed in-flight requests; restarting", self.proc.returncode)
             self.restarts += 1
             if self._stopping.wait(self.restart_delay_s):
                 return

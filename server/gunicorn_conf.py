@@ -40,7 +40,9 @@ def on_starting(server) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     _config.check_model()
     engine = _config.engine_config()
-    transport = Transport.create(Layout(engine.max_slots, engine.n_mailboxes, engine.max_seq_len))
+    # INFERENCE_SHM may name the segment in advance (tests attach to it to inspect the engine).
+    transport = Transport.create(Layout(engine.max_slots, engine.n_mailboxes, engine.max_seq_len),
+                                 name=os.environ.get("INFERENCE_SHM") or None)
     os.environ["INFERENCE_SHM"] = transport.name
     supervisor = EngineSupervisor(engine, transport)
     _state.update(transport=transport, supervisor=supervisor)

@@ -61,3 +61,92 @@ def assert_idle_and_clean(client: EngineClient) -> None:
     assert client.mailboxes_in_use() == 0
     assert client.slot_mailboxes() == [-1] * client.max_slots
     assert client.kv_pos_max() == [-1] * client.max_slots
+
+
+def free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class RunningServer:
+    """A real ``inference-server`` (gunicorn + engine) in a subprocess.
+
+    Attributes: ``url`` (``http://127.0.0.1:<port>``), ``engine`` (an EngineClient attached to
+    the server's shared memory, to inspect slots), ``log`` (path of its combined output).
+    """
+
+    def __init__(self, *flags: str, env: dict | None = None):
+        import secrets
+        import subprocess
+        import sys
+        import tempfile
+
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.shm = f"infer-test-{secrets.token_hex(4)}"
+        self.log = tempfile.NamedTemporaryFile(prefix="server-", suffix=".log", delete=False).name
+        environ = {**os.environ, "INFERENCE_SHM": self.shm, **(env or {})}
+        with open(self.log, "wb") as out:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "server.cli", "--port", str(self.port), *flags],
+                stdout=out, stderr=subprocess.STDOUT, env=environ)
+        self.engine = None
+        try:
+            self._wait_healthy()
+        except BaseException:
+            self.stop()
+            raise
+
+    def _wait_healthy(self, timeout: float = 120.0) -> None:
+        import urllib.request
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            assert self.proc.poll() is None, "server exited:\n" + open(self.log).read()[-3000:]
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=1) as r:
+                    if r.status == 200:
+                        self.engine = EngineClient.attach(self.shm)
+                        return
+            except OSError:
+                pass
+            time.sleep(0.1)
+        raise AssertionError("server did not become healthy:\n" + open(self.log).read()[-3000:])
+
+    def wait_idle(self, timeout: float = 10.0) -> None:
+        """Until no mailbox is leased and no slot is held (asserted, not slept on)."""
+        end = time.monotonic() + timeout
+        while self.engine.mailboxes_in_use() or any(m != -1 for m in self.engine.slot_mailboxes()):
+            assert time.monotonic() < end, (self.engine.mailboxes_in_use(), self.engine.slot_mailboxes())
+            time.sleep(0.01)
+
+    def stop(self) -> None:
+        import signal
+        if self.engine is not None:
+            self.engine.close()
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except Exception:
+                self.proc.kill()
+                self.proc.wait()
+        assert not os.path.exists(f"/dev/shm/{self.shm}"), "server left its shared memory behind"
+
+
+@contextlib.contextmanager
+def running_server(*flags: str, env: dict | None = None):
+    server = RunningServer(*flags, env=env)
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def server():
+    """One shared server: 4 slots x 512 tokens, greedy tests run against it."""
+    with running_server("--max-slots", "4", "--max-seq-len", "512", "--max-queued", "16",
+                        "--workers", "2", "--threads", "16", "--max-body-bytes", "65536") as s:
+        yield s
