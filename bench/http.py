@@ -1,0 +1,125 @@
+"""HTTP throughput and time to first token against the ceiling, in one run.
+
+    python -m bench.http [--clients 16 --prompt-tokens 32 --gen-tokens 128] [--json out.json]
+
+Starts a real ``inference-server`` (gunicorn + engine) on a free port, then:
+
+* throughput: ``--clients`` concurrent streaming ``/v1/completions`` clients, a prompt of about
+  P tokens each, ``max_tokens`` G with ``ignore_eos``; generated tokens/s = total completion
+  tokens over the wall time from the first request sent to the last ``[DONE]``. Divided by
+  ``bench.limit`` (B = clients, same P and G) run before and after, in child processes.
+* TTFT overhead: a lone streaming request on the idle server; time to the first token seen by
+  the client minus the engine's own prefill time for the same prompt (taken from the engine's
+  mailbox timestamps for a direct submission of the same token ids). Medians of ``--ttft-runs``.
+"""
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import statistics
+import sys
+import threading
+import time
+
+
+def stream_completion(port: int, prompt: str, max_tokens: int) -> tuple[float, float, int]:
+    """One streaming request; returns (seconds to first token, seconds to [DONE], tokens)."""
+    body = json.dumps({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+                       "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}})
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
+    t0 = time.perf_counter()
+    conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    first, tokens = None, 0
+    for line in resp:
+        if not line.startswith(b"data: "):
+            continue
+        if first is None:
+            first = time.perf_counter() - t0
+        if line.strip() == b"data: [DONE]":
+            break
+        chunk = json.loads(line[6:])
+        if chunk.get("usage"):
+            tokens = chunk["usage"]["completion_tokens"]
+    done = time.perf_counter() - t0
+    conn.close()
+    return first, done, tokens
+
+
+def prompt_text(tokenizer, n_tokens: int, salt: int) -> str:
+    """A text prompt of about ``n_tokens`` tokens, different per ``salt``."""
+    words = f"Client {salt} asks: tell a long story about the sea, the wind and the stars".split()
+    text = ""
+    while len(tokenizer.encode(text + " " + words[len(text.split()) % len(words)])) <= n_tokens:
+        text += " " + words[len(text.split()) % len(words)]
+    return text.strip()
+
+
+def main(argv=None) -> int:
+    from bench.common import limit
+    from engine.client import SamplingParams
+    from engine.config import default_model_path
+    from server.tokenizer import Tokenizer
+    from tests.conftest import running_server
+
+    p = argparse.ArgumentParser(prog="python -m bench.http", description=__doc__.split("\n")[0])
+    p.add_argument("--clients", type=int, default=16)
+    p.add_argument("--prompt-tokens", type=int, default=32)
+    p.add_argument("--gen-tokens", type=int, default=128)
+    p.add_argument("--ttft-runs", type=int, default=15)
+    p.add_argument("--engine-threads", type=int, default=0)
+    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--json", default=None)
+    a = p.parse_args(argv)
+    B, P, G = a.clients, a.prompt_tokens, a.gen_tokens
+    tokenizer = Tokenizer(default_model_path())
+    prompts = [prompt_text(tokenizer, P, i) for i in range(B)]
+    before = limit(B, P, G, a.engine_threads)
+    flags = ["--max-slots", str(B), "--max-seq-len", str(max(256, P + G + 8)), "--workers", str(a.workers),
+             "--threads", str(B + 4), "--engine-threads", str(a.engine_threads)]
+    with running_server(*flags) as server:
+        stream_completion(server.port, prompts[0], 4)  # warm-up
+        results = [None] * B
+
+        def client(i):
+            results[i] = stream_completion(server.port, prompts[i], G)
+
+        threads = [threading.Thread(target=client, args=(i,)) for i in range(B)]
+        t0 = time.perf_counter()
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        wall = time.perf_counter() - t0
+        generated = sum(r[2] for r in results)
+        server.wait_idle()
+
+        ttft, prefill = [], []
+        ids = tokenizer.encode(prompts[0], add_bos=True)
+        for _ in range(a.ttft_runs):
+            ttft.append(stream_completion(server.port, prompts[0], 1)[0])
+            with server.engine.submit(ids, SamplingParams(max_new_tokens=1, temperature=0)) as s:
+                list(s)
+                tm = s.timings()
+            prefill.append(tm.prefill_done - tm.admitted)
+    after = limit(B, P, G, a.engine_threads)
+    ceiling = (before["tokens_per_s"] + after["tokens_per_s"]) / 2
+    result = {"http_tokens_per_s": generated / wall, "generated_tokens": generated,
+              "limit_tokens_per_s": ceiling, "limit_runs": [before["tokens_per_s"], after["tokens_per_s"]],
+              "ratio": generated / wall / ceiling, "ttft_ms_median": statistics.median(ttft) * 1000,
+              "engine_prefill_ms_median": statistics.median(prefill) * 1000,
+              "ttft_overhead_ms": (statistics.median(ttft) - statistics.median(prefill)) * 1000,
+              "clients": B, "prompt_tokens": len(ids), "gen_tokens": G, "threads": before["threads"]}
+    print(f"HTTP: {result['http_tokens_per_s']:.1f} tok/s ({generated} tokens); limit {ceiling:.1f} tok/s "
+          f"(runs {before['tokens_per_s']:.1f}, {after['tokens_per_s']:.1f}); ratio {result['ratio']:.3f}")
+    print(f"TTFT lone request: {result['ttft_ms_median']:.2f} ms; engine prefill {result['engine_prefill_ms_median']:.2f} ms; "
+          f"overhead {result['ttft_overhead_ms']:.2f} ms")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(result, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
