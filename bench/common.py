@@ -32,6 +32,36 @@ def limit(batch: int, prompt: int, gen: int, threads: int = 0) -> dict:
     """Run ``python -m bench.limit`` in a child process (its own llama.cpp) and return its JSON."""
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         subprocess.run([sys.executable, "-m", "bench.limit", "--batch", str(batch), "--prompt-tokens",
-                        str(prompt), "--gen-tokens", str(gen), "--threads", str(threads), "--json", f.name],
+                        str(prompt), "--gen-tokens", str(gen), "--engine-threads", str(threads), "--json", f.name],
                        check=True, stdout=subprocess.DEVNULL)
         return json.load(open(f.name))
+
+
+def parser(prog: str, doc: str, batch_flag: str) -> "argparse.ArgumentParser":
+    """Flags every comparison benchmark takes: B (named ``batch_flag``), P, G, threads, JSON."""
+    import argparse
+
+    p = argparse.ArgumentParser(prog=prog, description=doc.split("\n")[0])
+    p.add_argument(batch_flag, type=int, default=16, dest="batch")
+    p.add_argument("--prompt-tokens", type=int, default=32)
+    p.add_argument("--gen-tokens", type=int, default=128)
+    p.add_argument("--engine-threads", type=int, default=0, help="0: the engine's default")
+    p.add_argument("--json", default=None, help="also write the result here")
+    return p
+
+
+def report(label: str, tokens_per_s: float, before: dict, after: dict, json_path: str | None,
+           **extra) -> dict:
+    """Ratio of ``tokens_per_s`` to the mean of two ceiling runs; printed and optionally saved."""
+    ceiling = (before["tokens_per_s"] + after["tokens_per_s"]) / 2
+    result = {"tokens_per_s": tokens_per_s, "limit_tokens_per_s": ceiling,
+              "limit_runs": [before["tokens_per_s"], after["tokens_per_s"]],
+              "ratio": tokens_per_s / ceiling, "batch": before["batch"],
+              "prompt_tokens": before["prompt_tokens"], "gen_tokens": before["gen_tokens"],
+              "threads": before["threads"], **extra}
+    print(f"{label}: {tokens_per_s:.1f} generated tok/s; limit {ceiling:.1f} tok/s (runs "
+          f"{before['tokens_per_s']:.1f}, {after['tokens_per_s']:.1f}); ratio {result['ratio']:.3f}")
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(result, f, indent=2)
+    return result

@@ -9,8 +9,6 @@ before and after in child processes; the ratio is against their mean.
 """
 from __future__ import annotations
 
-import argparse
-import json
 import multiprocessing as mp
 import sys
 import time
@@ -38,35 +36,20 @@ def produce(transport_name: str, prompts: list[list[int]], gen: int) -> float:
 
 
 def main(argv=None) -> int:
-    from bench.common import engine, limit
+    from bench.common import engine, limit, parser, report
     from bench.limit import prompt_tokens
     from engine.config import EngineConfig
 
-    p = argparse.ArgumentParser(prog="python -m bench.engine", description=__doc__.split("\n")[0])
-    p.add_argument("--batch", type=int, default=16)
-    p.add_argument("--prompt-tokens", type=int, default=32)
-    p.add_argument("--gen-tokens", type=int, default=128)
-    p.add_argument("--threads", type=int, default=0)
-    p.add_argument("--json", default=None)
-    a = p.parse_args(argv)
+    a = parser("python -m bench.engine", __doc__, "--batch").parse_args(argv)
     B, P, G = a.batch, a.prompt_tokens, a.gen_tokens
-    before = limit(B, P, G, a.threads)
-    config = EngineConfig(max_slots=B, max_seq_len=max(256, P + G + 1), max_queued=0, n_threads=a.threads)
+    before = limit(B, P, G, a.engine_threads)
+    config = EngineConfig(max_slots=B, max_seq_len=max(256, P + G + 1), max_queued=0,
+                          n_threads=a.engine_threads)
     with engine(config) as client:
-        prompts = prompt_tokens(B, P, 49152)
         with mp.get_context("spawn").Pool(1) as pool:
-            seconds = pool.apply(produce, (client.t.name, prompts, G))
-    after = limit(B, P, G, a.threads)
-    ceiling = (before["tokens_per_s"] + after["tokens_per_s"]) / 2
-    result = {"engine_tokens_per_s": B * G / seconds, "limit_tokens_per_s": ceiling,
-              "limit_runs": [before["tokens_per_s"], after["tokens_per_s"]],
-              "ratio": B * G / seconds / ceiling, "batch": B, "prompt_tokens": P, "gen_tokens": G,
-              "threads": before["threads"]}
-    print(f"engine via shm: {result['engine_tokens_per_s']:.1f} tok/s; limit: {ceiling:.1f} tok/s "
-          f"(runs {before['tokens_per_s']:.1f}, {after['tokens_per_s']:.1f}); ratio {result['ratio']:.3f}")
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(result, f, indent=2)
+            seconds = pool.apply(produce, (client.t.name, prompt_tokens(B, P, 49152), G))
+    after = limit(B, P, G, a.engine_threads)
+    report("engine via shm", B * G / seconds, before, after, a.json)
     return 0
 
 

@@ -14,7 +14,6 @@ Starts a real ``inference-server`` (gunicorn + engine) on a free port, then:
 """
 from __future__ import annotations
 
-import argparse
 import http.client
 import json
 import statistics
@@ -57,20 +56,15 @@ def prompt_text(tokenizer, n_tokens: int, salt: int) -> str:
 
 
 def main(argv=None) -> int:
-    from bench.common import limit
+    from bench.common import limit, parser, report
     from engine.client import SamplingParams
     from engine.config import default_model_path
     from server.tokenizer import Tokenizer
     from tests.conftest import running_server
 
-    p = argparse.ArgumentParser(prog="python -m bench.http", description=__doc__.split("\n")[0])
-    p.add_argument("--clients", type=int, default=16)
-    p.add_argument("--prompt-tokens", type=int, default=32)
-    p.add_argument("--gen-tokens", type=int, default=128)
+    p = parser("python -m bench.http", __doc__, "--clients")
     p.add_argument("--ttft-runs", type=int, default=15)
-    p.add_argument("--engine-threads", type=int, default=0)
     p.add_argument("--workers", type=int, default=2)
-    p.add_argument("--json", default=None)
     a = p.parse_args(argv)
     B, P, G = a.clients, a.prompt_tokens, a.gen_tokens
     tokenizer = Tokenizer(default_model_path())
@@ -104,20 +98,12 @@ def main(argv=None) -> int:
                 tm = s.timings()
             prefill.append(tm.prefill_done - tm.admitted)
     after = limit(B, P, G, a.engine_threads)
-    ceiling = (before["tokens_per_s"] + after["tokens_per_s"]) / 2
-    result = {"http_tokens_per_s": generated / wall, "generated_tokens": generated,
-              "limit_tokens_per_s": ceiling, "limit_runs": [before["tokens_per_s"], after["tokens_per_s"]],
-              "ratio": generated / wall / ceiling, "ttft_ms_median": statistics.median(ttft) * 1000,
-              "engine_prefill_ms_median": statistics.median(prefill) * 1000,
-              "ttft_overhead_ms": (statistics.median(ttft) - statistics.median(prefill)) * 1000,
-              "clients": B, "prompt_tokens": len(ids), "gen_tokens": G, "threads": before["threads"]}
-    print(f"HTTP: {result['http_tokens_per_s']:.1f} tok/s ({generated} tokens); limit {ceiling:.1f} tok/s "
-          f"(runs {before['tokens_per_s']:.1f}, {after['tokens_per_s']:.1f}); ratio {result['ratio']:.3f}")
-    print(f"TTFT lone request: {result['ttft_ms_median']:.2f} ms; engine prefill {result['engine_prefill_ms_median']:.2f} ms; "
-          f"overhead {result['ttft_overhead_ms']:.2f} ms")
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(result, f, indent=2)
+    ttft_ms, prefill_ms = statistics.median(ttft) * 1000, statistics.median(prefill) * 1000
+    report("HTTP streaming", generated / wall, before, after, a.json, generated_tokens=generated,
+           ttft_ms_median=ttft_ms, engine_prefill_ms_median=prefill_ms,
+           ttft_overhead_ms=ttft_ms - prefill_ms, ttft_prompt_tokens=len(ids))
+    print(f"TTFT of a lone request: {ttft_ms:.2f} ms; engine prefill {prefill_ms:.2f} ms; "
+          f"overhead {ttft_ms - prefill_ms:.2f} ms")
     return 0
 
 

@@ -9,7 +9,6 @@ the engine's thread count and OpenMP environment. Prints generated tokens/s over
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -60,21 +59,18 @@ def _greedy(logits, eog) -> int:
 
 
 def main(argv=None) -> int:
+    from bench.common import parser
     from engine.config import EngineConfig, default_model_path
     from engine.supervisor import engine_environment
 
-    p = argparse.ArgumentParser(prog="python -m bench.limit", description=__doc__.split("\n")[0])
-    p.add_argument("--batch", type=int, default=16)
-    p.add_argument("--prompt-tokens", type=int, default=32)
-    p.add_argument("--gen-tokens", type=int, default=128)
-    p.add_argument("--threads", type=int, default=0, help="0: the engine's default")
+    p = parser("python -m bench.limit", __doc__, "--batch")
     p.add_argument("--model", default=None)
-    p.add_argument("--json", default=None, help="also write the result here")
     a = p.parse_args(argv)
     for k, v in engine_environment().items():
         os.environ.setdefault(k, v)
-    threads = a.threads or EngineConfig(model_path=a.model or default_model_path()).threads
-    r = measure(a.model or default_model_path(), a.batch, a.prompt_tokens, a.gen_tokens, threads)
+    model = a.model or default_model_path()
+    threads = a.engine_threads or EngineConfig(model_path=model).threads
+    r = measure(model, a.batch, a.prompt_tokens, a.gen_tokens, threads)
     print(f"limit: B={a.batch} P={a.prompt_tokens} G={a.gen_tokens} threads={threads}: "
           f"{r['tokens_per_s']:.1f} generated tok/s ({r['decode_tokens_per_s']:.1f} in decode steps)")
     if a.json:

@@ -47,7 +47,7 @@ class EngineSupervisor:
                  sweep_s: float = 0.5, restart_delay_s: float = 0.5):
         self.config = config
         self.t = transport
-        self.env = {**os.environ, **engine_environment(), **(env or {})}
+        self.env = {**engine_environment(), **os.environ, **(env or {})}  # the operator's env wins
         self.sweep_s = sweep_s
         self.restart_delay_s = restart_delay_s
         self.proc: subprocess.Popen | None = None
