@@ -1,0 +1,62 @@
+"""Crashes lose nothing: a dead engine fails its requests and comes back; a dead worker's
+mailboxes are reclaimed. Real processes, real SIGKILL."""
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import signal
+import time
+
+import pytest
+
+from engine.client import EngineUnavailable, SamplingParams
+from shm.layout import FREE
+from tests.conftest import assert_idle_and_clean, running_engine, running_server
+
+
+def test_engine_crash_fails_in_flight_requests_and_restarts():
+    with running_engine(max_slots=2) as (client, supervisor):
+        long_params = SamplingParams(max_new_tokens=200, temperature=0, ignore_eos=True)
+        stream = client.submit([40, 41, 42], long_params)
+        it = iter(stream)
+        next(it)
+        os.kill(int(client.t.control["engine_pid"][0]), signal.SIGKILL)
+        with pytest.raises(EngineUnavailable):
+            list(it)
+        assert client.mailboxes_in_use() == 0
+        assert supervisor.wait_ready(120)
+        assert supervisor.restarts == 1
+        with client.submit([40, 41, 42], SamplingParams(max_new_tokens=4, temperature=0, ignore_eos=True)) as s:
+            assert len(list(s)) == 4
+        assert_idle_and_clean(client)
+
+
+def test_killed_worker_leases_are_reclaimed_and_its_slot_freed():
+    with running_server("--max-slots", "2", "--max-seq-len", "512", "--workers", "2", "--threads", "4") as server:
+        conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
+        body = {"messages": [{"role": "user", "content": "Tell me a story."}], "max_tokens": 400,
+                "ignore_eos": True, "stream": True, "temperature": 0}
+        conn.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        resp.readline()  # the stream has started: its mailbox is leased and its slot busy
+        boxes = server.engine.t.mailboxes
+        leased = [i for i in range(len(boxes)) if int(boxes["state"][i]) != FREE]
+        assert len(leased) == 1
+        os.kill(int(boxes["owner_pid"][leased[0]]), signal.SIGKILL)
+        server.wait_idle(timeout=30)
+        conn.close()
+        # The server still answers (gunicorn started a new worker).
+        conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                conn.request("POST", "/v1/completions", json.dumps({"prompt": "Hi", "max_tokens": 2}),
+                             {"Content-Type": "application/json"})
+                assert conn.getresponse().status == 200
+                break
+            except (ConnectionError, http.client.HTTPException):
+                assert time.monotonic() < deadline
+                conn.close()
+                conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
+        conn.close()
