@@ -32,6 +32,9 @@ graceful_timeout = 5
 keepalive = 5
 timeout = 120
 proc_name = "inference-server"
+# gunicorn's control socket lives at one fixed path per user: several servers on one machine
+# (tests, replicas) would fight over it, and nothing here uses it.
+control_socket_disable = True
 
 _state: dict = {}
 
