@@ -262,6 +262,7 @@ class Stream:
     finish_reason: str | None = None
     n_generated: int = 0
     _released: bool = field(default=False, repr=False)
+    _timings: Timings | None = field(default=None, repr=False)
 
     def __iter__(self) -> Iterator[Token]:
         t, i = self.client.t, self.index
@@ -307,7 +308,9 @@ class Stream:
         self.finish_reason = FINISH_REASONS[finish]
 
     def timings(self) -> Timings:
-        """Timestamps of this request; call before the stream is closed or right after."""
+        """Timestamps of this request (kept from the mailbox when the stream closed)."""
+        if self._timings is not None:
+            return self._timings
         box = self.client.t.mailboxes[self.index]
         return Timings(float(box["t_queued"]), float(box["t_admitted"]),
                        float(box["t_prefill_done"]), float(box["t_first_token"]),
@@ -333,6 +336,7 @@ class Stream:
             while int(box["state"]) != DONE and time.monotonic() < end:
                 t.bells.wait(i, timeout=0.1)
                 t.bells.drain(i)
+        self._timings = self.timings()  # the mailbox may be leased again right after release
         self._released = True
         Mailboxes(t).release(i, self.generation)
 

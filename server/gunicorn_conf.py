@@ -7,7 +7,8 @@
 Settings come from the same environment variables as the CLI flags (``server.config``).
 The master process owns the shared memory and the engine: ``on_starting`` creates the
 transport and starts the engine supervisor before any worker forks; ``child_exit`` reclaims the
-mailboxes a dead worker leased; ``on_exit`` stops the engine and unlinks the shared memory.
+mailboxes a dead worker leased; ``on_exit`` stops the engine and unlinks the shared memory;
+``pre_request`` closes the connection of a request whose body is over the limit.
 """
 from __future__ import annotations
 
@@ -52,6 +53,17 @@ def on_starting(server) -> None:
     supervisor.start()
     server.log.info("engine starting: %d slots x %d tokens, policy %s, %d threads; shared memory %s",
                     engine.max_slots, engine.max_seq_len, engine.policy, engine.threads, transport.name)
+
+
+def pre_request(worker, req) -> None:
+    """A declared body over the limit gets 413 from the app (``server.params.read_json``), unread.
+    gunicorn would then read all of it to keep the connection alive, and it drops the app's
+    ``Connection: close`` (a hop-by-hop header); marking the request closes the connection
+    instead: the 413 says ``Connection: close`` and gunicorn lingers on the socket before closing,
+    so the client reads the answer rather than a reset."""
+    length = next((v for name, v in req.headers if name == "CONTENT-LENGTH"), None)
+    if length is not None and length.isdigit() and int(length) > _config.max_body_bytes:
+        req.must_close = True
 
 
 def child_exit(server, worker) -> None:

@@ -34,7 +34,7 @@ class Infer:
         greq = GenerationRequest(max_tokens=number(body, "max_new_tokens", 1, 2**31 - 1, integer=True),
                                  max_tokens_param="max_new_tokens", sampling={"temperature": 0.0},
                                  deadline_ms=number(body, "deadline_ms", 0, 1e9, lo_open=True))
-        priority = body.get("priority", "normal")
+        priority = "normal" if body.get("priority") is None else body["priority"]
         if priority not in ("high", "normal", "low"):
             raise bad_request("priority must be one of high, normal, low", "priority")
         greq.priority = priority

@@ -139,7 +139,7 @@ def parse_generation(body: dict, *, chat: bool) -> GenerationRequest:
         r.include_usage = boolean(options, "include_usage") and r.stream
     r.ignore_eos = boolean(body, "ignore_eos")
     r.logprobs = _logprobs(body, chat)
-    priority = body.get("priority", "normal")
+    priority = "normal" if body.get("priority") is None else body["priority"]  # null = absent
     if priority not in PRIORITIES:
         raise bad_request(f"priority must be one of {', '.join(PRIORITIES)}, got {ujson.dumps(priority)}",
                           "priority")
