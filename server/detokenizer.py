@@ -4,6 +4,7 @@ Tokens arrive one at a time; a token may carry part of a code point (the bundled
 one CJK character over two tokens) and a stop string may span tokens or sit inside one. Text
 goes out only when it is (1) whole code points and (2) cannot become the start of a stop
 string; the rest is held back and flushed at the end when no stop string matched.
+Invalid bytes inside the text become U+FFFD; an incomplete character at the very end is dropped.
 """
 from __future__ import annotations
 
@@ -53,9 +54,11 @@ class Detokenizer:
         return 0
 
     def flush(self) -> str:
-        """End of generation: whatever is held (incomplete bytes become U+FFFD)."""
+        """End of generation: whatever text is held. Bytes of a code point that generation cut
+        short (``max_tokens`` inside a multi-byte character) are dropped, not sent as U+FFFD,
+        as vLLM's detokenizer does."""
         if self.stopped:
             return ""
-        out = self._held + self._utf8.decode(b"", final=True)
-        self._held = ""
+        out, self._held = self._held, ""
+        self._utf8.reset()
         return out

@@ -101,12 +101,11 @@ class Generation:
             for token in stream:
                 self.counts[index] += 1
                 text = detok.push(token.id)
-                if detok.stopped:
-                    finish = "stop"
-                    yield Delta(index, text, [token])
-                    break
                 if text or token.logprob is not None:
                     yield Delta(index, text, [token])
+                if detok.stopped:
+                    finish = "stop"
+                    break
             else:
                 finish = ENGINE_TO_OPENAI.get(stream.finish_reason, stream.finish_reason)
         except DeadlineExceeded:
