@@ -37,7 +37,7 @@ def limit(batch: int, prompt: int, gen: int, threads: int = 0) -> dict:
         return json.load(open(f.name))
 
 
-def parser(prog: str, doc: str, batch_flag: str) -> "argparse.ArgumentParser":
+def parser(prog: str, doc: str, batch_flag: str):
     """Flags every comparison benchmark takes: B (named ``batch_flag``), P, G, threads, JSON."""
     import argparse
 

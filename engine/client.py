@@ -15,7 +15,6 @@ returns the mailbox.
 from __future__ import annotations
 
 import math
-import os
 import random
 import socket
 import time

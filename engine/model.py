@@ -1,7 +1,6 @@
 """The model and its KV cache in llama.cpp (low-level API of llama-cpp-python)."""
 from __future__ import annotations
 
-import ctypes
 import os
 
 import llama_cpp

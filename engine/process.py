@@ -9,6 +9,7 @@ from __future__ import annotations
 import ctypes
 import json
 import logging
+import os
 import signal
 import sys
 
@@ -24,7 +25,6 @@ def main(argv: list[str]) -> int:
     ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
     name, config = argv[0], EngineConfig(**json.loads(argv[1]))
     transport = Transport.attach(name)
-    import os
     control = transport.control[0]
     control["engine_pid"] = os.getpid()
     control["engine_state"] = ENGINE_STARTING

@@ -1,7 +1,6 @@
 """Per-sequence sampling with llama.cpp's sampler chain, and log-probabilities."""
 from __future__ import annotations
 
-import ctypes
 
 import llama_cpp
 import numpy as np

@@ -9,11 +9,11 @@ from typing import Iterator
 import falcon
 import ujson
 
-from engine.client import ClientDisconnected, EngineClient, EngineError, PromptTooLong
+from engine.client import ClientDisconnected, EngineClient, EngineError
 from server.chat_template import ChatTemplate
 from server.config import ServerConfig
-from server.errors import APIError, bad_request, error_body
-from server.generation import Delta, Generation
+from server.errors import error_body
+from server.generation import Choice, Delta, Generation
 from server.params import (GenerationRequest, check_model, parse_generation, parse_messages,
                            parse_prompt, read_json)
 from server.tokenizer import Tokenizer
@@ -44,16 +44,8 @@ class _Completions:
         body = read_json(req, self.config.max_body_bytes)
         check_model(body, self.config.model_id)
         greq = parse_generation(body, chat=self.chat)
-        prompt_ids = self.prompt_ids(body)
-        try:
-            max_new = self.engine.check_fits(len(prompt_ids), greq.max_tokens)
-        except PromptTooLong as e:
-            param = greq.max_tokens_param if e.max_new_tokens is not None else ("messages" if self.chat else "prompt")
-            raise bad_request(str(e), param, "context_length_exceeded") from None
-        except ValueError as e:
-            raise bad_request(str(e), "prompt") from None
-        gen = Generation(self.engine, self.tokenizer.pieces, prompt_ids, greq, max_new,
-                         watch_socket=req.env.get("gunicorn.socket"))
+        gen = Generation(self.engine, self.tokenizer.pieces, self.prompt_ids(body), greq,
+                         "messages" if self.chat else "prompt", watch_socket=req.env.get("gunicorn.socket"))
         meta = {"id": f"{self.id_prefix}-{secrets.token_hex(12)}", "created": int(time.time()),
                 "model": self.config.model_id}
         if greq.stream:
@@ -63,32 +55,16 @@ class _Completions:
             resp.stream = self.sse_events(gen, greq, meta)
             return
         try:
-            result = self.collect(gen, greq, meta)
+            choices = gen.collect()
         except ClientDisconnected:
             resp.status = CLIENT_CLOSED
             return
-        except EngineError as e:
-            raise APIError(503, str(e), code="engine_unavailable", headers={"Retry-After": "1"}) from None
-        finally:
-            gen.close()
         resp.content_type = falcon.MEDIA_JSON
-        resp.text = dumps(result)
+        resp.text = dumps({**meta, "object": self.object_name, "usage": gen.usage(),
+                           "choices": [self.choice(i, c, greq) for i, c in enumerate(choices)]})
 
     def prompt_ids(self, body: dict) -> list[int]:
         raise NotImplementedError
-
-    # -- non-streaming --------------------------------------------------------------------------
-    def collect(self, gen: Generation, greq: GenerationRequest, meta: dict) -> dict:
-        texts = [[] for _ in range(greq.n)]
-        tokens = [[] for _ in range(greq.n)]
-        finish = [None] * greq.n
-        for d in gen.deltas():
-            texts[d.index].append(d.text)
-            tokens[d.index].extend(d.tokens)
-            if d.finish_reason:
-                finish[d.index] = d.finish_reason
-        choices = [self.choice(i, "".join(texts[i]), tokens[i], finish[i], greq) for i in range(greq.n)]
-        return {**meta, "object": self.object_name, "choices": choices, "usage": gen.usage()}
 
     # -- streaming ------------------------------------------------------------------------------
     def sse_events(self, gen: Generation, greq: GenerationRequest, meta: dict) -> Iterator[bytes]:
@@ -131,9 +107,9 @@ class ChatCompletions(_Completions):
         return {"content": [{**self.token_entry(t.id, t.logprob),
                              "top_logprobs": [self.token_entry(i, lp) for i, lp in t.top]} for t in tokens]}
 
-    def choice(self, i, text, tokens, finish, greq) -> dict:
-        return {"index": i, "message": {"role": "assistant", "content": text},
-                "logprobs": self.logprobs(tokens, greq), "finish_reason": finish}
+    def choice(self, i: int, c: Choice, greq) -> dict:
+        return {"index": i, "message": {"role": "assistant", "content": c.text},
+                "logprobs": self.logprobs(c.tokens, greq), "finish_reason": c.finish_reason}
 
     def chunk_choice(self, d: Delta, greq, first: bool = False) -> dict:
         delta = {"role": "assistant", "content": ""} if first else ({"content": d.text} if d.text else {})
@@ -161,8 +137,9 @@ class Completions(_Completions):
                 "top_logprobs": [{self.token_entry(i, lp)["token"]: lp for i, lp in t.top} for t in tokens],
                 "text_offset": offsets}
 
-    def choice(self, i, text, tokens, finish, greq) -> dict:
-        return {"index": i, "text": text, "logprobs": self.logprobs(tokens, greq), "finish_reason": finish}
+    def choice(self, i: int, c: Choice, greq) -> dict:
+        return {"index": i, "text": c.text, "logprobs": self.logprobs(c.tokens, greq),
+                "finish_reason": c.finish_reason}
 
     def chunk_choice(self, d: Delta, greq, first: bool = False) -> dict:
         return {"index": d.index, "text": d.text, "logprobs": self.logprobs(d.tokens, greq),

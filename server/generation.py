@@ -10,10 +10,10 @@ import threading
 from dataclasses import dataclass, field
 from typing import Iterator
 
-from engine.client import (DeadlineExceeded, EngineClient, EngineUnavailable, Saturated,
-                           Stream, Token)
+from engine.client import (ClientDisconnected, DeadlineExceeded, EngineClient, EngineError,
+                           EngineUnavailable, PromptTooLong, Saturated, Stream, Token)
 from server.detokenizer import Detokenizer
-from server.errors import APIError
+from server.errors import APIError, bad_request
 from server.params import GenerationRequest
 
 ENGINE_TO_OPENAI = {"stop": "stop", "length": "length", "deadline": "deadline"}
@@ -30,6 +30,15 @@ class Delta:
     finish_reason: str | None = None
 
 
+@dataclass
+class Choice:
+    """One finished choice: its whole text, its tokens (for logprobs), its finish reason."""
+
+    text: str = ""
+    tokens: list[Token] = field(default_factory=list)
+    finish_reason: str | None = None
+
+
 def overload_error(e: Exception) -> APIError:
     """Saturated / EngineUnavailable -> 503 with Retry-After."""
     retry = getattr(e, "retry_after", 1)
@@ -41,14 +50,22 @@ class Generation:
     """``n`` sequences for one prompt, submitted at construction.
 
     Args:
-        prompt_ids: token ids (already checked to fit).
+        prompt_ids: token ids. prompt_param: the request field they came from (for errors).
         watch_socket: the client connection; when it closes, every choice is cancelled.
     Raises:
-        APIError: 503 when the engine is saturated or unavailable (nothing is left submitted).
+        APIError: 400 when the prompt (plus ``max_tokens``) does not fit one sequence, naming
+        both numbers; 503 when the engine is saturated or unavailable. Nothing stays submitted.
     """
 
     def __init__(self, engine: EngineClient, pieces: list[bytes], prompt_ids: list[int],
-                 req: GenerationRequest, max_new_tokens: int, tenant: int = 0, watch_socket=None):
+                 req: GenerationRequest, prompt_param: str, tenant: int = 0, watch_socket=None):
+        try:
+            max_new_tokens = engine.check_fits(len(prompt_ids), req.max_tokens)
+        except PromptTooLong as e:
+            param = req.max_tokens_param if e.max_new_tokens is not None else prompt_param
+            raise bad_request(str(e), param, "context_length_exceeded") from None
+        except ValueError as e:
+            raise bad_request(str(e), prompt_param) from None
         self.req = req
         self.pieces = pieces
         self.prompt_tokens = len(prompt_ids)
@@ -113,6 +130,30 @@ class Generation:
         finally:
             stream.close()
         yield Delta(index, detok.flush(), [], finish)
+
+    def collect(self) -> list[Choice]:
+        """Run every choice to its end and close.
+
+        Raises:
+            ClientDisconnected: the client left (every choice was cancelled).
+            APIError: 503 when the engine failed meanwhile.
+        """
+        choices = [Choice() for _ in self.streams]
+        texts = [[] for _ in self.streams]
+        try:
+            for d in self.deltas():
+                texts[d.index].append(d.text)
+                choices[d.index].tokens.extend(d.tokens)
+                choices[d.index].finish_reason = d.finish_reason or choices[d.index].finish_reason
+        except ClientDisconnected:
+            raise
+        except EngineError as e:
+            raise APIError(503, str(e), code="engine_unavailable", headers={"Retry-After": "1"}) from None
+        finally:
+            self.close()
+        for choice, text in zip(choices, texts):
+            choice.text = "".join(text)
+        return choices
 
     def close(self) -> None:
         """Cancel and release every choice still running (idempotent)."""

@@ -11,11 +11,11 @@ import time
 
 import falcon
 
-from engine.client import ClientDisconnected, EngineError, PromptTooLong
+from engine.client import ClientDisconnected
 from server.completions import CLIENT_CLOSED, dumps
-from server.errors import APIError, bad_request
+from server.errors import bad_request
 from server.generation import Generation
-from server.params import GenerationRequest, number, read_json
+from server.params import GenerationRequest, number, parse_priority, read_json
 
 
 class Infer:
@@ -34,35 +34,20 @@ class Infer:
         greq = GenerationRequest(max_tokens=number(body, "max_new_tokens", 1, 2**31 - 1, integer=True),
                                  max_tokens_param="max_new_tokens", sampling={"temperature": 0.0},
                                  deadline_ms=number(body, "deadline_ms", 0, 1e9, lo_open=True))
-        priority = "normal" if body.get("priority") is None else body["priority"]
-        if priority not in ("high", "normal", "low"):
-            raise bad_request("priority must be one of high, normal, low", "priority")
-        greq.priority = priority
-        prompt_ids = self.template.encode([{"role": "user", "content": payload}])
-        try:
-            max_new = self.engine.check_fits(len(prompt_ids), greq.max_tokens)
-        except PromptTooLong as e:
-            raise bad_request(str(e), "max_new_tokens" if e.max_new_tokens is not None else "payload",
-                              "context_length_exceeded") from None
-        gen = Generation(self.engine, self.tokenizer.pieces, prompt_ids, greq, max_new,
+        greq.priority = parse_priority(body)
+        gen = Generation(self.engine, self.tokenizer.pieces,
+                         self.template.encode([{"role": "user", "content": payload}]), greq, "payload",
                          watch_socket=req.env.get("gunicorn.socket"))
         try:
-            text, finish = [], None
-            for d in gen.deltas():
-                text.append(d.text)
-                finish = d.finish_reason or finish
-            timings = gen.streams[0].timings()
+            (choice,) = gen.collect()
         except ClientDisconnected:
             resp.status = CLIENT_CLOSED
             return
-        except EngineError as e:
-            raise APIError(503, str(e), code="engine_unavailable", headers={"Retry-After": "1"}) from None
-        finally:
-            gen.close()
+        timings = gen.streams[0].timings()
         admitted = timings.admitted or timings.finished
         resp.content_type = falcon.MEDIA_JSON
         resp.text = dumps({
-            "tenant_id": tenant_id, "text": "".join(text), "tokens": gen.usage()["completion_tokens"],
-            "finish_reason": finish,
+            "tenant_id": tenant_id, "text": choice.text, "tokens": gen.usage()["completion_tokens"],
+            "finish_reason": choice.finish_reason,
             "queue_wait_ms": round(max(0.0, admitted - timings.queued) * 1000, 3),
             "latency_ms": round((time.monotonic() - started) * 1000, 3)})

@@ -139,13 +139,18 @@ def parse_generation(body: dict, *, chat: bool) -> GenerationRequest:
         r.include_usage = boolean(options, "include_usage") and r.stream
     r.ignore_eos = boolean(body, "ignore_eos")
     r.logprobs = _logprobs(body, chat)
-    priority = "normal" if body.get("priority") is None else body["priority"]  # null = absent
+    r.priority = parse_priority(body)
+    r.deadline_ms = number(body, "deadline_ms", 0, 1e9, lo_open=True)
+    return r
+
+
+def parse_priority(body: dict) -> str:
+    """``priority`` extension: ``high`` | ``normal`` (absent or null) | ``low``."""
+    priority = "normal" if body.get("priority") is None else body["priority"]
     if priority not in PRIORITIES:
         raise bad_request(f"priority must be one of {', '.join(PRIORITIES)}, got {ujson.dumps(priority)}",
                           "priority")
-    r.priority = priority
-    r.deadline_ms = number(body, "deadline_ms", 0, 1e9, lo_open=True)
-    return r
+    return priority
 
 
 def _stops(value) -> list[str]:

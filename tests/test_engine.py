@@ -8,7 +8,7 @@ from concurrent.futures import ProcessPoolExecutor
 
 import pytest
 
-from engine.client import (DeadlineExceeded, EngineClient, PromptTooLong, SamplingParams)
+from engine.client import DeadlineExceeded, PromptTooLong, SamplingParams
 from tests.conftest import assert_idle_and_clean, running_engine, wait_steps
 from tests.producers import generate_many
 
