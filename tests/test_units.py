@@ -1,0 +1,117 @@
+"""Pure-Python parts without the model: admission order (VTC fair share, aging) and the
+incremental detokenizer."""
+from __future__ import annotations
+
+import numpy as np
+
+from engine.scheduler import Scheduler
+from engine.sequence import Sequence
+from server.detokenizer import Detokenizer
+
+HIGH, NORMAL, LOW = 0, 1, 2
+
+
+def make(tenant: int, priority: int = NORMAL, deadline: float = 0.0, weight: float = 1.0,
+         arrival: float = 0.0) -> Sequence:
+    return Sequence(mailbox=0, generation=1, tenant=tenant, weight=weight, priority=priority,
+                    deadline=deadline, arrival=arrival, prompt=np.array([1, 2], np.int32),
+                    max_new_tokens=4, ignore_eos=False, n_logprobs=-1, stop_ids=frozenset(),
+                    sampling={})
+
+
+def admitted_tenants(sched: Scheduler, now: float = 0.0) -> list[int]:
+    return [s.tenant for s in sched.admit(now)]
+
+
+def test_tenant_with_least_weighted_service_goes_first():
+    sched = Scheduler(max_slots=1, policy="continuous", aging_s=1e9)
+    heavy = make(tenant=1)
+    sched.add(heavy)
+    sched.charge(heavy, 500)
+    sched.add(make(tenant=2))  # lifted to the backlogged minimum (500): no banked credit
+    sched.add(make(tenant=1))
+    sched.charge(heavy, 100)  # tenant 1 keeps being served
+    assert admitted_tenants(sched) == [2]
+
+
+def test_weight_divides_the_service_charged():
+    sched = Scheduler(max_slots=2, policy="continuous", aging_s=1e9)
+    a, b = make(tenant=1, weight=1.0), make(tenant=2, weight=4.0)
+    sched.add(a)
+    sched.add(b)
+    sched.charge(a, 100)
+    sched.charge(b, 100)
+    assert sched.counters[1] == 100 and sched.counters[2] == 25
+    sched.add(make(tenant=1))
+    sched.add(make(tenant=2))
+    sched.drop_waiting(a)
+    sched.drop_waiting(b)
+    assert admitted_tenants(sched)[0] == 2
+
+
+def test_an_idle_tenant_cannot_bank_credit():
+    sched = Scheduler(max_slots=1, policy="continuous", aging_s=1e9)
+    busy = make(tenant=1)
+    sched.add(busy)
+    sched.charge(busy, 10_000)
+    sched.add(make(tenant=2))
+    assert sched.counters[2] == sched.counters[1] == 10_000
+
+
+def test_priority_beats_deadline_beats_fair_share_beats_arrival():
+    sched = Scheduler(max_slots=4, policy="continuous", aging_s=1e9)
+    for s in (make(tenant=1, priority=LOW), make(tenant=2), make(tenant=3, deadline=50.0),
+              make(tenant=4, priority=HIGH)):
+        sched.add(s)
+    assert admitted_tenants(sched) == [4, 3, 2, 1]
+
+
+def test_waiting_ages_a_low_request_up_to_high():
+    sched = Scheduler(max_slots=1, policy="continuous", aging_s=1.0)
+    sched.add(make(tenant=1, priority=LOW, arrival=0.0))
+    sched.add(make(tenant=2, priority=HIGH, arrival=9.5))
+    assert admitted_tenants(sched, now=10.0) == [1]  # waited 10 s: two classes up, ties on arrival
+
+
+def test_static_and_fifo_admission():
+    static = Scheduler(max_slots=2, policy="static", aging_s=1e9)
+    for t in range(3):
+        static.add(make(tenant=t))
+    assert len(static.admit(0.0)) == 2
+    static.release(next(iter(static.running.values())))
+    assert static.admit(0.0) == []  # one still runs: no admission into a partial batch
+    fifo = Scheduler(max_slots=4, policy="fifo", aging_s=1e9)
+    for t in range(3):
+        fifo.add(make(tenant=t))
+    assert admitted_tenants(fifo) == [0] and fifo.admit(0.0) == []
+
+
+PIECES = [b"Hel", b"lo", b",", b" wor", b"ld", b"\xe4\xbd", b"\xa0", b"\xe5\xa5\xbd", b"!"]
+
+
+def run(tokens: list[int], stops: list[str]) -> tuple[list[str], str, bool]:
+    d = Detokenizer(PIECES, stops)
+    deltas = [d.push(t) for t in tokens]
+    return deltas, d.flush(), d.stopped
+
+
+def test_split_code_point_is_never_emitted_in_halves():
+    deltas, tail, _ = run([5, 6, 7], [])
+    assert deltas == ["", "你", "好"] and tail == ""
+
+
+def test_stop_inside_one_token_and_across_tokens():
+    assert run([0, 1, 2, 3], ["ll"]) == (["He", "", "", ""], "", True)
+    deltas, tail, stopped = run([0, 1, 2, 3, 4], ["o, wo"])
+    assert "".join(deltas) == "Hell" and stopped and tail == ""
+    assert all("o, wo"[:2] not in d for d in deltas)
+
+
+def test_held_back_prefix_of_a_stop_is_flushed_at_the_end():
+    deltas, tail, stopped = run([0, 1], ["lo!"])
+    assert deltas == ["He", "l"] and tail == "lo" and not stopped  # "l", then "lo", could start "lo!"
+
+
+def test_character_cut_short_at_the_end_is_dropped():
+    deltas, tail, _ = run([0, 5], [])
+    assert deltas == ["Hel", ""] and tail == ""
