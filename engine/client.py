@@ -23,12 +23,16 @@ from typing import Iterator, Sequence as Seq
 
 import numpy as np
 
-from shm.layout import (DONE, ENGINE_READY, ERR_BAD_REQUEST, ERR_ENGINE_DIED, FINISH_DEADLINE,
-                        FINISH_ERROR, FINISH_REASONS, MAX_STOP_IDS, MAX_TOP_LOGPROBS, PRIORITIES,
-                        QUEUED)
+from shm.layout import (DONE, ENGINE_READY, ERR_BAD_REQUEST, ERR_DECODE, ERR_ENGINE_DIED,
+                        FINISH_DEADLINE, FINISH_ERROR, FINISH_REASONS, MAX_STOP_IDS,
+                        MAX_TOP_LOGPROBS, PRIORITIES, QUEUED)
 from shm.mailbox import Mailboxes
 from shm.ring import RequestRing
 from shm.transport import Transport
+
+
+_ERROR_MESSAGES = {ERR_ENGINE_DIED: "engine died while serving the request",
+                   ERR_DECODE: "engine failed to decode the request's batch"}
 
 
 class EngineError(RuntimeError):
@@ -297,10 +301,10 @@ class Stream:
     def _finish(self, box) -> None:
         finish = int(box["finish"])
         if finish == FINISH_ERROR:
-            if int(box["error"]) == ERR_BAD_REQUEST:
+            error = int(box["error"])
+            if error == ERR_BAD_REQUEST:
                 raise ValueError("engine rejected the request")
-            raise EngineUnavailable("engine died while serving the request"
-                                    if int(box["error"]) == ERR_ENGINE_DIED else "engine stopped")
+            raise EngineUnavailable(_ERROR_MESSAGES.get(error, "engine stopped"))
         if finish == FINISH_DEADLINE and self.n_generated == 0:
             self.finish_reason = "deadline"
             raise DeadlineExceeded("deadline passed before the first token")

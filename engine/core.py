@@ -17,8 +17,8 @@ from engine.model import DecodeError, Model
 from engine.sampler import Sampler, logprobs
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence
-from shm.layout import (DONE, ERR_BAD_REQUEST, ERR_NONE, FINISH_CANCELLED, FINISH_DEADLINE,
-                        FINISH_ERROR, FINISH_LENGTH, FINISH_STOP, QUEUED, RUNNING)
+from shm.layout import (DONE, ERR_BAD_REQUEST, ERR_DECODE, ERR_NONE, FINISH_CANCELLED,
+                        FINISH_DEADLINE, FINISH_ERROR, FINISH_LENGTH, FINISH_STOP, QUEUED, RUNNING)
 from shm.ring import RequestRing
 from shm.transport import Transport
 from shm.wakeup import Doorbells
@@ -63,16 +63,21 @@ class EngineCore:
         for seq in self.sched.admit(now):
             self.start(seq, now)
         rows = self.fill_batch()
-        if rows or self.batch.n:
-            try:
-                self.model.decode(self.batch)
-            except DecodeError as e:
-                log.error("%s; failing the sequences of this batch", e)
-                for seq in {s for s in self.sched.running.values() if s.slot in set(self.batch.seq[:self.batch.n].tolist())}:
-                    self.retire(seq, FINISH_ERROR)
-                return self.publish_control()
+        if self.batch.n and self.decode():
             self.sample_and_publish(rows, time.monotonic())
         self.publish_control()
+
+    def decode(self) -> bool:
+        """One ``llama_decode``; on failure, the batch's sequences finish with an error."""
+        try:
+            self.model.decode(self.batch)
+            return True
+        except DecodeError as e:
+            log.error("%s; failing the sequences of this batch", e)
+            in_batch = set(self.batch.seq[:self.batch.n].tolist())
+            for seq in [s for s in self.sched.running.values() if s.slot in in_batch]:
+                self.retire(seq, FINISH_ERROR, ERR_DECODE)
+            return False
 
     # -- phases -------------------------------------------------------------------------------
     def ingest(self, now: float) -> None:
@@ -176,12 +181,12 @@ class EngineCore:
         for i in woken:
             t.bells.ring(i)  # ... then the wake-up
 
-    def retire(self, seq: Sequence, finish: int) -> None:
+    def retire(self, seq: Sequence, finish: int, error: int = ERR_NONE) -> None:
         """Free the sequence's KV cells and slot, and finish its mailbox."""
         self.model.free_sequence(seq.slot)
         self.sched.release(seq)
         seq.sampler.free()
-        self._finish_mailbox(seq.mailbox, seq.generation, finish)
+        self._finish_mailbox(seq.mailbox, seq.generation, finish, error)
 
     def _finish_mailbox(self, i: int, generation: int, finish: int, error: int = ERR_NONE) -> None:
         box = self.t.mailboxes[i]
@@ -209,10 +214,7 @@ class EngineCore:
     def shutdown(self, error: int) -> None:
         """Finish every sequence with ``error`` (engine stopping)."""
         for seq in list(self.sched.running.values()):
-            self.model.free_sequence(seq.slot)
-            self.sched.release(seq)
-            seq.sampler.free()
-            self._finish_mailbox(seq.mailbox, seq.generation, FINISH_ERROR, error)
+            self.retire(seq, FINISH_ERROR, error)
         for seq in list(self.sched.waiting):
             self.sched.drop_waiting(seq)
             self._finish_mailbox(seq.mailbox, seq.generation, FINISH_ERROR, error)
