@@ -56,13 +56,18 @@ def on_starting(server) -> None:
 
 
 def pre_request(worker, req) -> None:
-    """A declared body over the limit gets 413 from the app (``server.params.read_json``), unread.
-    gunicorn would then read all of it to keep the connection alive, and it drops the app's
-    ``Connection: close`` (a hop-by-hop header); marking the request closes the connection
-    instead: the 413 says ``Connection: close`` and gunicorn lingers on the socket before closing,
-    so the client reads the answer rather than a reset."""
-    length = next((v for name, v in req.headers if name == "CONTENT-LENGTH"), None)
-    if length is not None and length.isdigit() and int(length) > _config.max_body_bytes:
+    """Close the connection after a request whose body may be over the limit.
+
+    The app answers 413 without reading such a body (``server.params.read_json``). To keep the
+    connection alive gunicorn would then read and discard all of it, and it ignores the app's
+    ``Connection: close`` (a hop-by-hop header); marking the request makes the 413 say
+    ``Connection: close`` and gunicorn lingers before closing, so the client reads the answer
+    rather than a reset. A chunked body's size is unknown in advance, so it is treated the same.
+    """
+    headers = dict(req.headers)
+    length = headers.get("CONTENT-LENGTH")
+    if (length is not None and length.isdigit() and int(length) > _config.max_body_bytes) \
+            or "chunked" in headers.get("TRANSFER-ENCODING", "").lower():
         req.must_close = True
 
 

@@ -59,7 +59,10 @@ def read_json(req: falcon.Request, max_body_bytes: int) -> dict:
                          headers={"Connection": "close"})
     if req.content_length is not None and req.content_length > max_body_bytes:
         raise too_large
-    raw = req.bounded_stream.read(max_body_bytes + 1)
+    # Without Content-Length (a chunked body), Falcon's bounded stream reads nothing; gunicorn's
+    # own input stream decodes the chunks and ends at the body's end.
+    stream = req.bounded_stream if req.content_length is not None else req.stream
+    raw = stream.read(max_body_bytes + 1)
     if len(raw) > max_body_bytes:
         raise too_large
     try:

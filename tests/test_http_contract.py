@@ -367,13 +367,20 @@ def test_14_wrong_content_type(server):
     ok(post(server, CHAT, body, content_type="application/json; charset=utf-8"))
 
 
-def test_15_body_over_limit(server):
+@pytest.mark.parametrize("framing", ["content-length", "chunked"])
+def test_15_body_over_limit(server, framing):
     body = json.dumps({"messages": [{"role": "user", "content": "x" * (MAX_BODY + 1000)}]}).encode()
     assert len(body) > MAX_BODY
+    if framing == "chunked":  # size unknown in advance: the server finds out while reading
+        framed = b"".join(b"%x\r\n%s\r\n" % (len(body[i:i + 8192]), body[i:i + 8192])
+                          for i in range(0, len(body), 8192)) + b"0\r\n\r\n"
+        length_header = "Transfer-Encoding: chunked"
+    else:
+        framed, length_header = body, f"Content-Length: {len(body)}"
     u = urllib.parse.urlsplit(server.url)
     with socket.create_connection((u.hostname, u.port), timeout=30) as s:
         s.sendall(f"POST {CHAT} HTTP/1.1\r\nHost: {u.hostname}\r\nContent-Type: application/json\r\n"
-                  f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+                  f"{length_header}\r\n\r\n".encode() + framed)
         raw = b""
         while True:  # until the server's FIN; a reset would raise here
             data = s.recv(65536)

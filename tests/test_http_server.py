@@ -473,3 +473,15 @@ def test_startup_error_is_one_line(flags, needle):
     assert len(lines) == 1, proc.stderr
     assert "Traceback" not in proc.stderr and needle in lines[0]
     assert lines[0].startswith("inference-server:")
+
+
+def test_chunked_request_body_within_the_limit(server):
+    body = json.dumps({"prompt": "Hi", "max_tokens": 3, "temperature": 0}).encode()
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
+    conn.request("POST", "/v1/completions", body=iter([body[:10], body[10:]]),
+                 headers={"Content-Type": "application/json"}, encode_chunked=True)
+    resp = conn.getresponse()
+    reply = json.loads(resp.read())
+    conn.close()
+    assert resp.status == 200, reply
+    assert reply["usage"]["completion_tokens"] <= 3
