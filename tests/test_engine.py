@@ -97,14 +97,16 @@ def test_fifo_never_runs_two_sequences_at_once():
 
 
 def test_continuous_admits_into_a_freed_slot_on_the_next_step():
-    jobs = [{"prompt": [500, 501], "params": {**GREEDY, "max_new_tokens": 3, "ignore_eos": True}},
-            {"prompt": [502, 503], "params": {**GREEDY, "max_new_tokens": 40, "ignore_eos": True}},
-            {"prompt": [504, 505], "params": {**GREEDY, "max_new_tokens": 3, "ignore_eos": True}}]
+    # Submitted together; the short ones run 20 steps, so the third is surely queued by then.
+    jobs = [{"prompt": [500, 501], "params": {**GREEDY, "max_new_tokens": 20, "ignore_eos": True}},
+            {"prompt": [502, 503], "params": {**GREEDY, "max_new_tokens": 80, "ignore_eos": True}},
+            {"prompt": [504, 505], "params": {**GREEDY, "max_new_tokens": 20, "ignore_eos": True}}]
     with running_engine(max_slots=2) as (client, _):
         results = _in_other_process(client.t.name, jobs)
     short, long_, queued = _spans(results)
     if queued[0] < short[0]:  # the two short ones may be admitted in either order
         short, queued = queued, short
+    assert queued[0] > long_[0], "the third request must have waited for a slot"
     assert queued[0] == short[1] + 1
     assert queued[1] < long_[1], "the queued request had to wait for the long one"
 
