@@ -114,7 +114,7 @@ def parser() -> argparse.ArgumentParser:
         description="Multi-tenant LLM inference server: continuous batching over llama.cpp, "
                     "OpenAI-compatible HTTP API. Every flag has an environment equivalent.")
     for name, flag, var, typ, default, help_ in OPTIONS:
-        shown = "bundled SmolLM2-135M" if name == "model_path" else default
+        shown = {"model_path": "bundled SmolLM2-135M", "redis_url": "none"}.get(name, default)
         p.add_argument(flag, dest=name, type=str, default=None,
                        help=f"{help_} (env {var}; default {shown!s})", metavar=typ.__name__.upper())
     return p
