@@ -2,7 +2,7 @@
 
 Started (and restarted) by :class:`engine.supervisor.EngineSupervisor`. It attaches the
 transport, loads the model, marks itself ready in the control block and runs the loop until
-SIGTERM/SIGINT. It dies with its parent (``PR_SET_PDEATHSIG``) so no engine outlives the server.
+SIGTERM. It dies with its parent (``PR_SET_PDEATHSIG``) so no engine outlives the server.
 """
 from __future__ import annotations
 
@@ -36,7 +36,9 @@ def main(argv: list[str]) -> int:
     model = Model(config.model_path, config.max_slots, config.max_seq_len, config.n_batch, config.threads)
     core = EngineCore(config, transport, model)
     signal.signal(signal.SIGTERM, lambda *_: core.stop())
-    signal.signal(signal.SIGINT, lambda *_: core.stop())
+    # Ctrl-C reaches the whole process group; the supervisor stops the engine (SIGTERM) when
+    # the server stops, so the engine outlives no server and no server loses its engine early.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     control["engine_state"] = ENGINE_READY
     logging.info("ready: %d slots x %d tokens, policy %s, %d threads",
                  config.max_slots, config.max_seq_len, config.policy, config.threads)

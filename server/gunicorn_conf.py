@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 
 from engine.config import ConfigError
 from engine.supervisor import EngineSupervisor
@@ -69,6 +70,13 @@ def pre_request(worker, req) -> None:
     if (length is not None and length.isdigit() and int(length) > _config.max_body_bytes) \
             or "chunked" in headers.get("TRANSFER-ENCODING", "").lower():
         req.must_close = True
+
+
+def post_worker_init(worker) -> None:
+    """Workers ignore SIGINT: Ctrl-C reaches the whole process group, and a gthread worker that
+    gets both that SIGINT and the master's SIGQUIT re-enters its quit handler and deadlocks in
+    ``ThreadPoolExecutor.shutdown`` until the master SIGKILLs it. The master's signal suffices."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def child_exit(server, worker) -> None:
