@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import random
+import select
 import socket
 import time
 from dataclasses import dataclass, field
@@ -190,13 +191,16 @@ class EngineClient:
             watch_socket: the client's connection; if it closes, the sequence is cancelled.
         Raises:
             ValueError / PromptTooLong: bad request. Saturated: no free mailbox.
-            EngineUnavailable: the engine is not ready.
+            EngineUnavailable: the engine is not ready. ClientDisconnected: ``watch_socket`` is
+            already closed.
         """
         if priority not in PRIORITIES:
             raise ValueError(f"priority must be one of {', '.join(PRIORITIES)}")
         if deadline_ms is not None and not (deadline_ms > 0 and math.isfinite(deadline_ms)):
             raise ValueError("deadline_ms must be a positive number")
         max_new = self.check_fits(len(prompt_ids), params.max_new_tokens)
+        if watch_socket is not None and _hung_up(watch_socket):
+            raise ClientDisconnected("client closed the connection before its request was queued")
         if not self.ready():
             raise EngineUnavailable("engine is not ready")
         lease = self._mailboxes.lease()
@@ -231,6 +235,11 @@ class EngineClient:
             self._mailboxes.release(index, generation)
             raise
         return Stream(self, index, generation, len(prompt_ids), params.logprobs, watch_socket)
+
+    @property
+    def capacity(self) -> int:
+        """Sequences that can be in flight at once (running plus queued): the mailboxes."""
+        return self.t.layout.n_mailboxes
 
     def slot_mailboxes(self) -> list[int]:
         """Mailbox index held by each KV slot (-1: free), as of the engine's last step."""
@@ -283,7 +292,9 @@ class Stream:
                     self._finish(box)
                     return
                 ready = t.bells.wait(i, timeout=1.0, extra_fd=watch_fd)
-                if watch_fd is not None and watch_fd in ready and _peer_closed(self.watch_socket):
+                if watch_fd is not None and watch_fd in ready:
+                    # POLLRDHUP: the client closed (or shut down) its side. Even if it pipelined
+                    # another request first, nobody is left to read this answer.
                     self.cancel()
                     raise ClientDisconnected("client closed the connection")
         finally:
@@ -350,11 +361,9 @@ class Stream:
         self.close()
 
 
-def _peer_closed(sock: socket.socket) -> bool:
-    """True if the peer has closed (EOF or error); pipelined bytes do not count."""
-    try:
-        return sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
-    except BlockingIOError:
-        return False
-    except OSError:
-        return True
+def _hung_up(sock: socket.socket) -> bool:
+    """True if the client has already closed its side (a request read from a pipeline after the
+    client left must not be decoded)."""
+    poller = select.poll()
+    poller.register(sock.fileno(), select.POLLRDHUP)
+    return bool(poller.poll(0))

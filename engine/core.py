@@ -185,7 +185,8 @@ class EngineCore:
         """Free the sequence's KV cells and slot, and finish its mailbox."""
         self.model.free_sequence(seq.slot)
         self.sched.release(seq)
-        seq.sampler.free()
+        if seq.sampler is not None:  # None if admission failed before the sampler was built
+            seq.sampler.free()
         self._finish_mailbox(seq.mailbox, seq.generation, finish, error)
 
     def _finish_mailbox(self, i: int, generation: int, finish: int, error: int = ERR_NONE) -> None:

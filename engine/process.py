@@ -14,7 +14,7 @@ import signal
 import sys
 
 from engine.config import EngineConfig
-from shm.layout import ENGINE_DEAD, ENGINE_READY, ENGINE_STARTING, ERR_SHUTDOWN
+from shm.layout import ENGINE_DEAD, ENGINE_READY, ENGINE_STARTING, ENGINE_STOPPED, ERR_SHUTDOWN
 from shm.transport import Transport
 
 PR_SET_PDEATHSIG = 1
@@ -42,12 +42,15 @@ def main(argv: list[str]) -> int:
     control["engine_state"] = ENGINE_READY
     logging.info("ready: %d slots x %d tokens, policy %s, %d threads",
                  config.max_slots, config.max_seq_len, config.policy, config.threads)
+    state = ENGINE_DEAD
     try:
         core.run()
+        state = ENGINE_STOPPED  # the loop ended because we were told to stop
     finally:
         control["engine_state"] = ENGINE_DEAD
         core.shutdown(ERR_SHUTDOWN)
         model.close()
+        control["engine_state"] = state
         transport.close()
     return 0
 

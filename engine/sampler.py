@@ -29,7 +29,7 @@ class Sampler:
         penalized = (sampling["repeat_penalty"] != 1.0 or sampling["presence_penalty"] != 0.0
                      or sampling["frequency_penalty"] != 0.0)
         if penalized:
-            add(L.llama_sampler_init_penalties(sampling["penalty_last_n"], sampling["repeat_penalty"],
+            add(L.llama_sampler_init_penalties(n_vocab, sampling["penalty_last_n"], sampling["repeat_penalty"],
                                                sampling["frequency_penalty"], sampling["presence_penalty"]))
         if sampling["temperature"] <= 0.0:
             add(L.llama_sampler_init_greedy())

@@ -14,7 +14,7 @@ import threading
 import time
 
 from engine.config import EngineConfig
-from shm.layout import ENGINE_DEAD, ENGINE_READY, ERR_ENGINE_DIED, ERR_SHUTDOWN
+from shm.layout import ENGINE_DEAD, ENGINE_READY, ENGINE_STOPPED, ERR_ENGINE_DIED, ERR_SHUTDOWN
 from shm.mailbox import Mailboxes
 from shm.ring import RequestRing
 from shm.transport import Transport
@@ -37,19 +37,22 @@ class EngineSupervisor:
 
     When the engine exits unexpectedly, every in-flight mailbox is failed (readers raise
     ``EngineUnavailable``), unread ring records are dropped, and a new engine is started after
-    ``restart_delay_s``. Every ``sweep_s`` the leases of dead owner processes are reclaimed.
+    ``restart_delay_s``, doubling (up to ``max_restart_delay_s``) while restarts keep failing
+    before the engine gets ready. Every ``sweep_s`` the engine's liveness is checked and the
+    leases of dead owner processes are reclaimed.
 
     Args:
         env: extra environment for the engine (e.g. ``OMP_WAIT_POLICY``).
     """
 
     def __init__(self, config: EngineConfig, transport: Transport, env: dict | None = None,
-                 sweep_s: float = 0.5, restart_delay_s: float = 0.5):
+                 sweep_s: float = 0.2, restart_delay_s: float = 0.5, max_restart_delay_s: float = 30.0):
         self.config = config
         self.t = transport
         self.env = {**engine_environment(), **os.environ, **(env or {})}  # the operator's env wins
         self.sweep_s = sweep_s
         self.restart_delay_s = restart_delay_s
+        self.max_restart_delay_s = max_restart_delay_s
         self.proc: subprocess.Popen | None = None
         self.restarts = 0
         self._stopping = threading.Event()
@@ -83,24 +86,29 @@ class EngineSupervisor:
         return Mailboxes(self.t).reclaim(pid_alive)
 
     def _watch(self) -> None:
-        while not self._stopping.is_set():
-            try:
-                self.proc.wait(timeout=self.sweep_s)
-            except subprocess.TimeoutExpired:
+        # Liveness is polled, and the exit is judged by the engine's own state, not its exit
+        # status: under gunicorn the master's ``waitpid(-1)`` may reap the engine first, and
+        # Popen then reports 0 whatever happened.
+        failures = 0
+        while not self._stopping.wait(self.sweep_s):
+            if self.proc.poll() is None:
                 self.reclaim()
+                if int(self.t.control["engine_state"][0]) == ENGINE_READY:
+                    failures = 0
                 continue
-            if self._stopping.is_set():
-                return
+            stopped = int(self.t.control["engine_state"][0]) == ENGINE_STOPPED
             self.t.control["engine_state"][0] = ENGINE_DEAD
             RequestRing(self.t).reset()
             Mailboxes(self.t).fail_in_flight(ERR_ENGINE_DIED)
             self.t.control[0]["slot_mailbox"] = -1
-            if self.proc.returncode == 0:  # it was told to stop (a signal to our process group)
+            if stopped:  # it was told to stop (SIGTERM to our process group)
                 log.info("engine stopped")
                 return
-            log.error("engine exited with %s; failed in-flight requests; restarting", self.proc.returncode)
+            failures += 1
+            delay = min(self.max_restart_delay_s, self.restart_delay_s * 2 ** (failures - 1))
+            log.error("engine died; failed its in-flight requests; restarting in %.1f s", delay)
             self.restarts += 1
-            if self._stopping.wait(self.restart_delay_s):
+            if self._stopping.wait(delay):
                 return
             self._spawn()
 

@@ -18,9 +18,6 @@ from server.params import (GenerationRequest, check_model, parse_generation, par
                            parse_prompt, read_json)
 from server.tokenizer import Tokenizer
 
-CLIENT_CLOSED = "499 Client Closed Request"
-
-
 def dumps(obj) -> str:
     return ujson.dumps(obj, ensure_ascii=False, escape_forward_slashes=False)
 
@@ -54,11 +51,7 @@ class _Completions:
             resp.set_header("X-Accel-Buffering", "no")
             resp.stream = self.sse_events(gen, greq, meta)
             return
-        try:
-            choices = gen.collect()
-        except ClientDisconnected:
-            resp.status = CLIENT_CLOSED
-            return
+        choices = gen.collect()
         resp.content_type = falcon.MEDIA_JSON
         resp.text = dumps({**meta, "object": self.object_name, "usage": gen.usage(),
                            "choices": [self.choice(i, c, greq) for i, c in enumerate(choices)]})

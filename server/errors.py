@@ -7,7 +7,10 @@ import logging
 import falcon
 import ujson
 
+from engine.client import ClientDisconnected
+
 log = logging.getLogger("server")
+CLIENT_CLOSED = "499 Client Closed Request"  # nginx's status for it; never seen by the client
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
           405: "invalid_request_error", 413: "invalid_request_error", 415: "invalid_request_error",
@@ -73,7 +76,14 @@ def handle_unexpected(req, resp, ex: Exception, params) -> None:
     _write(resp, 500, error_body("internal server error", "server_error"))
 
 
+def handle_client_gone(req, resp, ex: Exception, params) -> None:
+    """The client closed its connection: its sequences are cancelled; nobody reads an answer."""
+    resp.status = CLIENT_CLOSED
+    resp.text = ""
+
+
 def install(app: falcon.App) -> None:
     app.add_error_handler(Exception, handle_unexpected)
     app.add_error_handler(falcon.HTTPError, handle_http_error)
     app.add_error_handler(APIError, handle_api_error)
+    app.add_error_handler(ClientDisconnected, handle_client_gone)

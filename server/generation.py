@@ -59,6 +59,9 @@ class Generation:
 
     def __init__(self, engine: EngineClient, pieces: list[bytes], prompt_ids: list[int],
                  req: GenerationRequest, prompt_param: str, tenant: int = 0, watch_socket=None):
+        if req.n > engine.capacity:
+            raise bad_request(f"n={req.n} exceeds this server's capacity of {engine.capacity} "
+                              "concurrent sequences", "n")
         try:
             max_new_tokens = engine.check_fits(len(prompt_ids), req.max_tokens)
         except PromptTooLong as e:
@@ -80,6 +83,9 @@ class Generation:
         except (Saturated, EngineUnavailable) as e:
             self.close()
             raise overload_error(e) from None
+        except ClientDisconnected:
+            self.close()
+            raise
 
     def deltas(self) -> Iterator[Delta]:
         """Deltas of every choice as they come; each choice ends with one finish_reason."""

@@ -11,8 +11,7 @@ import time
 
 import falcon
 
-from engine.client import ClientDisconnected
-from server.completions import CLIENT_CLOSED, dumps
+from server.completions import dumps
 from server.errors import bad_request
 from server.generation import Generation
 from server.params import GenerationRequest, number, parse_priority, read_json
@@ -38,11 +37,7 @@ class Infer:
         gen = Generation(self.engine, self.tokenizer.pieces,
                          self.template.encode([{"role": "user", "content": payload}]), greq, "payload",
                          watch_socket=req.env.get("gunicorn.socket"))
-        try:
-            (choice,) = gen.collect()
-        except ClientDisconnected:
-            resp.status = CLIENT_CLOSED
-            return
+        (choice,) = gen.collect()
         timings = gen.streams[0].timings()
         admitted = timings.admitted or timings.finished
         resp.content_type = falcon.MEDIA_JSON

@@ -3,6 +3,7 @@ Completions). Every rejection is a 400 naming the field (``param``)."""
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 
 import falcon
@@ -16,6 +17,7 @@ MAX_N = 16
 MAX_STOPS = 4
 MAX_TOP_LOGPROBS = 20
 PRIORITIES = ("high", "normal", "low")
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
 
 
 @dataclass
@@ -62,7 +64,10 @@ def read_json(req: falcon.Request, max_body_bytes: int) -> dict:
     # Without Content-Length (a chunked body), Falcon's bounded stream reads nothing; gunicorn's
     # own input stream decodes the chunks and ends at the body's end.
     stream = req.bounded_stream if req.content_length is not None else req.stream
-    raw = stream.read(max_body_bytes + 1)
+    try:
+        raw = stream.read(max_body_bytes + 1)
+    except Exception as e:  # noqa: BLE001 - gunicorn's malformed-chunk errors have no common base
+        raise bad_request(f"request body could not be read: {type(e).__name__}") from None
     if len(raw) > max_body_bytes:
         raise too_large
     try:
@@ -75,6 +80,11 @@ def read_json(req: falcon.Request, max_body_bytes: int) -> dict:
         raise bad_request(f"request body is not valid JSON: {e}") from None
     if not isinstance(body, dict):
         raise bad_request(f"request body must be a JSON object, got {type(body).__name__}")
+    if _SURROGATE_ESCAPE.search(text):
+        try:  # a \ud800-style escape decodes to half a UTF-16 pair: text that cannot be UTF-8
+            ujson.dumps(body, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:
+            raise bad_request("request body contains an unpaired UTF-16 surrogate escape") from None
     return body
 
 
@@ -86,13 +96,20 @@ def number(body: dict, name: str, lo: float, hi: float, *, integer: bool = False
         return default
     kind = "an integer" if integer else "a number"
     if isinstance(value, bool) or not isinstance(value, (int, float)) or \
-            (integer and not (isinstance(value, int) or float(value).is_integer())) or \
-            not math.isfinite(value):
-        raise bad_request(f"{name} must be {kind}, got {ujson.dumps(value)}", name)
+            (isinstance(value, float) and not math.isfinite(value)) or \
+            (integer and isinstance(value, float) and not value.is_integer()):
+        raise bad_request(f"{name} must be {kind}, got {_shown(value)}", name)
+    # Compared as given: a 400-digit integer must not be converted to float (OverflowError).
     if value < lo or value > hi or (lo_open and value == lo):
         bound = f"({lo}, {hi}]" if lo_open else f"[{lo}, {hi}]"
-        raise bad_request(f"{name} must be in {bound}, got {value}", name)
+        raise bad_request(f"{name} must be in {bound}, got {_shown(value)}", name)
     return int(value) if integer else float(value)
+
+
+def _shown(value, limit: int = 40) -> str:
+    """A request value for an error message, cut to ``limit`` characters."""
+    text = ujson.dumps(value, ensure_ascii=False) if not isinstance(value, int) else str(value)
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def boolean(body: dict, name: str, default: bool = False) -> bool:
@@ -107,6 +124,8 @@ def boolean(body: dict, name: str, default: bool = False) -> bool:
 def check_model(body: dict, model_id: str) -> None:
     """``model`` may be absent or the served id; anything else is 404 ``model_not_found``."""
     model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise bad_request("model must be a string", "model")
     if model is not None and model != model_id:
         raise APIError(404, f"The model {model!r} does not exist; this server serves {model_id!r}",
                        param="model", code="model_not_found")
@@ -115,11 +134,12 @@ def check_model(body: dict, model_id: str) -> None:
 def parse_generation(body: dict, *, chat: bool) -> GenerationRequest:
     """Fields common to chat and completions (and their extensions)."""
     r = GenerationRequest()
-    for name in (("max_completion_tokens", "max_tokens") if chat else ("max_tokens",)):
-        if body.get(name) is not None:
-            r.max_tokens = number(body, name, 1, 2**31 - 1, integer=True)
-            r.max_tokens_param = name
-            break
+    for name in ("max_tokens", "max_completion_tokens") if chat else ("max_tokens",):
+        value = number(body, name, 1, 2**31 - 1, integer=True)  # both validated when both given
+        if value is not None and (r.max_tokens is None or name == "max_completion_tokens"):
+            r.max_tokens, r.max_tokens_param = value, name  # the newer name wins, as in OpenAI's API
+    if not chat:
+        _unsupported(body)
     r.sampling = {
         "temperature": number(body, "temperature", 0, 2, default=1.0),
         "top_p": number(body, "top_p", 0, 1, lo_open=True, default=1.0),
@@ -145,6 +165,16 @@ def parse_generation(body: dict, *, chat: bool) -> GenerationRequest:
     r.priority = parse_priority(body)
     r.deadline_ms = number(body, "deadline_ms", 0, 1e9, lo_open=True)
     return r
+
+
+def _unsupported(body: dict) -> None:
+    """Legacy completion options this server does not implement are refused, not ignored."""
+    if body.get("echo"):
+        raise bad_request("echo is not supported", "echo")
+    if body.get("best_of") not in (None, 1):
+        raise bad_request("best_of is not supported (only 1)", "best_of")
+    if body.get("suffix") is not None:
+        raise bad_request("suffix is not supported", "suffix")
 
 
 def parse_priority(body: dict) -> str:

@@ -17,8 +17,9 @@ FINISH_REASONS = ("", "stop", "length", "deadline", "cancelled", "error")
 FINISH_NONE, FINISH_STOP, FINISH_LENGTH, FINISH_DEADLINE, FINISH_CANCELLED, FINISH_ERROR = range(6)
 # Error codes carried with FINISH_ERROR.
 ERR_NONE, ERR_ENGINE_DIED, ERR_BAD_REQUEST, ERR_SHUTDOWN, ERR_DECODE = range(5)
-# Engine states in the control block.
-ENGINE_STARTING, ENGINE_READY, ENGINE_DEAD = range(3)
+# Engine states in the control block. STOPPED: exited because it was asked to; DEAD: crashed
+# (or its supervisor saw it gone without STOPPED).
+ENGINE_STARTING, ENGINE_READY, ENGINE_DEAD, ENGINE_STOPPED = range(4)
 # Priority classes, in admission order.
 PRIORITIES = ("high", "normal", "low")
 

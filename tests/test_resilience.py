@@ -60,3 +60,30 @@ def test_killed_worker_leases_are_reclaimed_and_its_slot_freed():
                 conn.close()
                 conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
         conn.close()
+
+
+def test_engine_killed_under_gunicorn_fails_requests_then_comes_back():
+    """gunicorn's master reaps every child, the engine included: the restart must not depend
+    on the engine's exit status."""
+    with running_server("--max-slots", "2", "--max-seq-len", "512", "--workers", "1", "--threads", "4") as server:
+        conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
+        body = {"messages": [{"role": "user", "content": "Tell me a story."}], "max_tokens": 400,
+                "ignore_eos": True, "temperature": 0}
+        conn.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"})
+        deadline = time.monotonic() + 30
+        while all(m == -1 for m in server.engine.slot_mailboxes()):  # until it runs
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        os.kill(int(server.engine.t.control["engine_pid"][0]), signal.SIGKILL)
+        resp = conn.getresponse()
+        reply = json.loads(resp.read())
+        assert resp.status == 503 and reply["error"]["code"] == "engine_unavailable"
+        assert resp.getheader("Retry-After")
+        conn.close()
+        server._wait_healthy(timeout=60)  # a new engine loaded
+        conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
+        conn.request("POST", "/v1/completions", json.dumps({"prompt": "Hi", "max_tokens": 2}),
+                     {"Content-Type": "application/json"})
+        assert conn.getresponse().status == 200
+        conn.close()
+        server.wait_idle()

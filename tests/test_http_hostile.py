@@ -1,0 +1,112 @@
+"""Hostile input found by an attack run: each once gave a 5xx, a dead engine or a busy loop."""
+from __future__ import annotations
+
+import http.client
+import json
+import socket
+import time
+
+import pytest
+
+from tests.test_http_server import assert_error_shape, post, single  # noqa: F401,F811 (fixture)
+
+CHAT = "/v1/chat/completions"
+HI = [{"role": "user", "content": "Write a sentence about the sea."}]
+
+
+@pytest.mark.parametrize("penalty", [{"presence_penalty": 0.5}, {"frequency_penalty": 1.0},
+                                     {"repeat_penalty": 1.3}])
+def test_penalties_work_and_change_greedy_text(server, penalty):
+    base = {"messages": HI, "max_tokens": 24, "temperature": 0, "ignore_eos": True}
+    status, _, plain = post(server, CHAT, base)
+    assert status == 200
+    status, _, penalized = post(server, CHAT, {**base, **penalty})
+    assert status == 200, penalized
+    assert penalized["usage"]["completion_tokens"] == 24
+    if "repeat_penalty" in penalty:
+        assert penalized["choices"][0]["message"]["content"] != plain["choices"][0]["message"]["content"]
+    server.wait_idle()
+    assert server.engine.ready()
+
+
+@pytest.mark.parametrize("field", ["max_tokens", "temperature", "seed", "n", "top_k", "deadline_ms"])
+def test_integers_too_big_for_a_float_are_400(server, field):
+    raw = '{"messages": [{"role": "user", "content": "hi"}], "%s": 1%s}' % (field, "0" * 400)
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
+    conn.request("POST", CHAT, raw, {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    body = json.loads(resp.read())
+    conn.close()
+    assert resp.status == 400
+    assert assert_error_shape(body)["param"] == field
+
+
+@pytest.mark.parametrize("path,body", [
+    (CHAT, '{"messages": [{"role": "user", "content": "\\ud800"}]}'),
+    ("/v1/completions", '{"prompt": "a\\udc00b"}'),
+    ("/infer", '{"payload": "hi", "tenant_id": "\\ud800", "max_new_tokens": 2}'),
+])
+def test_unpaired_surrogate_escapes_are_400(server, path, body):
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
+    conn.request("POST", path, body, {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    reply = json.loads(resp.read())
+    conn.close()
+    assert resp.status == 400 and "surrogate" in assert_error_shape(reply)["message"]
+
+
+def test_paired_surrogate_escape_is_an_emoji(server):
+    status, _, reply = post(server, "/v1/completions", {"prompt": "\U0001F600", "max_tokens": 1})
+    assert status == 200, reply
+
+
+def test_malformed_chunked_body_is_400(server):
+    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Transfer-Encoding: chunked\r\n\r\nzz\r\nabc\r\n0\r\n\r\n")
+        raw = b""
+        while chunk := s.recv(65536):
+            raw += chunk
+    head, _, payload = raw.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400"), head
+    assert_error_shape(json.loads(payload))
+
+
+def test_n_beyond_capacity_is_400_not_503(single):
+    status, _, body = post(single, CHAT, {"messages": HI, "n": 3, "max_tokens": 2})
+    assert status == 400 and assert_error_shape(body)["param"] == "n"
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"messages": HI, "max_tokens": "bad", "max_completion_tokens": 4}, "max_tokens"),
+    ({"messages": HI, "model": 123}, "model"),
+])
+def test_more_invalid_fields(server, body, param):
+    status, _, reply = post(server, CHAT, body)
+    assert status == 400 and assert_error_shape(reply)["param"] == param
+
+
+@pytest.mark.parametrize("extra", [{"echo": True}, {"best_of": 2}, {"suffix": "end"}])
+def test_unsupported_legacy_options_are_refused(server, extra):
+    status, _, reply = post(server, "/v1/completions", {"prompt": "Hi", "max_tokens": 2, **extra})
+    assert status == 400 and assert_error_shape(reply)["param"] == next(iter(extra))
+
+
+def test_hang_up_after_pipelining_cancels(server):
+    """A client pipelines a second request, then closes: its running request is cancelled
+    within a step or two (EOF hides behind the pipelined bytes; the hang-up does not)."""
+    body = json.dumps({"messages": HI, "max_tokens": 200, "ignore_eos": True}).encode()
+    request = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+               b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as s:
+        s.sendall(request)
+        deadline = time.monotonic() + 30
+        while all(m == -1 for m in server.engine.slot_mailboxes()):  # until the first one runs
+            assert time.monotonic() < deadline
+            time.sleep(0.005)
+        s.sendall(request)
+    at_close = server.engine.step()
+    server.wait_idle(timeout=60)
+    assert server.engine.step() - at_close <= 3
+    status, _, reply = post(server, "/v1/completions", {"prompt": "Hi", "max_tokens": 2})
+    assert status == 200
