@@ -150,3 +150,11 @@ def server():
     with running_server("--max-slots", "4", "--max-seq-len", "512", "--max-queued", "16",
                         "--workers", "2", "--threads", "16", "--max-body-bytes", "65536") as s:
         yield s
+
+
+@pytest.fixture(scope="module")
+def single():
+    """One slot and one queue place: two mailboxes in all."""
+    with running_server("--max-slots", "1", "--max-queued", "1", "--max-seq-len", "256",
+                        "--workers", "1", "--threads", "8") as s:
+        yield s

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from tests.test_http_server import assert_error_shape, post, single  # noqa: F401,F811 (fixture)
+from tests.test_http_server import assert_error_shape, post
 
 CHAT = "/v1/chat/completions"
 HI = [{"role": "user", "content": "Write a sentence about the sea."}]

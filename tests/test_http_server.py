@@ -157,14 +157,6 @@ def wide():
         yield s
 
 
-@pytest.fixture(scope="module")
-def single():
-    """One slot and one queue place: two mailboxes in all."""
-    with running_server("--max-slots", "1", "--max-queued", "1", "--max-seq-len", "256",
-                        "--workers", "1", "--threads", "8") as s:
-        yield s
-
-
 # -- the official openai client ------------------------------------------------------------------
 def test_sdk_chat_completion(server):
     r = sdk(server).chat.completions.create(
