@@ -71,13 +71,16 @@ class EngineSupervisor:
         self.proc = subprocess.Popen(args, env=env)
 
     def wait_ready(self, timeout: float = 120.0) -> bool:
-        """Block until the engine reports ready; False on timeout or if it exited."""
+        """Block until the engine reports ready; False on timeout or when no engine will come.
+
+        A crashing engine is restarted (with back-off), so this waits for the restarts too.
+        """
         end = time.monotonic() + timeout
         while time.monotonic() < end:
             if int(self.t.control["engine_state"][0]) == ENGINE_READY:
                 return True
-            if self.proc is not None and self.proc.poll() is not None and self.restarts == 0:
-                return False
+            if self._thread is None or not self._thread.is_alive():
+                return False  # stopped, or the engine stopped for good
             time.sleep(0.05)
         return False
 
@@ -98,6 +101,8 @@ class EngineSupervisor:
                 continue
             stopped = int(self.t.control["engine_state"][0]) == ENGINE_STOPPED
             self.t.control["engine_state"][0] = ENGINE_DEAD
+            if not stopped:
+                self.restarts += 1  # counted before readers wake, so they see the restart coming
             RequestRing(self.t).reset()
             Mailboxes(self.t).fail_in_flight(ERR_ENGINE_DIED)
             self.t.control[0]["slot_mailbox"] = -1
@@ -107,7 +112,6 @@ class EngineSupervisor:
             failures += 1
             delay = min(self.max_restart_delay_s, self.restart_delay_s * 2 ** (failures - 1))
             log.error("engine died; failed its in-flight requests; restarting in %.1f s", delay)
-            self.restarts += 1
             if self._stopping.wait(delay):
                 return
             self._spawn()

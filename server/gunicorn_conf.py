@@ -43,7 +43,10 @@ _state: dict = {}
 
 def on_starting(server) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    _config.check_model()
+    try:
+        _config.check_model()
+    except ConfigError as e:
+        raise SystemExit(f"inference-server: {e}") from None
     engine = _config.engine_config()
     # INFERENCE_SHM may name the segment in advance (tests attach to it to inspect the engine).
     transport = Transport.create(Layout(engine.max_slots, engine.n_mailboxes, engine.max_seq_len),
