@@ -80,11 +80,10 @@ class Generation:
                 self.streams.append(engine.submit(prompt_ids, params, priority=req.priority,
                                                   deadline_ms=req.deadline_ms, tenant=tenant,
                                                   watch_socket=watch_socket))
-        except (Saturated, EngineUnavailable) as e:
-            self.close()
-            raise overload_error(e) from None
-        except ClientDisconnected:
-            self.close()
+        except BaseException as e:
+            self.close()  # nothing stays submitted
+            if isinstance(e, (Saturated, EngineUnavailable)):
+                raise overload_error(e) from None
             raise
 
     def deltas(self) -> Iterator[Delta]:
