@@ -156,9 +156,11 @@ class EngineClient:
     def attach(cls, name: str) -> "EngineClient":
         return cls(Transport.attach(name))
 
-    def ready(self) -> bool:
-        """True when the engine has loaded the model and runs its loop."""
-        return int(self.t.control["engine_state"][0]) == ENGINE_READY
+    def ready(self, stall_s: float = 30.0) -> bool:
+        """True when the engine has loaded the model and has stepped within ``stall_s``
+        seconds (it steps at least every 0.5 s, even when idle)."""
+        c = self.t.control[0]
+        return int(c["engine_state"]) == ENGINE_READY and time.monotonic() - float(c["heartbeat"]) < stall_s
 
     def check_fits(self, n_prompt: int, max_new_tokens: int | None) -> int:
         """Validate lengths before anything reaches the engine.

@@ -204,6 +204,7 @@ class EngineCore:
         """Refresh the control block: step counter, queue sizes, slot table, KV occupancy."""
         c = self.t.control[0]
         c["step"] = self.step_no
+        c["heartbeat"] = time.monotonic()  # the engine steps at least every 0.5 s, idle or not
         c["n_waiting"] = len(self.sched.waiting)
         c["n_running"] = len(self.sched.running)
         slots = np.full(self.config.max_slots, -1, np.int32)

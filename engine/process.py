@@ -12,6 +12,7 @@ import logging
 import os
 import signal
 import sys
+import time
 
 from engine.config import EngineConfig
 from shm.layout import ENGINE_DEAD, ENGINE_READY, ENGINE_STARTING, ENGINE_STOPPED, ERR_SHUTDOWN
@@ -39,6 +40,7 @@ def main(argv: list[str]) -> int:
     # Ctrl-C reaches the whole process group; the supervisor stops the engine (SIGTERM) when
     # the server stops, so the engine outlives no server and no server loses its engine early.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    control["heartbeat"] = time.monotonic()
     control["engine_state"] = ENGINE_READY
     logging.info("ready: %d slots x %d tokens, policy %s, %d threads",
                  config.max_slots, config.max_seq_len, config.policy, config.threads)

@@ -38,21 +38,24 @@ class EngineSupervisor:
     When the engine exits unexpectedly, every in-flight mailbox is failed (readers raise
     ``EngineUnavailable``), unread ring records are dropped, and a new engine is started after
     ``restart_delay_s``, doubling (up to ``max_restart_delay_s``) while restarts keep failing
-    before the engine gets ready. Every ``sweep_s`` the engine's liveness is checked and the
-    leases of dead owner processes are reclaimed.
+    before the engine gets ready. Every ``sweep_s`` the engine's liveness is checked, an engine
+    that has not stepped for ``stall_s`` seconds is killed (and so restarted), and the leases of
+    dead owner processes are reclaimed.
 
     Args:
         env: extra environment for the engine (e.g. ``OMP_WAIT_POLICY``).
     """
 
     def __init__(self, config: EngineConfig, transport: Transport, env: dict | None = None,
-                 sweep_s: float = 0.2, restart_delay_s: float = 0.5, max_restart_delay_s: float = 30.0):
+                 sweep_s: float = 0.2, restart_delay_s: float = 0.5, max_restart_delay_s: float = 30.0,
+                 stall_s: float = 30.0):
         self.config = config
         self.t = transport
         self.env = {**engine_environment(), **os.environ, **(env or {})}  # the operator's env wins
         self.sweep_s = sweep_s
         self.restart_delay_s = restart_delay_s
         self.max_restart_delay_s = max_restart_delay_s
+        self.stall_s = stall_s
         self.proc: subprocess.Popen | None = None
         self.restarts = 0
         self._stopping = threading.Event()
@@ -98,6 +101,7 @@ class EngineSupervisor:
                 self.reclaim()
                 if int(self.t.control["engine_state"][0]) == ENGINE_READY:
                     failures = 0
+                    self._kill_if_stalled()
                 continue
             stopped = int(self.t.control["engine_state"][0]) == ENGINE_STOPPED
             self.t.control["engine_state"][0] = ENGINE_DEAD
@@ -115,6 +119,14 @@ class EngineSupervisor:
             if self._stopping.wait(delay):
                 return
             self._spawn()
+
+    def _kill_if_stalled(self) -> None:
+        """A ready engine that has not stepped for ``stall_s`` is hung (a stuck decode, a
+        SIGSTOP): kill it, so its requests fail and a new engine takes over."""
+        silent = time.monotonic() - float(self.t.control["heartbeat"][0])
+        if silent > self.stall_s:
+            log.error("engine made no step for %.0f s; killing it", silent)
+            self.proc.kill()
 
     def stop(self, timeout: float = 10.0) -> None:
         """Stop the engine (SIGTERM, then SIGKILL after ``timeout``) and fail what remains."""

@@ -51,6 +51,7 @@ class Layout:
     def control_dtype(self) -> np.dtype:
         return np.dtype([
             ("engine_state", np.int32), ("engine_pid", np.int64), ("step", np.uint64),
+            ("heartbeat", np.float64),  # time.monotonic() at the engine's last step
             ("n_waiting", np.int32), ("n_running", np.int32),
             ("ring_head", np.uint64), ("ring_tail", np.uint64),
             # slot -> mailbox index (-1: free) and the slot's highest KV position (-1: empty),

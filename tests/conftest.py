@@ -31,11 +31,11 @@ def chat(tokenizer):
 
 
 @contextlib.contextmanager
-def running_engine(**overrides):
+def running_engine(supervisor_args: dict | None = None, **overrides):
     """Yield ``(client, supervisor)`` for a fresh engine; everything is torn down after."""
     config = EngineConfig(**{"max_slots": 4, "max_seq_len": 256, "max_queued": 16, **overrides})
     transport = Transport.create(Layout(config.max_slots, config.n_mailboxes, config.max_seq_len))
-    supervisor = EngineSupervisor(config, transport)
+    supervisor = EngineSupervisor(config, transport, **(supervisor_args or {}))
     try:
         supervisor.start()
         assert supervisor.wait_ready(120), "engine did not start"

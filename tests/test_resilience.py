@@ -32,6 +32,31 @@ def test_engine_crash_fails_in_flight_requests_and_restarts():
         assert_idle_and_clean(client)
 
 
+def test_stalled_engine_is_killed_and_replaced():
+    """SIGSTOP: the engine is alive but makes no step. Health says so, and the supervisor's
+    watchdog kills it, failing its requests, then a new engine serves."""
+    with running_engine(max_slots=1, supervisor_args={"stall_s": 1.0}) as (client, supervisor):
+        stream = client.submit([50, 51], SamplingParams(max_new_tokens=200, temperature=0, ignore_eos=True))
+        it = iter(stream)
+        next(it)
+        pid = int(client.t.control["engine_pid"][0])
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            time.sleep(0.3)  # no step can happen meanwhile: the heartbeat is at least this old
+            assert not client.ready(stall_s=0.25)
+            with pytest.raises(EngineUnavailable):
+                list(it)
+        finally:
+            try:
+                os.kill(pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+        assert supervisor.wait_ready(120) and client.ready()
+        with client.submit([50, 51], SamplingParams(max_new_tokens=3, temperature=0, ignore_eos=True)) as s:
+            assert len(list(s)) == 3
+        assert_idle_and_clean(client)
+
+
 def test_killed_worker_leases_are_reclaimed_and_its_slot_freed():
     with running_server("--max-slots", "2", "--max-seq-len", "512", "--workers", "2", "--threads", "4") as server:
         conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
