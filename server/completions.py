@@ -2,6 +2,7 @@
 streaming as OpenAI sends it: ``data: <chunk>`` events, ``data: [DONE]`` last."""
 from __future__ import annotations
 
+import codecs
 import secrets
 import time
 from typing import Iterator
@@ -65,11 +66,12 @@ class _Completions:
         if greq.include_usage:
             chunk["usage"] = None
         try:
+            state: dict = {}  # per-choice state a route keeps across chunks (text offsets)
             if self.chat:
                 for i in range(greq.n):
-                    yield sse({**chunk, "choices": [self.chunk_choice(Delta(i), greq, first=True)]})
+                    yield sse({**chunk, "choices": [self.chunk_choice(Delta(i), greq, state, first=True)]})
             for d in gen.deltas():
-                yield sse({**chunk, "choices": [self.chunk_choice(d, greq)]})
+                yield sse({**chunk, "choices": [self.chunk_choice(d, greq, state)]})
             if greq.include_usage:
                 yield sse({**chunk, "choices": [], "usage": gen.usage()})
         except ClientDisconnected:
@@ -83,7 +85,7 @@ class _Completions:
     # -- shapes ---------------------------------------------------------------------------------
     def token_entry(self, token_id: int, logprob: float) -> dict:
         piece = self.tokenizer.piece(token_id)
-        return {"token": piece.decode("utf-8", errors="replace"), "logprob": logprob, "bytes": list(piece)}
+        return {"token": token_text(piece), "logprob": logprob, "bytes": list(piece)}
 
 
 class ChatCompletions(_Completions):
@@ -104,7 +106,7 @@ class ChatCompletions(_Completions):
         return {"index": i, "message": {"role": "assistant", "content": c.text},
                 "logprobs": self.logprobs(c.tokens, greq), "finish_reason": c.finish_reason}
 
-    def chunk_choice(self, d: Delta, greq, first: bool = False) -> dict:
+    def chunk_choice(self, d: Delta, greq, state: dict, first: bool = False) -> dict:
         delta = {"role": "assistant", "content": ""} if first else ({"content": d.text} if d.text else {})
         return {"index": d.index, "delta": delta,
                 "logprobs": None if first else self.logprobs(d.tokens, greq), "finish_reason": d.finish_reason}
@@ -117,23 +119,45 @@ class Completions(_Completions):
     def prompt_ids(self, body: dict) -> list[int]:
         return self.tokenizer.encode(parse_prompt(body), special=False, add_bos=True)
 
-    def logprobs(self, tokens, greq, offset: int = 0) -> dict | None:
-        """Legacy shape: tokens, token_logprobs, top_logprobs (token -> logprob), text_offset."""
+    def logprobs(self, tokens, greq, offsets: "TextOffsets") -> dict | None:
+        """Legacy shape: tokens, token_logprobs, top_logprobs (token -> logprob) and text_offset
+        (characters into the completion's text where each token starts)."""
         if greq.logprobs is None:
             return None
-        entries = [self.token_entry(t.id, t.logprob) for t in tokens]
-        offsets, pos = [], offset
-        for e in entries:
-            offsets.append(pos)
-            pos += len(e["token"])
-        return {"tokens": [e["token"] for e in entries], "token_logprobs": [t.logprob for t in tokens],
-                "top_logprobs": [{self.token_entry(i, lp)["token"]: lp for i, lp in t.top} for t in tokens],
-                "text_offset": offsets}
+        return {"tokens": [token_text(self.tokenizer.piece(t.id)) for t in tokens],
+                "token_logprobs": [t.logprob for t in tokens],
+                "top_logprobs": [{token_text(self.tokenizer.piece(i)): lp for i, lp in t.top} for t in tokens],
+                "text_offset": [offsets.advance(self.tokenizer.piece(t.id)) for t in tokens]}
 
     def choice(self, i: int, c: Choice, greq) -> dict:
-        return {"index": i, "text": c.text, "logprobs": self.logprobs(c.tokens, greq),
+        return {"index": i, "text": c.text, "logprobs": self.logprobs(c.tokens, greq, TextOffsets()),
                 "finish_reason": c.finish_reason}
 
-    def chunk_choice(self, d: Delta, greq, first: bool = False) -> dict:
-        return {"index": d.index, "text": d.text, "logprobs": self.logprobs(d.tokens, greq),
+    def chunk_choice(self, d: Delta, greq, state: dict, first: bool = False) -> dict:
+        offsets = state.setdefault(d.index, TextOffsets())
+        return {"index": d.index, "text": d.text, "logprobs": self.logprobs(d.tokens, greq, offsets),
                 "finish_reason": d.finish_reason}
+
+
+class TextOffsets:
+    """Character offset of each token in a choice's text; a character split over tokens
+    belongs to the token that completes it."""
+
+    def __init__(self):
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self.chars = 0
+
+    def advance(self, piece: bytes) -> int:
+        """Offset where the token with these bytes starts; moves past it."""
+        start = self.chars
+        self.chars += len(self._utf8.decode(piece))
+        return start
+
+
+def token_text(piece: bytes) -> str:
+    """A token as text for logprobs; a piece that is not whole UTF-8 (part of a character) is
+    written ``bytes:\\xe4\\xbd``, as OpenAI's API does, so distinct tokens stay distinct."""
+    try:
+        return piece.decode("utf-8")
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in piece)

@@ -5,6 +5,7 @@ Tokenization happened in the caller; here token ids go to the engine through
 """
 from __future__ import annotations
 
+import dataclasses
 import queue
 import threading
 from dataclasses import dataclass, field
@@ -76,7 +77,9 @@ class Generation:
         self.streams: list[Stream] = []
         params = req.sampling_params(max_new_tokens)
         try:
-            for _ in range(req.n):
+            for i in range(req.n):
+                if params.seed is not None and i:  # one seed would make every choice the same
+                    params = dataclasses.replace(params, seed=(params.seed + 1) % 2**32)
                 self.streams.append(engine.submit(prompt_ids, params, priority=req.priority,
                                                   deadline_ms=req.deadline_ms, tenant=tenant,
                                                   watch_socket=watch_socket))

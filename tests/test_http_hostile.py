@@ -110,3 +110,38 @@ def test_hang_up_after_pipelining_cancels(server):
     assert server.engine.step() - at_close <= 3
     status, _, reply = post(server, "/v1/completions", {"prompt": "Hi", "max_tokens": 2})
     assert status == 200
+
+
+def test_seeded_choices_differ_but_repeat(server):
+    body = {"prompt": "Once upon a time", "max_tokens": 12, "n": 3, "temperature": 1.5, "seed": 1,
+            "ignore_eos": True}
+    status, _, first = post(server, "/v1/completions", body)
+    assert status == 200
+    texts = [c["text"] for c in sorted(first["choices"], key=lambda c: c["index"])]
+    assert len(set(texts)) > 1  # each choice has its own seed
+    status, _, again = post(server, "/v1/completions", body)
+    assert [c["text"] for c in sorted(again["choices"], key=lambda c: c["index"])] == texts
+
+
+def test_legacy_logprobs_byte_tokens_and_text_offsets(server):
+    body = {"prompt": "Say 🌊🌊🌊🌊", "temperature": 0, "max_tokens": 8, "logprobs": 5}
+    status, _, reply = post(server, "/v1/completions", body)
+    assert status == 200
+    lp = reply["choices"][0]["logprobs"]
+    assert all(len(top) == 5 for top in lp["top_logprobs"])  # byte tokens no longer collide
+    for token, logprob, top in zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"]):
+        assert top[token] == logprob  # greedy: the chosen token is among the top, same value
+    text = reply["choices"][0]["text"]
+    assert lp["text_offset"] == sorted(lp["text_offset"]) and lp["text_offset"][-1] <= len(text)
+    # Streamed: offsets continue across chunks and equal the non-streamed ones.
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
+    conn.request("POST", "/v1/completions", json.dumps({**body, "stream": True}),
+                 {"Content-Type": "application/json"})
+    offsets = []
+    for line in conn.getresponse():
+        if line.startswith(b"data: {"):
+            chunk = json.loads(line[6:])
+            if chunk["choices"][0]["logprobs"]:
+                offsets += chunk["choices"][0]["logprobs"]["text_offset"]
+    conn.close()
+    assert offsets == lp["text_offset"]
