@@ -57,6 +57,10 @@ def read_json(req: falcon.Request, max_body_bytes: int) -> dict:
     if media != "application/json":
         raise APIError(415, f"Content-Type must be application/json, got {req.content_type or 'none'}",
                        code="unsupported_media_type")
+    encoding = (req.get_header("Content-Encoding") or "identity").strip().lower()
+    if encoding != "identity":
+        raise APIError(415, f"Content-Encoding {encoding} is not supported; send plain JSON",
+                       code="unsupported_media_type")
     too_large = APIError(413, f"request body exceeds {max_body_bytes} bytes", code="request_too_large",
                          headers={"Connection": "close"})
     if req.content_length is not None and req.content_length > max_body_bytes:
@@ -138,8 +142,7 @@ def parse_generation(body: dict, *, chat: bool) -> GenerationRequest:
         value = number(body, name, 1, 2**31 - 1, integer=True)  # both validated when both given
         if value is not None and (r.max_tokens is None or name == "max_completion_tokens"):
             r.max_tokens, r.max_tokens_param = value, name  # the newer name wins, as in OpenAI's API
-    if not chat:
-        _unsupported(body)
+    _refuse_unsupported(body, chat)
     r.sampling = {
         "temperature": number(body, "temperature", 0, 2, default=1.0),
         "top_p": number(body, "top_p", 0, 1, lo_open=True, default=1.0),
@@ -167,8 +170,18 @@ def parse_generation(body: dict, *, chat: bool) -> GenerationRequest:
     return r
 
 
-def _unsupported(body: dict) -> None:
-    """Legacy completion options this server does not implement are refused, not ignored."""
+def _refuse_unsupported(body: dict, chat: bool) -> None:
+    """Options this server does not implement are refused, not silently ignored."""
+    if body.get("logit_bias"):
+        raise bad_request("logit_bias is not supported", "logit_bias")
+    if chat:
+        if body.get("tools") or body.get("functions"):
+            raise bad_request("tools are not supported by this server", "tools" if body.get("tools") else "functions")
+        fmt = body.get("response_format")
+        if fmt is not None and fmt != {"type": "text"}:
+            raise bad_request("response_format other than {\"type\": \"text\"} is not supported",
+                              "response_format")
+        return
     if body.get("echo"):
         raise bad_request("echo is not supported", "echo")
     if body.get("best_of") not in (None, 1):

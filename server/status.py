@@ -22,6 +22,9 @@ class Health:
                            headers={"Retry-After": "1"})
         resp.media = {"status": "ok"}
 
+    def on_head(self, req: falcon.Request, resp: falcon.Response) -> None:
+        self.on_get(req, resp)  # some probes and load balancers use HEAD
+
 
 class Models:
     """The one served model, with ``context_length``: the real per-sequence token limit."""

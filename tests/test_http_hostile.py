@@ -145,3 +145,28 @@ def test_legacy_logprobs_byte_tokens_and_text_offsets(server):
                 offsets += chunk["choices"][0]["logprobs"]["text_offset"]
     conn.close()
     assert offsets == lp["text_offset"]
+
+
+@pytest.mark.parametrize("path,extra,param", [
+    (CHAT, {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    (CHAT, {"response_format": {"type": "json_object"}}, "response_format"),
+    (CHAT, {"logit_bias": {"50256": -100}}, "logit_bias"),
+    ("/v1/completions", {"logit_bias": {"50256": -100}}, "logit_bias"),
+])
+def test_unimplemented_options_are_refused(server, path, extra, param):
+    body = {"messages": HI} if path == CHAT else {"prompt": "Hi"}
+    status, _, reply = post(server, path, {**body, "max_tokens": 2, **extra})
+    assert status == 400 and assert_error_shape(reply)["param"] == param
+
+
+def test_compressed_body_is_415_and_head_health_is_200(server):
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
+    conn.request("POST", CHAT, json.dumps({"messages": HI}),
+                 {"Content-Type": "application/json", "Content-Encoding": "gzip"})
+    resp = conn.getresponse()
+    assert resp.status == 415 and assert_error_shape(json.loads(resp.read()))
+    conn.request("HEAD", "/health")
+    resp = conn.getresponse()
+    resp.read()
+    assert resp.status == 200
+    conn.close()
