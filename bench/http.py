@@ -8,6 +8,8 @@ Starts a real ``inference-server`` (gunicorn + engine) on a free port, then:
   P tokens each, ``max_tokens`` G with ``ignore_eos``; generated tokens/s = total completion
   tokens over the wall time from the first request sent to the last ``[DONE]``. Divided by
   ``bench.limit`` (B = clients, same P and G) run before and after, in child processes.
+  ``--repeat`` runs alternate with ceiling runs; the median ratio is reported (the machine is
+  noisy: one run's ratio has varied between 0.91 and 1.02).
 * TTFT overhead: a lone streaming request on the idle server; time to the first token seen by
   the client minus the engine's own prefill time for the same prompt (taken from the engine's
   mailbox timestamps of that same request: admission to the end of its prefill decode).
@@ -55,6 +57,23 @@ def prompt_text(tokenizer, n_tokens: int, salt: int) -> str:
     return text.strip()
 
 
+def throughput(port: int, prompts: list[str], gen: int) -> tuple[float, int]:
+    """All prompts streamed at once, one client thread each; returns (tokens/s, tokens)."""
+    results = [None] * len(prompts)
+
+    def client(i):
+        results[i] = stream_completion(port, prompts[i], gen)
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(len(prompts))]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    generated = sum(r[2] for r in results)
+    return generated / (time.perf_counter() - t0), generated
+
+
 def main(argv=None) -> int:
     from bench.common import limit, parser, report
     from engine.config import default_model_path
@@ -64,29 +83,20 @@ def main(argv=None) -> int:
     p = parser("python -m bench.http", __doc__, "--clients")
     p.add_argument("--ttft-runs", type=int, default=15)
     p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--repeat", type=int, default=3, help="throughput runs, each between two ceiling runs")
     a = p.parse_args(argv)
     B, P, G = a.batch, a.prompt_tokens, a.gen_tokens
     tokenizer = Tokenizer(default_model_path())
     prompts = [prompt_text(tokenizer, P, i) for i in range(B)]
-    before = limit(B, P, G, a.engine_threads)
     flags = ["--max-slots", str(B), "--max-seq-len", str(max(256, P + G + 8)), "--workers", str(a.workers),
              "--threads", str(B + 4), "--engine-threads", str(a.engine_threads)]
+    limits, runs = [limit(B, P, G, a.engine_threads)], []
     with running_server(*flags) as server:
         stream_completion(server.port, prompts[0], 4)  # warm-up
-        results = [None] * B
-
-        def client(i):
-            results[i] = stream_completion(server.port, prompts[i], G)
-
-        threads = [threading.Thread(target=client, args=(i,)) for i in range(B)]
-        t0 = time.perf_counter()
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        wall = time.perf_counter() - t0
-        generated = sum(r[2] for r in results)
-        server.wait_idle()
+        for _ in range(a.repeat):  # the idle server sleeps while the ceiling runs
+            runs.append(throughput(server.port, prompts, G))
+            server.wait_idle()
+            limits.append(limit(B, P, G, a.engine_threads))
 
         ttft, prefill = [], []
         boxes = server.engine.t.mailboxes
@@ -96,9 +106,14 @@ def main(argv=None) -> int:
             i = int(boxes["t_queued"].argmax())
             prefill.append(float(boxes["t_prefill_done"][i] - boxes["t_admitted"][i]))
         ids = tokenizer.encode(prompts[0], add_bos=True)
-    after = limit(B, P, G, a.engine_threads)
+    ratios = [tps / ((limits[k]["tokens_per_s"] + limits[k + 1]["tokens_per_s"]) / 2)
+              for k, (tps, _) in enumerate(runs)]
+    median = sorted(range(len(runs)), key=lambda k: ratios[k])[len(runs) // 2]
     ttft_ms, prefill_ms = statistics.median(ttft) * 1000, statistics.median(prefill) * 1000
-    report("HTTP streaming", generated / wall, before, after, a.json, generated_tokens=generated,
+    print("ceiling runs (tok/s): " + ", ".join(f"{lim['tokens_per_s']:.1f}" for lim in limits))
+    print("HTTP runs (tok/s, ratio): " + ", ".join(f"{tps:.1f} {r:.3f}" for (tps, _), r in zip(runs, ratios)))
+    report("HTTP streaming (median run)", runs[median][0], limits[median], limits[median + 1], a.json,
+           generated_tokens=runs[median][1], ratios=ratios,
            ttft_ms_median=ttft_ms, engine_prefill_ms_median=prefill_ms,
            ttft_overhead_ms=ttft_ms - prefill_ms, ttft_prompt_tokens=len(ids))
     print(f"TTFT of a lone request: {ttft_ms:.2f} ms; engine prefill {prefill_ms:.2f} ms; "

@@ -62,6 +62,7 @@ class EngineCore:
         self.expire(now)
         for seq in self.sched.admit(now):
             self.start(seq, now)
+        self.compact()
         rows = self.fill_batch()
         if self.batch.n and self.decode():
             self.sample_and_publish(rows, time.monotonic())
@@ -125,27 +126,42 @@ class EngineCore:
         box["step_admitted"] = self.step_no
         box["state"] = RUNNING
 
+    def compact(self) -> None:
+        """Close gaps in the running slots (admissions fill them first) by moving the highest
+        sequence down, so the batch's sequence ids stay consecutive: one micro-batch."""
+        while (gap := self.sched.gap()) is not None:
+            seq, slot = gap
+            self.model.move_sequence(seq.slot, slot)
+            self.sched.move(seq, slot)
+            self.t.mailboxes["slot"][seq.mailbox] = slot
+            self.t.control["kv_moves"][0] += 1
+
     def fill_batch(self) -> list[tuple[Sequence, int]]:
-        """Decode tokens first (one per decoding sequence), then prompt chunks (chunked prefill)
-        in admission order, within ``n_batch`` tokens. Returns ``(sequence, logits row)`` for
-        every sequence that samples after this decode."""
-        batch = self.batch
-        batch.clear()
-        rows = []
+        """One token per decoding sequence, then prompt chunks (chunked prefill) in admission
+        order, within ``n_batch`` tokens; rows are laid out in ascending slot order (see
+        :meth:`compact`). Returns ``(sequence, logits row)`` for every sequence that samples
+        after this decode."""
+        room = self.batch.capacity
+        plan = []  # (sequence, tokens, first position, samples after this decode)
         running = sorted(self.sched.running.values(), key=lambda s: s.order)
         for seq in running:
-            if not seq.prefilling and batch.room:
-                pos = len(seq.prompt) + seq.n_generated - 1
-                rows.append((seq, batch.add(np.array([seq.last_token], np.int32), pos, seq.slot, True)))
+            if not seq.prefilling and room:
+                plan.append((seq, np.array([seq.last_token], np.int32), len(seq.prompt) + seq.n_generated - 1, True))
+                room -= 1
         for seq in running:
-            if seq.prefilling and batch.room:
-                k = min(len(seq.prompt) - seq.n_prefilled, batch.room)
-                done = seq.n_prefilled + k == len(seq.prompt)
-                row = batch.add(seq.prompt[seq.n_prefilled:seq.n_prefilled + k], seq.n_prefilled, seq.slot, done)
+            if seq.prefilling and room:
+                k = min(len(seq.prompt) - seq.n_prefilled, room)
+                start, done = seq.n_prefilled, seq.n_prefilled + k == len(seq.prompt)
+                plan.append((seq, seq.prompt[start:start + k], start, done))
                 seq.n_prefilled += k
                 self.sched.charge(seq, k)
-                if done:
-                    rows.append((seq, row))
+                room -= k
+        self.batch.clear()
+        rows = []
+        for seq, tokens, pos, samples in sorted(plan, key=lambda p: p[0].slot):
+            row = self.batch.add(tokens, pos, seq.slot, samples)
+            if samples:
+                rows.append((seq, row))
         return rows
 
     def sample_and_publish(self, rows: list[tuple[Sequence, int]], now: float) -> None:

@@ -76,6 +76,12 @@ class Model:
         """Drop every KV cell of ``seq_id``; other sequences' cells are untouched."""
         llama_cpp.llama_memory_seq_rm(self.mem, seq_id, -1, -1)
 
+    def move_sequence(self, src: int, dst: int) -> None:
+        """Move every KV cell of ``src`` to the empty sequence ``dst``. Across streams of a
+        non-unified cache llama.cpp copies the whole stream, applied at the next decode."""
+        llama_cpp.llama_memory_seq_cp(self.mem, src, dst, -1, -1)
+        llama_cpp.llama_memory_seq_rm(self.mem, src, -1, -1)
+
     def pos_max(self, seq_id: int) -> int:
         """Highest KV position held by ``seq_id``; -1 when it holds none."""
         return llama_cpp.llama_memory_seq_pos_max(self.mem, seq_id)

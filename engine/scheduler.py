@@ -10,6 +10,7 @@ request: every ``aging_s`` seconds it climbs one priority class.
 """
 from __future__ import annotations
 
+import bisect
 import math
 
 from engine.sequence import Sequence
@@ -30,7 +31,7 @@ class Scheduler:
         self.aging_s = aging_s
         self.waiting: list[Sequence] = []
         self.running: dict[int, Sequence] = {}
-        self.free_slots = list(range(max_slots))[::-1]
+        self.free_slots = list(range(max_slots))  # kept sorted: the lowest is taken first
         self.counters: dict[int, float] = {}
 
     def add(self, seq: Sequence) -> None:
@@ -72,7 +73,7 @@ class Scheduler:
         admitted = order[:room]
         for seq in admitted:
             self.waiting.remove(seq)
-            seq.slot = self.free_slots.pop()
+            seq.slot = self.free_slots.pop(0)
             self.running[seq.slot] = seq
         return admitted
 
@@ -82,5 +83,27 @@ class Scheduler:
     def release(self, seq: Sequence) -> None:
         """Give a retired sequence's slot back."""
         del self.running[seq.slot]
-        self.free_slots.append(seq.slot)
+        bisect.insort(self.free_slots, seq.slot)
         seq.slot = -1
+
+    def gap(self) -> tuple[Sequence, int] | None:
+        """The highest running sequence and the lowest free slot below it, if any.
+
+        llama.cpp decodes a batch over a multi-stream (non-unified) KV cache in one micro-batch
+        only when its sequence ids are consecutive (``split_equal(..., sequential=true)`` in
+        llama-batch.cpp); every gap in the running slots costs another pass over the weights.
+        """
+        if not self.running or not self.free_slots:
+            return None
+        top = max(self.running)
+        if self.free_slots[0] > top:
+            return None
+        return self.running[top], self.free_slots[0]
+
+    def move(self, seq: Sequence, slot: int) -> None:
+        """Rebind a running sequence to the free ``slot`` (its KV cells were copied there)."""
+        del self.running[seq.slot]
+        self.free_slots.remove(slot)
+        bisect.insort(self.free_slots, seq.slot)
+        seq.slot = slot
+        self.running[slot] = seq

@@ -52,6 +52,7 @@ class Layout:
         return np.dtype([
             ("engine_state", np.int32), ("engine_pid", np.int64), ("step", np.uint64),
             ("heartbeat", np.float64),  # time.monotonic() at the engine's last step
+            ("kv_moves", np.uint64),  # sequences moved down to close a gap in the slots
             ("n_waiting", np.int32), ("n_running", np.int32),
             ("ring_head", np.uint64), ("ring_tail", np.uint64),
             # slot -> mailbox index (-1: free) and the slot's highest KV position (-1: empty),

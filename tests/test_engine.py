@@ -228,3 +228,24 @@ def test_logprobs_and_seeded_sampling():
             assert len(tok.top) == 5 and tok.top[0][0] == tok.id  # greedy = the most likely
             assert tok.logprob <= 0 and abs(tok.logprob - tok.top[0][1]) < 1e-5
             assert [lp for _, lp in tok.top] == sorted((lp for _, lp in tok.top), reverse=True)
+
+
+def test_compaction_moves_kv_cells_without_changing_outputs(chat):
+    """Short sequences in low slots retire first; the survivors are moved down (their KV
+    cells copied to the freed slots) so the batch stays one micro-batch. Every output must
+    still equal the same request run alone."""
+    prompts = [chat.encode([{"role": "user", "content": c}]) for c in CHATS[:4]]
+    params = [SamplingParams(max_new_tokens=n, temperature=0, ignore_eos=True) for n in (4, 30, 8, 40)]
+    with running_engine(max_slots=4) as (client, _):
+        streams = [client.submit(p, sp) for p, sp in zip(prompts, params)]  # slots 0..3 in order
+        together = []
+        for s in streams:
+            with s:
+                together.append([t.id for t in s])
+        assert int(client.t.control["kv_moves"][0]) >= 1
+        alone = []
+        for p, sp in zip(prompts, params):
+            with client.submit(p, sp) as s:
+                alone.append([t.id for t in s])
+        assert_idle_and_clean(client)
+    assert together == alone
