@@ -243,9 +243,21 @@ class EngineClient:
         """Sequences that can be in flight at once (running plus queued): the mailboxes."""
         return self.t.layout.n_mailboxes
 
+    def snapshot(self) -> tuple[int, list[int], list[int]]:
+        """A consistent ``(step, slot -> mailbox (-1 free), slot -> highest KV position (-1
+        none))`` as of the engine's last completed step (see the control block's seqlock)."""
+        c = self.t.control[0]
+        while True:
+            step = int(c["step"])
+            if not c["publishing"]:
+                slots, kv = c["slot_mailbox"].tolist(), c["slot_kv_pos_max"].tolist()
+                if not c["publishing"] and int(c["step"]) == step:
+                    return step, slots, kv
+            time.sleep(0)
+
     def slot_mailboxes(self) -> list[int]:
         """Mailbox index held by each KV slot (-1: free), as of the engine's last step."""
-        return self.t.control[0]["slot_mailbox"].tolist()
+        return self.snapshot()[1]
 
     def step(self) -> int:
         """The engine's last completed step number."""
@@ -253,7 +265,7 @@ class EngineClient:
 
     def kv_pos_max(self) -> list[int]:
         """Highest KV position of each slot (-1: no cells), as of the engine's last step."""
-        return self.t.control[0]["slot_kv_pos_max"].tolist()
+        return self.snapshot()[2]
 
     def mailboxes_in_use(self) -> int:
         return self._mailboxes.in_use()

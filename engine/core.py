@@ -219,15 +219,18 @@ class EngineCore:
     def publish_control(self) -> None:
         """Refresh the control block: step counter, queue sizes, slot table, KV occupancy."""
         c = self.t.control[0]
-        c["step"] = self.step_no
-        c["heartbeat"] = time.monotonic()  # the engine steps at least every 0.5 s, idle or not
-        c["n_waiting"] = len(self.sched.waiting)
-        c["n_running"] = len(self.sched.running)
         slots = np.full(self.config.max_slots, -1, np.int32)
         for slot, seq in self.sched.running.items():
             slots[slot] = seq.mailbox
+        kv = [self.model.pos_max(s) for s in range(self.config.max_slots)]
+        c["publishing"] = 1
+        c["heartbeat"] = time.monotonic()  # the engine steps at least every 0.5 s, idle or not
+        c["n_waiting"] = len(self.sched.waiting)
+        c["n_running"] = len(self.sched.running)
         c["slot_mailbox"] = slots
-        c["slot_kv_pos_max"] = [self.model.pos_max(s) for s in range(self.config.max_slots)]
+        c["slot_kv_pos_max"] = kv
+        c["step"] = self.step_no
+        c["publishing"] = 0
 
     def shutdown(self, error: int) -> None:
         """Finish every sequence with ``error`` (engine stopping)."""

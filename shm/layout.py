@@ -50,7 +50,11 @@ class Layout:
 
     def control_dtype(self) -> np.dtype:
         return np.dtype([
+            # "publishing" is 1 while the engine rewrites the fields below and "step" changes
+            # last: a reader whose "step" did not move and who saw "publishing" 0 before and
+            # after holds a consistent snapshot (a seqlock).
             ("engine_state", np.int32), ("engine_pid", np.int64), ("step", np.uint64),
+            ("publishing", np.int32),
             ("heartbeat", np.float64),  # time.monotonic() at the engine's last step
             ("kv_moves", np.uint64),  # sequences moved down to close a gap in the slots
             ("n_waiting", np.int32), ("n_running", np.int32),

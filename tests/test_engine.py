@@ -51,10 +51,8 @@ def test_64_mixed_requests_from_4_producers_through_4_slots():
 
         def watch_kv():  # a free slot never keeps KV cells, at any step
             while not stop.is_set():
-                c = client.t.control[0]
-                slots, kv = c["slot_mailbox"].tolist(), c["slot_kv_pos_max"].tolist()
-                violations.extend(s for s in range(4) if slots[s] == -1 and kv[s] != -1 and
-                                  c["slot_mailbox"][s] == -1 and c["slot_kv_pos_max"][s] != -1)
+                step, slots, kv = client.snapshot()
+                violations.extend((step, s) for s in range(4) if slots[s] == -1 and kv[s] != -1)
                 time.sleep(0.002)
 
         watcher = threading.Thread(target=watch_kv)
