@@ -347,10 +347,13 @@ class Stream:
 
     def cancel(self) -> None:
         """Ask the engine to stop this sequence (it retires it within one step)."""
-        box = self.client.t.mailboxes[self.index]
-        if int(box["generation"]) == self.generation:
+        t = self.client.t
+        box = t.mailboxes[self.index]
+        with t.lock:  # leases take this lock too: a mailbox leased again is never cancelled
+            if self._released or int(box["generation"]) != self.generation:
+                return
             box["cancel"] = 1
-            self.client.t.bells.ring(self.client.t.bells.ENGINE)
+        t.bells.ring(t.bells.ENGINE)
 
     def close(self, timeout: float = 30.0) -> None:
         """Cancel if unfinished, wait until the engine retired it, and return the mailbox."""

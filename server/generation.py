@@ -108,15 +108,22 @@ class Generation:
         for t in threads:
             t.start()
         running = len(threads)
-        while running:
-            item = merged.get()
-            if item is None:
-                running -= 1
-            elif isinstance(item, BaseException):
-                self.close()
-                raise item
-            else:
-                yield item
+        try:
+            while running:
+                item = merged.get()
+                if item is None:
+                    running -= 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    yield item
+        finally:
+            # Each pump closes its own stream; cancel what still runs (an error, or the client
+            # left) and wait, so no pump reads a mailbox after it was given back.
+            for stream in self.streams:
+                stream.cancel()
+            for t in threads:
+                t.join()
 
     def _choice(self, index: int) -> Iterator[Delta]:
         stream = self.streams[index]
