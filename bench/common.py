@@ -10,22 +10,19 @@ import tempfile
 from engine.client import EngineClient
 from engine.config import EngineConfig
 from engine.supervisor import EngineSupervisor
-from shm import Layout, Transport
 
 
 @contextlib.contextmanager
 def engine(config: EngineConfig):
     """Yield an :class:`EngineClient` over a fresh transport and engine process."""
-    transport = Transport.create(Layout(config.max_slots, config.n_mailboxes, config.max_seq_len))
-    supervisor = EngineSupervisor(config, transport)
+    supervisor = EngineSupervisor.create(config)
     try:
         supervisor.start()
         if not supervisor.wait_ready(120):
             raise RuntimeError("engine did not start")
-        yield EngineClient(transport)
+        yield EngineClient(supervisor.t)
     finally:
         supervisor.stop()
-        transport.close()
 
 
 def limit(batch: int, prompt: int, gen: int, threads: int = 0) -> dict:

@@ -99,7 +99,7 @@ def main(argv=None) -> int:
             limits.append(limit(B, P, G, a.engine_threads))
 
         ttft, prefill = [], []
-        boxes = server.engine.t.mailboxes
+        boxes = server.engine.t.mailboxes.boxes
         for _ in range(a.ttft_runs):
             ttft.append(stream_completion(server.port, prompts[0], 1)[0])
             # The request's mailbox keeps its engine timestamps until it is leased again.

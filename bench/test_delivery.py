@@ -1,10 +1,11 @@
 """Token delivery: time from the engine publishing a token to its reader waking.
 
 Run with ``make bench`` (pytest-benchmark). A separate "engine" process, on each request,
-stamps ``time.perf_counter()`` (CLOCK_MONOTONIC, the same clock in every process), writes a
-token and the counter into mailbox 0 and rings its FIFO, exactly as ``EngineCore`` publishes.
-The benchmark process waits on that FIFO the way ``engine.client.Stream`` does; the one-way
-latency of every round is kept and its percentiles go to ``extra_info``.
+publishes one token into mailbox 0 with the real verb (``Mailboxes.publish``: data, counter,
+wake-up); the token id is the publishing time, ``time.perf_counter()`` (CLOCK_MONOTONIC, the
+same clock in every process) in microseconds since the benchmark started. The benchmark process waits with the real reader verbs
+(``Mailboxes.wait`` and ``read_new``), as ``engine.stream.follow`` does; the one-way latency of
+every round is kept and its percentiles go to ``extra_info``.
 """
 from __future__ import annotations
 
@@ -14,58 +15,66 @@ import time
 import numpy as np
 import pytest
 
-from shm import Layout, Transport
-from shm.wakeup import Doorbells
+from shm import Finish, Layout, Published, Transport
+from shm.wakeup import Wakeups
 
 
-def fake_engine(name: str) -> None:
+ROUNDS = 3000
+
+
+def fake_engine(name: str, base: float) -> None:
+    """Publish one token per wake-up until the reader cancels."""
     t = Transport.attach(name)
-    box = t.mailboxes[0]
+    boxes = t.mailboxes
     k = 0
     while True:
-        t.bells.wait(Doorbells.ENGINE, timeout=None)
-        t.bells.drain(Doorbells.ENGINE)
-        if int(box["cancel"]):
+        t.wakeups.wait([Wakeups.ENGINE], None)
+        t.wakeups.drain(Wakeups.ENGINE)
+        (rec,) = t.ring.pop_all() or [rec]  # the submitted record; later rounds push none
+        if boxes.cancelled(rec.mailbox, rec.lease):
             break
-        t.tokens[0, k % t.layout.max_seq_len] = k
-        box["t_first_token"] = time.perf_counter()
-        box["n_tokens"] = k + 1
-        t.bells.ring(0)
+        stamp = time.perf_counter()
+        boxes.publish([Published(rec.mailbox, k, int((stamp - base) * 1e6), None)], stamp)
         k += 1
+    boxes.finish(rec.mailbox, rec.lease, Finish.CANCELLED)
     t.close()
 
 
 @pytest.fixture
 def pair():
-    t = Transport.create(Layout(1, 1, 64))
-    proc = mp.get_context("spawn").Process(target=fake_engine, args=(t.name,))
+    t = Transport.create(Layout(1, 1, ROUNDS + 8, 4))
+    base = time.perf_counter()
+    proc = mp.get_context("spawn").Process(target=fake_engine, args=(t.name, base))
     proc.start()
-    yield t
-    t.mailboxes["cancel"][0] = 1
-    t.bells.ring(Doorbells.ENGINE)
+    lease = t.mailboxes.lease()
+    t.mailboxes.submit(lease, 1, lambda payload: None)  # wakes the engine: the first token
+    yield t, lease, base
+    t.mailboxes.cancel(lease)
     proc.join(10)
+    t.mailboxes.release(lease)
     t.close()
 
 
 def test_token_delivery_latency(benchmark, pair):
-    t = pair
-    box = t.mailboxes[0]
+    t, lease, base = pair
+    boxes = t.mailboxes
     latencies = []
 
-    def one_token():
-        seen = int(box["n_tokens"])
-        t.bells.ring(Doorbells.ENGINE)
+    def one_token(seen: int | None = None):
+        if seen is None:
+            seen = boxes.read_new(lease)[0]
+            t.wakeups.wake(Wakeups.ENGINE)
         while True:
-            t.bells.wait(0, timeout=5.0)
+            boxes.wait([lease], 5.0)
             woke = time.perf_counter()
-            t.bells.drain(0)
-            if int(box["n_tokens"]) > seen:
-                latencies.append(woke - float(box["t_first_token"]))
+            n, _ = boxes.read_new(lease)
+            if n > seen:
+                latencies.append(woke - (base + boxes.token(lease, n - 1, None)[0] / 1e6))
                 return
 
-    one_token()  # warm-up: the engine process has opened its FIFOs
+    one_token(seen=0)  # the submitted request's token: the engine process has opened its FIFOs
     latencies.clear()
-    benchmark.pedantic(one_token, rounds=3000, iterations=1)
+    benchmark.pedantic(one_token, rounds=ROUNDS, iterations=1)
     ms = np.array(latencies) * 1000
     benchmark.extra_info.update({"p50_ms": float(np.percentile(ms, 50)),
                                  "p99_ms": float(np.percentile(ms, 99)),

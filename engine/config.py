@@ -5,6 +5,9 @@ import importlib.util
 import os
 from dataclasses import dataclass, field
 
+from engine.request import record_bytes
+from shm.layout import Layout
+
 POLICIES = ("continuous", "static", "fifo")
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -88,6 +91,10 @@ class EngineConfig:
     @property
     def n_mailboxes(self) -> int:
         return self.max_slots + self.max_queued
+
+    def layout(self) -> Layout:
+        """The shared-memory layout this engine needs (:class:`shm.layout.Layout`)."""
+        return Layout(self.max_slots, self.n_mailboxes, self.max_seq_len, record_bytes(self.max_seq_len))
 
 
 def default_threads() -> int:

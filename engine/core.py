@@ -1,4 +1,5 @@
-"""The engine loop: one thread stepping continuous batching over llama.cpp (DESIGN.md §2).
+"""The engine loop: one thread stepping continuous batching over llama.cpp (docs/architecture.md,
+"Engine step").
 
 One :meth:`EngineCore.step` is the phases of llama.cpp's server loop, in order::
 
@@ -14,14 +15,13 @@ import numpy as np
 from engine.batch import Batch
 from engine.config import EngineConfig
 from engine.model import DecodeError, Model
+from engine.request import EngineRequest
 from engine.sampler import Sampler, logprobs
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence
-from shm.layout import (DONE, ERR_BAD_REQUEST, ERR_DECODE, ERR_NONE, FINISH_CANCELLED,
-                        FINISH_DEADLINE, FINISH_ERROR, FINISH_LENGTH, FINISH_STOP, QUEUED, RUNNING)
-from shm.ring import RequestRing
+from shm import ErrorCode, Finish, Published
 from shm.transport import Transport
-from shm.wakeup import Doorbells
+from shm.wakeup import Wakeups
 
 log = logging.getLogger("engine")
 
@@ -36,19 +36,19 @@ class EngineCore:
     def __init__(self, config: EngineConfig, transport: Transport, model: Model):
         self.config = config
         self.t = transport
+        self.boxes = transport.mailboxes
         self.model = model
-        self.ring = RequestRing(transport)
         self.sched = Scheduler(config.max_slots, config.policy, config.aging_s)
         self.batch = Batch(config.n_batch)
         self.stopping = False
-        self.step_no = int(transport.control["step"][0])
+        self.step_no = transport.control.step
 
     # -- loop ---------------------------------------------------------------------------------
     def run(self) -> None:
         """Step until :meth:`stop`; block on the engine's FIFO only when fully idle."""
         while not self.stopping:
             if not self.sched.running and not self.sched.waiting:
-                self.t.bells.wait(Doorbells.ENGINE, timeout=0.5)
+                self.t.wakeups.wait([Wakeups.ENGINE], timeout=0.5)
             self.step()
 
     def stop(self) -> None:
@@ -77,54 +77,49 @@ class EngineCore:
             log.error("%s; failing the sequences of this batch", e)
             in_batch = set(self.batch.seq[:self.batch.n].tolist())
             for seq in [s for s in self.sched.running.values() if s.slot in in_batch]:
-                self.retire(seq, FINISH_ERROR, ERR_DECODE)
+                self.retire(seq, Finish.ERROR, ErrorCode.DECODE)
             return False
 
     # -- phases -------------------------------------------------------------------------------
     def ingest(self, now: float) -> None:
         """Drain the request ring into the waiting queue; drop stale or malformed records."""
-        self.t.bells.drain(Doorbells.ENGINE)
-        boxes = self.t.mailboxes
-        for rec in self.ring.pop_all():
-            i = int(rec["mailbox"])
-            if int(boxes["generation"][i]) != int(rec["generation"]) or int(boxes["state"][i]) != QUEUED:
+        self.t.wakeups.drain(Wakeups.ENGINE)
+        for rec in self.t.ring.pop_all():
+            if not self.boxes.is_queued(rec.mailbox, rec.lease):
                 continue  # the lease was reclaimed or failed meanwhile
-            n, m = int(rec["n_prompt"]), int(rec["max_new_tokens"])
-            if not (1 <= n <= self.config.max_seq_len - 1 and m >= 1 and n + m <= self.config.max_seq_len):
-                self._finish_mailbox(i, int(rec["generation"]), FINISH_ERROR, ERR_BAD_REQUEST)
+            request = EngineRequest.decode(rec.payload)
+            n, m = len(request.prompt), request.sampling.max_new_tokens or 0
+            # Defensive: the client checked the length; a corrupt record must not reach llama.cpp.
+            if not (1 <= n < self.config.max_seq_len and m >= 1 and n + m <= self.config.max_seq_len):
+                self.boxes.finish(rec.mailbox, rec.lease, Finish.ERROR, ErrorCode.BAD_REQUEST, self.step_no)
                 continue
-            self.sched.add(Sequence.from_record(rec, now))
+            self.sched.add(Sequence(rec.mailbox, rec.lease, request, now))
 
     def expire(self, now: float) -> None:
         """Finish sequences whose client cancelled or whose deadline passed."""
-        boxes = self.t.mailboxes
         for seq in list(self.sched.waiting):
-            reason = self._expiry(seq, boxes, now)
+            reason = self._expiry(seq, now)
             if reason:
                 self.sched.drop_waiting(seq)
-                self._finish_mailbox(seq.mailbox, seq.generation, reason)
+                self.boxes.finish(seq.mailbox, seq.lease, reason, step=self.step_no)
         for seq in list(self.sched.running.values()):
-            reason = self._expiry(seq, boxes, now)
+            reason = self._expiry(seq, now)
             if reason:
                 self.retire(seq, reason)
 
-    @staticmethod
-    def _expiry(seq: Sequence, boxes: np.ndarray, now: float) -> int:
-        if boxes["cancel"][seq.mailbox] or int(boxes["generation"][seq.mailbox]) != seq.generation:
-            return FINISH_CANCELLED
-        if seq.deadline and now >= seq.deadline:
-            return FINISH_DEADLINE
-        return 0
+    def _expiry(self, seq: Sequence, now: float) -> Finish:
+        if self.boxes.cancelled(seq.mailbox, seq.lease):
+            return Finish.CANCELLED
+        if seq.request.deadline and now >= seq.request.deadline:
+            return Finish.DEADLINE
+        return Finish.NONE
 
     def start(self, seq: Sequence, now: float) -> None:
         """Bind an admitted sequence to its slot and build its sampler."""
-        banned = self.model.eog if seq.ignore_eos else frozenset()
-        seq.sampler = Sampler(self.model.n_vocab, seq.sampling, banned, seq.prompt)
-        box = self.t.mailboxes[seq.mailbox]
-        box["slot"] = seq.slot
-        box["t_admitted"] = now
-        box["step_admitted"] = self.step_no
-        box["state"] = RUNNING
+        sampling = seq.request.sampling
+        banned = self.model.eog if sampling.ignore_eos else frozenset()
+        seq.sampler = Sampler(self.model.n_vocab, sampling, banned, seq.prompt)
+        self.boxes.admit(seq.mailbox, seq.slot, self.step_no, now)
 
     def compact(self) -> None:
         """Close gaps in the running slots (admissions fill them first) by moving the highest
@@ -133,8 +128,8 @@ class EngineCore:
             seq, slot = gap
             self.model.move_sequence(seq.slot, slot)
             self.sched.move(seq, slot)
-            self.t.mailboxes["slot"][seq.mailbox] = slot
-            self.t.control["kv_moves"][0] += 1
+            self.boxes.move(seq.mailbox, slot)
+            self.t.control.count_kv_move()
 
     def fill_batch(self) -> list[tuple[Sequence, int]]:
         """One token per decoding sequence, then prompt chunks (chunked prefill) in admission
@@ -165,77 +160,47 @@ class EngineCore:
         return rows
 
     def sample_and_publish(self, rows: list[tuple[Sequence, int]], now: float) -> None:
-        """Sample one token per row, write it to the sequence's mailbox, wake its reader, and
+        """Sample one token per row, publish every token to its mailbox (one wake-up each), then
         retire the sequences that finished."""
-        t = self.t
-        woken = []
+        published, finished = [], []
         for seq, row in rows:
             tok = seq.sampler.sample(self.model.ctx, row)
-            i, k = seq.mailbox, seq.n_generated
-            box = t.mailboxes[i]
+            sampling, k = seq.request.sampling, seq.n_generated
             if k == 0:
-                box["t_prefill_done"] = now
+                self.boxes.prefill_done(seq.mailbox, now)
             self.sched.charge(seq, 1)
-            if tok in seq.stop_ids or (tok in self.model.eog and not seq.ignore_eos):
-                self.retire(seq, FINISH_STOP)
+            if tok in sampling.stop_ids or (tok in self.model.eog and not sampling.ignore_eos):
+                finished.append((seq, Finish.STOP))
                 continue
-            if seq.n_logprobs >= 0:
-                lp, top_ids, top_lp = logprobs(self.model.logits(row), tok, seq.n_logprobs)
-                t.logprobs[i, k] = lp
-                t.top_ids[i, k, :len(top_ids)] = top_ids
-                t.top_logprobs[i, k, :len(top_lp)] = top_lp
-            t.tokens[i, k] = tok  # data first ...
-            if k == 0:
-                box["t_first_token"] = now
-            seq.n_generated = k + 1
-            seq.last_token = tok
-            box["n_tokens"] = k + 1  # ... then the counter ...
-            if seq.n_generated >= seq.max_new_tokens:
-                self.retire(seq, FINISH_LENGTH)
-            else:
-                woken.append(i)
-        for i in woken:
-            t.bells.ring(i)  # ... then the wake-up
+            lp = None if sampling.logprobs is None else logprobs(self.model.logits(row), tok, sampling.logprobs)
+            published.append(Published(seq.mailbox, k, tok, lp))
+            seq.n_generated, seq.last_token = k + 1, tok
+            if seq.n_generated >= sampling.max_new_tokens:
+                finished.append((seq, Finish.LENGTH))
+        self.boxes.publish(published, now)
+        for seq, reason in finished:
+            self.retire(seq, reason)
 
-    def retire(self, seq: Sequence, finish: int, error: int = ERR_NONE) -> None:
+    def retire(self, seq: Sequence, finish: Finish, error: ErrorCode = ErrorCode.NONE) -> None:
         """Free the sequence's KV cells and slot, and finish its mailbox."""
         self.model.free_sequence(seq.slot)
         self.sched.release(seq)
         if seq.sampler is not None:  # None if admission failed before the sampler was built
             seq.sampler.free()
-        self._finish_mailbox(seq.mailbox, seq.generation, finish, error)
-
-    def _finish_mailbox(self, i: int, generation: int, finish: int, error: int = ERR_NONE) -> None:
-        box = self.t.mailboxes[i]
-        if int(box["generation"]) != generation:
-            return  # reclaimed: someone else owns it now
-        box["finish"] = finish
-        box["error"] = error
-        box["t_finished"] = time.monotonic()
-        box["step_finished"] = self.step_no
-        box["state"] = DONE
-        self.t.bells.ring(i)
+        self.boxes.finish(seq.mailbox, seq.lease, finish, error, self.step_no)
 
     def publish_control(self) -> None:
         """Refresh the control block: step counter, queue sizes, slot table, KV occupancy."""
-        c = self.t.control[0]
         slots = np.full(self.config.max_slots, -1, np.int32)
         for slot, seq in self.sched.running.items():
             slots[slot] = seq.mailbox
         kv = [self.model.pos_max(s) for s in range(self.config.max_slots)]
-        c["publishing"] = 1
-        c["heartbeat"] = time.monotonic()  # the engine steps at least every 0.5 s, idle or not
-        c["n_waiting"] = len(self.sched.waiting)
-        c["n_running"] = len(self.sched.running)
-        c["slot_mailbox"] = slots
-        c["slot_kv_pos_max"] = kv
-        c["step"] = self.step_no
-        c["publishing"] = 0
+        self.t.control.publish(self.step_no, slots, kv, len(self.sched.waiting), len(self.sched.running))
 
-    def shutdown(self, error: int) -> None:
+    def shutdown(self, error: ErrorCode) -> None:
         """Finish every sequence with ``error`` (engine stopping)."""
         for seq in list(self.sched.running.values()):
-            self.retire(seq, FINISH_ERROR, error)
+            self.retire(seq, Finish.ERROR, error)
         for seq in list(self.sched.waiting):
             self.sched.drop_waiting(seq)
-            self._finish_mailbox(seq.mailbox, seq.generation, FINISH_ERROR, error)
+            self.boxes.finish(seq.mailbox, seq.lease, Finish.ERROR, error, self.step_no)

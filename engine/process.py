@@ -12,10 +12,9 @@ import logging
 import os
 import signal
 import sys
-import time
 
 from engine.config import EngineConfig
-from shm.layout import ENGINE_DEAD, ENGINE_READY, ENGINE_STARTING, ENGINE_STOPPED, ERR_SHUTDOWN
+from shm import EngineState, ErrorCode
 from shm.transport import Transport
 
 PR_SET_PDEATHSIG = 1
@@ -26,9 +25,8 @@ def main(argv: list[str]) -> int:
     ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
     name, config = argv[0], EngineConfig(**json.loads(argv[1]))
     transport = Transport.attach(name)
-    control = transport.control[0]
-    control["engine_pid"] = os.getpid()
-    control["engine_state"] = ENGINE_STARTING
+    control = transport.control
+    control.set_state(EngineState.STARTING, pid=os.getpid())
     # Imported here: llama.cpp (and its OpenMP runtime) must load after the environment the
     # supervisor prepared, and only in this process.
     from engine.core import EngineCore
@@ -40,19 +38,18 @@ def main(argv: list[str]) -> int:
     # Ctrl-C reaches the whole process group; the supervisor stops the engine (SIGTERM) when
     # the server stops, so the engine outlives no server and no server loses its engine early.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    control["heartbeat"] = time.monotonic()
-    control["engine_state"] = ENGINE_READY
+    control.set_state(EngineState.READY)
     logging.info("ready: %d slots x %d tokens, policy %s, %d threads",
                  config.max_slots, config.max_seq_len, config.policy, config.threads)
-    state = ENGINE_DEAD
+    state = EngineState.DEAD
     try:
         core.run()
-        state = ENGINE_STOPPED  # the loop ended because we were told to stop
+        state = EngineState.STOPPED  # the loop ended because we were told to stop
     finally:
-        control["engine_state"] = ENGINE_DEAD
-        core.shutdown(ERR_SHUTDOWN)
+        control.set_state(EngineState.DEAD)
+        core.shutdown(ErrorCode.SHUTDOWN)
         model.close()
-        control["engine_state"] = state
+        control.set_state(state)
         transport.close()
     return 0
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import llama_cpp
 import numpy as np
 
+from engine.request import SamplingParams
+
 
 class Sampler:
     """A ``llama_sampler`` chain built from one request's settings.
@@ -14,34 +16,34 @@ class Sampler:
     prompt: its tokens are accepted into the chain first, as llama.cpp's server does.
 
     Args:
-        sampling: dict with temperature, top_k, top_p, min_p, repeat_penalty, presence_penalty,
-            frequency_penalty, penalty_last_n, seed (see ``engine.client.SamplingParams``).
+        sampling: the request's settings; ``seed`` None seeds randomly (``LLAMA_DEFAULT_SEED``).
         banned: token ids never to sample (the EOG tokens when ignore_eos).
+        prompt: int32 token ids ``[n_prompt]``.
     """
 
-    def __init__(self, n_vocab: int, sampling: dict, banned: frozenset, prompt: np.ndarray):
+    def __init__(self, n_vocab: int, sampling: SamplingParams, banned: frozenset, prompt: np.ndarray):
         L = llama_cpp
         self.chain = L.llama_sampler_chain_init(L.llama_sampler_chain_default_params())
         add = lambda s: L.llama_sampler_chain_add(self.chain, s)  # noqa: E731
         if banned:
             bias = (L.llama_logit_bias * len(banned))(*[L.llama_logit_bias(t, float("-inf")) for t in banned])
             add(L.llama_sampler_init_logit_bias(n_vocab, len(banned), bias))
-        penalized = (sampling["repeat_penalty"] != 1.0 or sampling["presence_penalty"] != 0.0
-                     or sampling["frequency_penalty"] != 0.0)
+        p = sampling
+        penalized = p.repeat_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
         if penalized:
-            add(L.llama_sampler_init_penalties(n_vocab, sampling["penalty_last_n"], sampling["repeat_penalty"],
-                                               sampling["frequency_penalty"], sampling["presence_penalty"]))
-        if sampling["temperature"] <= 0.0:
+            add(L.llama_sampler_init_penalties(n_vocab, p.penalty_last_n, p.repeat_penalty,
+                                               p.frequency_penalty, p.presence_penalty))
+        if p.temperature <= 0.0:
             add(L.llama_sampler_init_greedy())
         else:
-            if sampling["top_k"] > 0:
-                add(L.llama_sampler_init_top_k(sampling["top_k"]))
-            if sampling["top_p"] < 1.0:
-                add(L.llama_sampler_init_top_p(sampling["top_p"], 1))
-            if sampling["min_p"] > 0.0:
-                add(L.llama_sampler_init_min_p(sampling["min_p"], 1))
-            add(L.llama_sampler_init_temp(sampling["temperature"]))
-            add(L.llama_sampler_init_dist(sampling["seed"]))
+            if p.top_k > 0:
+                add(L.llama_sampler_init_top_k(p.top_k))
+            if p.top_p < 1.0:
+                add(L.llama_sampler_init_top_p(p.top_p, 1))
+            if p.min_p > 0.0:
+                add(L.llama_sampler_init_min_p(p.min_p, 1))
+            add(L.llama_sampler_init_temp(p.temperature))
+            add(L.llama_sampler_init_dist(L.LLAMA_DEFAULT_SEED if p.seed is None else p.seed))
         if penalized:
             for tok in prompt.tolist():
                 L.llama_sampler_accept(self.chain, tok)

@@ -1,4 +1,4 @@
-"""Admission policy: which waiting sequences get the free KV slots (DESIGN.md section 2).
+"""Admission policy: which waiting sequences get the free KV slots (docs/architecture.md, "Engine step").
 
 Order in ``continuous``: priority class (``high`` > ``normal`` > ``low``), then earliest
 deadline, then tenant fair share, then arrival. Fair share follows the Virtual Token Counter of
@@ -36,10 +36,10 @@ class Scheduler:
 
     def add(self, seq: Sequence) -> None:
         """Queue a new sequence; lift its tenant's counter if the tenant was idle (VTC)."""
-        if not any(s.tenant == seq.tenant for s in self._backlogged()):
-            active = [self.counters[s.tenant] for s in self._backlogged()]
+        if not any(s.request.tenant == seq.request.tenant for s in self._backlogged()):
+            active = [self.counters[s.request.tenant] for s in self._backlogged()]
             floor = min(active) if active else 0.0
-            self.counters[seq.tenant] = max(self.counters.get(seq.tenant, 0.0), floor)
+            self.counters[seq.request.tenant] = max(self.counters.get(seq.request.tenant, 0.0), floor)
         self.waiting.append(seq)
 
     def _backlogged(self):
@@ -48,13 +48,14 @@ class Scheduler:
 
     def charge(self, seq: Sequence, n_tokens: int) -> None:
         """Account ``n_tokens`` of service (prefilled or generated) to the sequence's tenant."""
-        self.counters[seq.tenant] = self.counters.get(seq.tenant, 0.0) + n_tokens / seq.weight
+        tenant = seq.request.tenant
+        self.counters[tenant] = self.counters.get(tenant, 0.0) + n_tokens / max(seq.request.weight, 1e-6)
 
     def key(self, seq: Sequence, now: float) -> tuple:
         """Sort key of a waiting sequence: smaller is admitted first."""
         promoted = int((now - seq.arrival) / self.aging_s)
-        deadline = seq.deadline or math.inf
-        return (max(0, seq.priority - promoted), deadline, self.counters.get(seq.tenant, 0.0), seq.order)
+        r = seq.request
+        return (max(0, r.priority - promoted), r.deadline or math.inf, self.counters.get(r.tenant, 0.0), seq.order)
 
     def admit(self, now: float) -> list[Sequence]:
         """Move waiting sequences into free slots as the policy allows; returns the admitted."""

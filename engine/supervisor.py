@@ -14,9 +14,7 @@ import threading
 import time
 
 from engine.config import EngineConfig
-from shm.layout import ENGINE_DEAD, ENGINE_READY, ENGINE_STOPPED, ERR_ENGINE_DIED, ERR_SHUTDOWN
-from shm.mailbox import Mailboxes
-from shm.ring import RequestRing
+from shm import EngineState, ErrorCode
 from shm.transport import Transport
 
 log = logging.getLogger("supervisor")
@@ -43,14 +41,17 @@ class EngineSupervisor:
     dead owner processes are reclaimed.
 
     Args:
+        transport: the shared memory the engine attaches to; :meth:`create` makes one that the
+            supervisor owns and unlinks in :meth:`stop`.
         env: extra environment for the engine (e.g. ``OMP_WAIT_POLICY``).
     """
 
     def __init__(self, config: EngineConfig, transport: Transport, env: dict | None = None,
                  sweep_s: float = 0.2, restart_delay_s: float = 0.5, max_restart_delay_s: float = 30.0,
-                 stall_s: float = 30.0):
+                 stall_s: float = 30.0, owns_transport: bool = False):
         self.config = config
         self.t = transport
+        self.owns_transport = owns_transport
         self.env = {**engine_environment(), **os.environ, **(env or {})}  # the operator's env wins
         self.sweep_s = sweep_s
         self.restart_delay_s = restart_delay_s
@@ -60,6 +61,20 @@ class EngineSupervisor:
         self.restarts = 0
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
+
+    @classmethod
+    def create(cls, config: EngineConfig, name: str | None = None, **kwargs) -> "EngineSupervisor":
+        """A supervisor over a new transport sized for ``config`` (named ``name``, or a fresh
+        name), which :meth:`stop` unlinks. Not started yet.
+
+        Raises:
+            FileExistsError: a segment of that name exists.
+        """
+        return cls(config, Transport.create(config.layout(), name=name), owns_transport=True, **kwargs)
+
+    @property
+    def transport_name(self) -> str:
+        return self.t.name
 
     def start(self) -> None:
         self._spawn()
@@ -80,7 +95,7 @@ class EngineSupervisor:
         """
         end = time.monotonic() + timeout
         while time.monotonic() < end:
-            if int(self.t.control["engine_state"][0]) == ENGINE_READY:
+            if self.t.control.state == EngineState.READY:
                 return True
             if self._thread is None or not self._thread.is_alive():
                 return False  # stopped, or the engine stopped for good
@@ -89,7 +104,7 @@ class EngineSupervisor:
 
     def reclaim(self) -> list[int]:
         """Reclaim mailboxes leased by processes that no longer exist."""
-        return Mailboxes(self.t).reclaim(pid_alive)
+        return self.t.mailboxes.reclaim(pid_alive)
 
     def _watch(self) -> None:
         # Liveness is polled, and the exit is judged by the engine's own state, not its exit
@@ -99,17 +114,17 @@ class EngineSupervisor:
         while not self._stopping.wait(self.sweep_s):
             if self.proc.poll() is None:
                 self.reclaim()
-                if int(self.t.control["engine_state"][0]) == ENGINE_READY:
+                if self.t.control.state == EngineState.READY:
                     failures = 0
                     self._kill_if_stalled()
                 continue
-            stopped = int(self.t.control["engine_state"][0]) == ENGINE_STOPPED
-            self.t.control["engine_state"][0] = ENGINE_DEAD
+            stopped = self.t.control.state == EngineState.STOPPED
+            self.t.control.set_state(EngineState.DEAD)
             if not stopped:
                 self.restarts += 1  # counted before readers wake, so they see the restart coming
-            RequestRing(self.t).reset()
-            Mailboxes(self.t).fail_in_flight(ERR_ENGINE_DIED)
-            self.t.control[0]["slot_mailbox"] = -1
+            self.t.ring.reset()
+            self.t.mailboxes.fail_in_flight(ErrorCode.ENGINE_DIED)
+            self.t.control.clear_slots()
             if stopped:  # it was told to stop (SIGTERM to our process group)
                 log.info("engine stopped")
                 return
@@ -123,13 +138,14 @@ class EngineSupervisor:
     def _kill_if_stalled(self) -> None:
         """A ready engine that has not stepped for ``stall_s`` is hung (a stuck decode, a
         SIGSTOP): kill it, so its requests fail and a new engine takes over."""
-        silent = time.monotonic() - float(self.t.control["heartbeat"][0])
+        silent = self.t.control.seconds_since_step()
         if silent > self.stall_s:
             log.error("engine made no step for %.0f s; killing it", silent)
             self.proc.kill()
 
     def stop(self, timeout: float = 10.0) -> None:
-        """Stop the engine (SIGTERM, then SIGKILL after ``timeout``) and fail what remains."""
+        """Stop the engine (SIGTERM, then SIGKILL after ``timeout``), fail what remains, and
+        unlink the transport if this supervisor created it."""
         self._stopping.set()
         if self.proc is not None and self.proc.poll() is None:
             self.proc.terminate()
@@ -140,7 +156,10 @@ class EngineSupervisor:
                 self.proc.wait()
         if self._thread is not None:
             self._thread.join(timeout)
-        Mailboxes(self.t).fail_in_flight(ERR_SHUTDOWN)
+        if self.t.mailboxes is not None:
+            self.t.mailboxes.fail_in_flight(ErrorCode.SHUTDOWN)
+        if self.owns_transport:
+            self.t.close()
 
 
 def engine_environment() -> dict:

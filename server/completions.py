@@ -10,14 +10,12 @@ from typing import Iterator
 import falcon
 import ujson
 
-from engine.client import ClientDisconnected, EngineClient, EngineError
-from server.chat_template import ChatTemplate
+from engine.errors import ClientDisconnected
 from server.config import ServerConfig
-from server.errors import error_body
-from server.generation import Choice, Delta, Generation
-from server.params import (GenerationRequest, check_model, parse_generation, parse_messages,
-                           parse_prompt, read_json)
-from server.tokenizer import Tokenizer
+from server.errors import http_error
+from server.generation import Choice, Delta, Generation, GenerationRequest, Generator
+from server.params import check_model, parse_generation, parse_messages, parse_prompt, read_json
+
 
 def dumps(obj) -> str:
     return ujson.dumps(obj, ensure_ascii=False, escape_forward_slashes=False)
@@ -34,16 +32,14 @@ class _Completions:
     object_name = ""
     id_prefix = ""
 
-    def __init__(self, config: ServerConfig, engine: EngineClient, tokenizer: Tokenizer,
-                 template: ChatTemplate):
-        self.config, self.engine, self.tokenizer, self.template = config, engine, tokenizer, template
+    def __init__(self, config: ServerConfig, generator: Generator):
+        self.config, self.generator, self.tokenizer = config, generator, generator.tokenizer
 
     def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
         body = read_json(req, self.config.max_body_bytes)
         check_model(body, self.config.model_id)
         greq = parse_generation(body, chat=self.chat)
-        gen = Generation(self.engine, self.tokenizer.pieces, self.prompt_ids(body), greq,
-                         "messages" if self.chat else "prompt", watch_socket=req.env.get("gunicorn.socket"))
+        gen = self.start(body, greq, watch_socket=req.env.get("gunicorn.socket"))
         meta = {"id": f"{self.id_prefix}-{secrets.token_hex(12)}", "created": int(time.time()),
                 "model": self.config.model_id}
         if greq.stream:
@@ -57,7 +53,7 @@ class _Completions:
         resp.text = dumps({**meta, "object": self.object_name, "usage": gen.usage(),
                            "choices": [self.choice(i, c, greq) for i, c in enumerate(choices)]})
 
-    def prompt_ids(self, body: dict) -> list[int]:
+    def start(self, body: dict, greq: GenerationRequest, **submit) -> Generation:
         raise NotImplementedError
 
     # -- streaming ------------------------------------------------------------------------------
@@ -76,8 +72,8 @@ class _Completions:
                 yield sse({**chunk, "choices": [], "usage": gen.usage()})
         except ClientDisconnected:
             return
-        except EngineError as e:
-            yield sse(error_body(str(e), "server_error", code="engine_unavailable"))
+        except Exception as e:  # noqa: BLE001 - headers are sent: the error becomes an event
+            yield sse(http_error(e)[1])
         finally:
             gen.close()
         yield b"data: [DONE]\n\n"
@@ -93,11 +89,11 @@ class ChatCompletions(_Completions):
     object_name = "chat.completion"
     id_prefix = "chatcmpl"
 
-    def prompt_ids(self, body: dict) -> list[int]:
-        return self.template.encode(parse_messages(body))
+    def start(self, body: dict, greq: GenerationRequest, **submit) -> Generation:
+        return self.generator.chat(parse_messages(body), greq, **submit)
 
     def logprobs(self, tokens, greq) -> dict | None:
-        if greq.logprobs is None:
+        if greq.sampling.logprobs is None:
             return None
         return {"content": [{**self.token_entry(t.id, t.logprob),
                              "top_logprobs": [self.token_entry(i, lp) for i, lp in t.top]} for t in tokens]}
@@ -116,13 +112,13 @@ class Completions(_Completions):
     object_name = "text_completion"
     id_prefix = "cmpl"
 
-    def prompt_ids(self, body: dict) -> list[int]:
-        return self.tokenizer.encode(parse_prompt(body), special=False, add_bos=True)
+    def start(self, body: dict, greq: GenerationRequest, **submit) -> Generation:
+        return self.generator.complete(parse_prompt(body), greq, **submit)
 
     def logprobs(self, tokens, greq, offsets: "TextOffsets") -> dict | None:
         """Legacy shape: tokens, token_logprobs, top_logprobs (token -> logprob) and text_offset
         (characters into the completion's text where each token starts)."""
-        if greq.logprobs is None:
+        if greq.sampling.logprobs is None:
             return None
         return {"tokens": [token_text(self.tokenizer.piece(t.id)) for t in tokens],
                 "token_logprobs": [t.logprob for t in tokens],

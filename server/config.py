@@ -1,61 +1,59 @@
 """Server configuration: flags with environment equivalents, validated at start-up.
 
-Every option is a command-line flag of ``inference-server`` and an environment variable; the
-gunicorn config module (``server.gunicorn_conf``) reads the same variables, so
-``gunicorn -c python:server.gunicorn_conf server.wsgi:app`` serves the same configuration.
+Every option is a field of :class:`ServerConfig`, and its metadata names the command-line flag
+and the environment variable; the defaults of the engine's share are :class:`EngineConfig`'s. So
+each default lives in one place, and the ``--help`` text and the README table are checked
+against it (``tests/test_docs.py``). The gunicorn config module (``server.gunicorn_conf``)
+reads the same variables, so ``gunicorn -c python:server.gunicorn_conf server.wsgi:app`` serves
+the same configuration.
 """
 from __future__ import annotations
 
 import argparse
 import os
-from dataclasses import dataclass, fields
+from dataclasses import MISSING, dataclass, field, fields
+from typing import NamedTuple
 from urllib.parse import urlparse
 
 from engine.config import POLICIES, ConfigError, EngineConfig, check_model_file, default_model_path
 
-# (field, flag, environment variable, type, default, help)
-OPTIONS = [
-    ("host", "--host", "HOST", str, "127.0.0.1", "address to listen on"),
-    ("port", "--port", "PORT", int, 8080, "HTTP port"),
-    ("model_path", "--model", "MODEL_PATH", str, None, "GGUF model file"),
-    ("model_id", "--model-id", "MODEL_ID", str, "local-model", "model name clients send and /v1/models lists"),
-    ("max_slots", "--max-slots", "MAX_SLOTS", int, 16, "sequences decoded together (KV slots)"),
-    ("max_seq_len", "--max-seq-len", "MAX_SEQ_LEN", int, 2048, "tokens per sequence, prompt + generation"),
-    ("max_queued", "--max-queued", "MAX_QUEUED", int, 64, "requests that may wait beyond the slots; more get 503"),
-    ("policy", "--policy", "POLICY", str, "continuous", "scheduling policy: " + " | ".join(POLICIES)),
-    ("engine_threads", "--engine-threads", "ENGINE_THREADS", int, 0, "llama.cpp compute threads (0: measured default)"),
-    ("n_batch", "--n-batch", "N_BATCH", int, 512, "token budget of one engine step"),
-    ("workers", "--workers", "WORKERS", int, 2, "gunicorn worker processes"),
-    ("threads", "--threads", "THREADS", int, 32, "threads per gunicorn worker (concurrent connections)"),
-    ("max_body_bytes", "--max-body-bytes", "MAX_BODY_BYTES", int, 1 << 20, "largest request body accepted"),
-    ("redis_url", "--redis-url", "REDIS_URL", str, "", "Redis for shared rate limits (optional)"),
-    ("grpc_port", "--grpc-port", "GRPC_PORT", int, 50051, "gRPC port (0 disables)"),
-]
+_ENGINE = {f.name: f.default for f in fields(EngineConfig)}
+
+
+def _option(flag: str, env: str, help_: str, default=MISSING, engine: str | None = None, shown=None):
+    """A configuration field: its flag, environment variable and help; an engine setting takes
+    its default from :class:`EngineConfig` field ``engine``."""
+    if engine is not None:
+        default = _ENGINE[engine]
+    return field(default=default, metadata={"flag": flag, "env": env, "help": help_, "shown": shown})
 
 
 @dataclass(frozen=True)
 class ServerConfig:
-    """Validated server settings (see :data:`OPTIONS` for meanings and defaults).
+    """Validated server settings; see each field's help (``inference-server --help``).
 
     Raises:
         ConfigError: an invalid value; the message is one line naming the option.
     """
 
-    host: str = "127.0.0.1"
-    port: int = 8080
-    model_path: str | None = None
-    model_id: str = "local-model"
-    max_slots: int = 16
-    max_seq_len: int = 2048
-    max_queued: int = 64
-    policy: str = "continuous"
-    engine_threads: int = 0
-    n_batch: int = 512
-    workers: int = 2
-    threads: int = 32
-    max_body_bytes: int = 1 << 20
-    redis_url: str = ""
-    grpc_port: int = 50051
+    host: str = _option("--host", "HOST", "address to listen on", "127.0.0.1")
+    port: int = _option("--port", "PORT", "HTTP port", 8080)
+    model_path: str | None = _option("--model", "MODEL_PATH", "GGUF model file", None, shown="bundled SmolLM2-135M")
+    model_id: str = _option("--model-id", "MODEL_ID", "model name clients send and /v1/models lists", "local-model")
+    max_slots: int = _option("--max-slots", "MAX_SLOTS", "sequences decoded together (KV slots)", engine="max_slots")
+    max_seq_len: int = _option("--max-seq-len", "MAX_SEQ_LEN", "tokens per sequence, prompt + generation",
+                               engine="max_seq_len")
+    max_queued: int = _option("--max-queued", "MAX_QUEUED", "requests that may wait beyond the slots; more get 503",
+                              engine="max_queued")
+    policy: str = _option("--policy", "POLICY", "scheduling policy: " + " | ".join(POLICIES), engine="policy")
+    engine_threads: int = _option("--engine-threads", "ENGINE_THREADS", "llama.cpp compute threads (0: measured default)",
+                                  engine="n_threads")
+    n_batch: int = _option("--n-batch", "N_BATCH", "token budget of one engine step", engine="n_batch")
+    workers: int = _option("--workers", "WORKERS", "gunicorn worker processes", 2)
+    threads: int = _option("--threads", "THREADS", "threads per gunicorn worker (concurrent connections)", 32)
+    max_body_bytes: int = _option("--max-body-bytes", "MAX_BODY_BYTES", "largest request body accepted", 1 << 20)
+    redis_url: str = _option("--redis-url", "REDIS_URL", "Redis for shared rate limits (optional)", "", shown="none")
+    grpc_port: int = _option("--grpc-port", "GRPC_PORT", "gRPC port (0 disables)", 50051)
 
     def __post_init__(self):
         if not 0 <= self.port <= 65535:
@@ -85,20 +83,39 @@ class ServerConfig:
 
     def to_env(self) -> dict[str, str]:
         """The environment variables that reproduce this configuration."""
-        env = {}
-        for name, _, var, _, _, _ in OPTIONS:
-            value = getattr(self, name)
-            if value is not None:
-                env[var] = str(value)
-        return env
+        return {o.env: str(getattr(self, o.name)) for o in OPTIONS if getattr(self, o.name) is not None}
 
     @classmethod
     def from_env(cls, environ=os.environ) -> "ServerConfig":
-        kwargs = {}
-        for name, flag, var, typ, _, _ in OPTIONS:
-            if environ.get(var, "") != "":
-                kwargs[name] = _convert(typ, environ[var], f"{var} ({flag})")
+        kwargs = {o.name: _convert(o.type, environ[o.env], f"{o.env} ({o.flag})")
+                  for o in OPTIONS if environ.get(o.env, "") != ""}
         return cls(**kwargs)
+
+
+class Option(NamedTuple):
+    """One setting as users see it: field name, flag, environment variable, type, default, help."""
+
+    name: str
+    flag: str
+    env: str
+    type: type
+    default: object
+    help: str
+    shown: str
+
+
+def _options() -> list[Option]:
+    out = []
+    for f in fields(ServerConfig):
+        m = f.metadata
+        typ = {"int": int, "str": str}[str(f.type).split(" ")[0].split("|")[0].strip()]
+        out.append(Option(f.name, m["flag"], m["env"], typ, f.default, m["help"],
+                          str(m["shown"] if m["shown"] is not None else f.default)))
+    return out
+
+
+#: Every setting, in ``--help`` order.
+OPTIONS = _options()
 
 
 def _convert(typ, raw: str, what: str):
@@ -113,10 +130,9 @@ def parser() -> argparse.ArgumentParser:
         prog="inference-server",
         description="Multi-tenant LLM inference server: continuous batching over llama.cpp, "
                     "OpenAI-compatible HTTP API. Every flag has an environment equivalent.")
-    for name, flag, var, typ, default, help_ in OPTIONS:
-        shown = {"model_path": "bundled SmolLM2-135M", "redis_url": "none"}.get(name, default)
-        p.add_argument(flag, dest=name, type=str, default=None,
-                       help=f"{help_} (env {var}; default {shown!s})", metavar=typ.__name__.upper())
+    for o in OPTIONS:
+        p.add_argument(o.flag, dest=o.name, type=str, default=None,
+                       help=f"{o.help} (env {o.env}; default {o.shown})", metavar=o.type.__name__.upper())
     return p
 
 
@@ -128,8 +144,8 @@ def from_args(argv=None, environ=os.environ) -> ServerConfig:
     """
     args = parser().parse_args(argv)
     base = {f.name: getattr(ServerConfig.from_env(environ), f.name) for f in fields(ServerConfig)}
-    for name, flag, _, typ, _, _ in OPTIONS:
-        raw = getattr(args, name)
+    for o in OPTIONS:
+        raw = getattr(args, o.name)
         if raw is not None:
-            base[name] = _convert(typ, raw, flag)
+            base[o.name] = _convert(o.type, raw, o.flag)
     return ServerConfig(**base)

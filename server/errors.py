@@ -1,5 +1,10 @@
-"""The HTTP error contract (DESIGN.md section 7): every error body is OpenAI-shaped,
-``{"error": {"message", "type", "param", "code"}}`` (OpenAI API reference, "Error codes")."""
+"""The HTTP error contract: every error body is OpenAI-shaped,
+``{"error": {"message", "type", "param", "code"}}`` (OpenAI API reference, "Error codes").
+
+The domain errors of :mod:`engine.errors` are mapped to HTTP here and nowhere else
+(:func:`http_error`), both for Falcon's error handlers and for the error event of a stream that
+has already started. :class:`APIError` is for what only HTTP has (413, 415).
+"""
 from __future__ import annotations
 
 import logging
@@ -7,7 +12,8 @@ import logging
 import falcon
 import ujson
 
-from engine.client import ClientDisconnected
+from engine.errors import (ClientDisconnected, EngineUnavailable, InvalidRequest, ModelNotFound,
+                           RequestError, Saturated)
 
 log = logging.getLogger("server")
 CLIENT_CLOSED = "499 Client Closed Request"  # nginx's status for it; never seen by the client
@@ -18,30 +24,39 @@ _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "inval
 
 
 class APIError(Exception):
-    """An error answered with ``status`` and an OpenAI-shaped body.
+    """An HTTP-only error answered with ``status`` and an OpenAI-shaped body.
 
     Args:
         status: HTTP status (int). param: the request field at fault, if any.
-        code: machine-readable code (e.g. ``model_not_found``). headers: extra response headers.
+        code: machine-readable code. headers: extra response headers.
     """
 
     def __init__(self, status: int, message: str, *, param: str | None = None,
-                 code: str | None = None, headers: dict | None = None, type_: str | None = None):
+                 code: str | None = None, headers: dict | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
         self.headers = headers or {}
-        self.type = type_ or _TYPES.get(status, "invalid_request_error")
-
-    def body(self) -> dict:
-        return error_body(self.message, self.type, self.param, self.code)
-
-
-def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
-    return APIError(400, message, param=param, code=code)
 
 
 def error_body(message: str, type_: str, param: str | None = None, code: str | None = None) -> dict:
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def http_error(ex: Exception) -> tuple[int, dict, dict]:
+    """``(status, body, headers)`` for a domain or HTTP error; anything unknown is a 500 (a bug
+    in this server), logged, answered without internals."""
+    if isinstance(ex, APIError):
+        status, message, param, code, headers = ex.status, ex.message, ex.param, ex.code, ex.headers
+    elif isinstance(ex, RequestError):
+        status = 404 if isinstance(ex, ModelNotFound) else 400
+        message, param, code, headers = ex.message, ex.param, ex.code, {}
+    elif isinstance(ex, (Saturated, EngineUnavailable)):
+        status, message, param, headers = 503, str(ex) or "engine unavailable", None, {"Retry-After": str(ex.retry_after)}
+        code = "server_overloaded" if isinstance(ex, Saturated) else "engine_unavailable"
+    else:
+        log.error("unhandled error: %r", ex, exc_info=ex)
+        status, message, param, code, headers = 500, "internal server error", None, None, {}
+    return status, error_body(message, _TYPES.get(status, "invalid_request_error"), param, code), headers
 
 
 def _write(resp: falcon.Response, status: int, body: dict, headers: dict | None = None) -> None:
@@ -52,8 +67,11 @@ def _write(resp: falcon.Response, status: int, body: dict, headers: dict | None 
         resp.set_header(k, v)
 
 
-def handle_api_error(req, resp, ex: APIError, params) -> None:
-    _write(resp, ex.status, ex.body(), ex.headers)
+def handle_error(req, resp, ex: Exception, params) -> None:
+    """Falcon error handler for every error but Falcon's own and a client's hang-up."""
+    if isinstance(ex, falcon.HTTPError):
+        return handle_http_error(req, resp, ex, params)
+    _write(resp, *http_error(ex))
 
 
 def handle_http_error(req, resp, ex: falcon.HTTPError, params) -> None:
@@ -64,16 +82,7 @@ def handle_http_error(req, resp, ex: falcon.HTTPError, params) -> None:
         message = f"no route for {req.method} {req.path}"
     elif status == 405:
         message = f"method {req.method} is not allowed on {req.path}"
-    headers = dict(ex.headers or {})
-    _write(resp, status, error_body(message, _TYPES.get(status, "invalid_request_error")), headers)
-
-
-def handle_unexpected(req, resp, ex: Exception, params) -> None:
-    """Anything else is a bug in this server: log it, answer 500 without internals."""
-    if isinstance(ex, falcon.HTTPError):
-        return handle_http_error(req, resp, ex, params)
-    log.exception("unhandled error on %s %s", req.method, req.path)
-    _write(resp, 500, error_body("internal server error", "server_error"))
+    _write(resp, status, error_body(message, _TYPES.get(status, "invalid_request_error")), dict(ex.headers or {}))
 
 
 def handle_client_gone(req, resp, ex: Exception, params) -> None:
@@ -83,7 +92,9 @@ def handle_client_gone(req, resp, ex: Exception, params) -> None:
 
 
 def install(app: falcon.App) -> None:
-    app.add_error_handler(Exception, handle_unexpected)
+    app.add_error_handler(Exception, handle_error)
     app.add_error_handler(falcon.HTTPError, handle_http_error)
-    app.add_error_handler(APIError, handle_api_error)
     app.add_error_handler(ClientDisconnected, handle_client_gone)
+
+
+__all__ = ["APIError", "InvalidRequest", "error_body", "http_error", "install"]

@@ -1,23 +1,46 @@
-"""Runs the choices of one HTTP request on the engine and yields text deltas.
+"""The front-end-neutral request path, shared by every front end (HTTP now, gRPC next):
 
-Tokenization happened in the caller; here token ids go to the engine through
-:mod:`engine.client` and come back as text through :class:`Detokenizer`.
+    render/tokenize -> submit n sequences -> follow their tokens -> detokenize with stop
+    strings -> usage and timings
+
+No HTTP type appears here: errors are those of :mod:`engine.errors`, mapped by each protocol
+in one place of its own (``server/errors.py`` for HTTP).
 """
 from __future__ import annotations
 
 import dataclasses
-import queue
-import threading
 from dataclasses import dataclass, field
 from typing import Iterator
 
-from engine.client import (ClientDisconnected, DeadlineExceeded, EngineClient, EngineError,
-                           EngineUnavailable, PromptTooLong, Saturated, Stream, Token)
+from engine.client import EngineClient
+from engine.errors import InvalidRequest, PromptTooLong
+from engine.request import Priority, SamplingParams
+from engine.stream import Stream, Timings, Token, follow
+from server.chat_template import ChatTemplate
 from server.detokenizer import Detokenizer
-from server.errors import APIError, bad_request
-from server.params import GenerationRequest
+from server.tokenizer import Tokenizer
 
-ENGINE_TO_OPENAI = {"stop": "stop", "length": "length", "deadline": "deadline"}
+
+@dataclass
+class GenerationRequest:
+    """What one request asks of the engine, before its prompt is tokenized.
+
+    Attributes:
+        sampling: the engine's settings (``max_new_tokens`` None = up to the sequence limit).
+        max_tokens_param: the request field ``max_new_tokens`` came from (named in errors).
+        stop: stop strings (text, applied here). n: choices, each its own sequence.
+        stream, include_usage: the response's shape (read by the protocol, not here).
+        priority, deadline_ms: admission class and deadline (None = none).
+    """
+
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    max_tokens_param: str = "max_tokens"
+    stop: list[str] = field(default_factory=list)
+    n: int = 1
+    stream: bool = False
+    include_usage: bool = False
+    priority: Priority = Priority.NORMAL
+    deadline_ms: float | None = None
 
 
 @dataclass
@@ -40,138 +63,96 @@ class Choice:
     finish_reason: str | None = None
 
 
-def overload_error(e: Exception) -> APIError:
-    """Saturated / EngineUnavailable -> 503 with Retry-After."""
-    retry = getattr(e, "retry_after", 1)
-    return APIError(503, str(e) or "engine unavailable", code="server_overloaded" if isinstance(e, Saturated)
-                    else "engine_unavailable", headers={"Retry-After": str(retry)})
-
-
 class Generation:
-    """``n`` sequences for one prompt, submitted at construction.
+    """``n`` sequences for one prompt, submitted at construction, read by one output loop.
 
     Args:
-        prompt_ids: token ids. prompt_param: the request field they came from (for errors).
+        prompt_ids: token ids. prompt_param: the request field they came from (named in errors).
         watch_socket: the client connection; when it closes, every choice is cancelled.
     Raises:
-        APIError: 400 when the prompt (plus ``max_tokens``) does not fit one sequence, naming
-        both numbers; 503 when the engine is saturated or unavailable. Nothing stays submitted.
+        InvalidRequest: ``n`` beyond capacity; PromptTooLong (naming the prompt's or the
+        max-tokens field) when it does not fit one sequence.
+        Saturated, EngineUnavailable: no room or no engine. Nothing stays submitted.
     """
 
     def __init__(self, engine: EngineClient, pieces: list[bytes], prompt_ids: list[int],
-                 req: GenerationRequest, prompt_param: str, tenant: int = 0, watch_socket=None):
+                 req: GenerationRequest, prompt_param: str, tenant: int = 0, weight: float = 1.0,
+                 watch_socket=None):
         if req.n > engine.capacity:
-            raise bad_request(f"n={req.n} exceeds this server's capacity of {engine.capacity} "
-                              "concurrent sequences", "n")
-        try:
-            max_new_tokens = engine.check_fits(len(prompt_ids), req.max_tokens)
-        except PromptTooLong as e:
-            param = req.max_tokens_param if e.max_new_tokens is not None else prompt_param
-            raise bad_request(str(e), param, "context_length_exceeded") from None
-        except ValueError as e:
-            raise bad_request(str(e), prompt_param) from None
-        self.req = req
-        self.pieces = pieces
+            raise InvalidRequest(f"n={req.n} exceeds this server's capacity of {engine.capacity} "
+                                 "concurrent sequences", "n")
+        self.req, self.pieces, self.watch_socket = req, pieces, watch_socket
         self.prompt_tokens = len(prompt_ids)
-        self.counts = [0] * req.n  # completion tokens per choice (each choice has its own thread)
+        self.counts = [0] * req.n  # completion tokens per choice
         self.streams: list[Stream] = []
-        params = req.sampling_params(max_new_tokens)
+        params = req.sampling
         try:
             for i in range(req.n):
                 if params.seed is not None and i:  # one seed would make every choice the same
                     params = dataclasses.replace(params, seed=(params.seed + 1) % 2**32)
                 self.streams.append(engine.submit(prompt_ids, params, priority=req.priority,
                                                   deadline_ms=req.deadline_ms, tenant=tenant,
-                                                  watch_socket=watch_socket))
-        except BaseException as e:
+                                                  weight=weight, watch_socket=watch_socket))
+        except PromptTooLong as e:
+            e.param = req.max_tokens_param if e.max_new_tokens is not None else prompt_param
+            self.close()
+            raise
+        except InvalidRequest as e:
+            if e.param == "prompt":
+                e.param = prompt_param
+            self.close()
+            raise
+        except BaseException:
             self.close()  # nothing stays submitted
-            if isinstance(e, (Saturated, EngineUnavailable)):
-                raise overload_error(e) from None
             raise
 
     def deltas(self) -> Iterator[Delta]:
-        """Deltas of every choice as they come; each choice ends with one finish_reason."""
-        if len(self.streams) == 1:
-            yield from self._choice(0)
-            return
-        merged: queue.Queue = queue.Queue()
-
-        def pump(i):
-            try:
-                for d in self._choice(i):
-                    merged.put(d)
-            except BaseException as e:  # noqa: BLE001 - re-raised in the consumer
-                merged.put(e)
-            merged.put(None)
-
-        threads = [threading.Thread(target=pump, args=(i,), daemon=True) for i in range(len(self.streams))]
-        for t in threads:
-            t.start()
-        running = len(threads)
-        try:
-            while running:
-                item = merged.get()
-                if item is None:
-                    running -= 1
-                elif isinstance(item, BaseException):
-                    raise item
-                else:
-                    yield item
-        finally:
-            # Each pump closes its own stream; cancel what still runs (an error, or the client
-            # left) and wait, so no pump reads a mailbox after it was given back.
-            for stream in self.streams:
-                stream.cancel()
-            for t in threads:
-                t.join()
-
-    def _choice(self, index: int) -> Iterator[Delta]:
-        stream = self.streams[index]
-        detok = Detokenizer(self.pieces, self.req.stop)
-        finish = None
-        try:
-            for token in stream:
-                self.counts[index] += 1
-                text = detok.push(token.id)
-                if text or token.logprob is not None:
-                    yield Delta(index, text, [token])
-                if detok.stopped:
-                    finish = "stop"
-                    break
-            else:
-                finish = ENGINE_TO_OPENAI.get(stream.finish_reason, stream.finish_reason)
-        except DeadlineExceeded:
-            finish = "deadline"
-        finally:
-            stream.close()
-        yield Delta(index, detok.flush(), [], finish)
-
-    def collect(self) -> list[Choice]:
-        """Run every choice to its end and close.
+        """Deltas of every choice as they come; each choice ends with one ``finish_reason``.
 
         Raises:
             ClientDisconnected: the client left (every choice was cancelled).
-            APIError: 503 when the engine failed meanwhile.
+            EngineUnavailable: the engine failed meanwhile.
         """
-        choices = [Choice() for _ in self.streams]
-        texts = [[] for _ in self.streams]
+        detoks = [Detokenizer(self.pieces, self.req.stop) for _ in self.streams]
+        ended = [False] * len(self.streams)
         try:
-            for d in self.deltas():
-                texts[d.index].append(d.text)
-                choices[d.index].tokens.extend(d.tokens)
-                choices[d.index].finish_reason = d.finish_reason or choices[d.index].finish_reason
-        except ClientDisconnected:
-            raise
-        except EngineError as e:
-            raise APIError(503, str(e), code="engine_unavailable", headers={"Retry-After": "1"}) from None
+            for k, tokens in follow(self.streams, self.watch_socket):
+                if ended[k]:
+                    continue  # a stop string ended it; its cancellation is being followed
+                for token in tokens:
+                    self.counts[k] += 1
+                    text = detoks[k].push(token.id)
+                    if text or token.logprob is not None:
+                        yield Delta(k, text, [token])
+                    if detoks[k].stopped:
+                        self.streams[k].cancel()
+                        ended[k] = True
+                        yield Delta(k, "", [], "stop")
+                        break
+                else:
+                    if self.streams[k].finished:
+                        ended[k] = True
+                        yield Delta(k, detoks[k].flush(), [], self.streams[k].finish_reason)
         finally:
             self.close()
+
+    def collect(self) -> list[Choice]:
+        """Run every choice to its end and close. Raises as :meth:`deltas`."""
+        choices = [Choice() for _ in self.streams]
+        texts = [[] for _ in self.streams]
+        for d in self.deltas():
+            texts[d.index].append(d.text)
+            choices[d.index].tokens.extend(d.tokens)
+            choices[d.index].finish_reason = d.finish_reason or choices[d.index].finish_reason
         for choice, text in zip(choices, texts):
             choice.text = "".join(text)
         return choices
 
     def close(self) -> None:
-        """Cancel and release every choice still running (idempotent)."""
+        """Cancel every unfinished choice, then wait for each and release it (idempotent)."""
+        for s in self.streams:
+            if not s.finished:
+                s.cancel()
         for s in self.streams:
             s.close()
 
@@ -179,3 +160,30 @@ class Generation:
         completion = sum(self.counts)
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion,
                 "total_tokens": self.prompt_tokens + completion}
+
+    def timings(self, choice: int = 0) -> Timings:
+        return self.streams[choice].timings()
+
+
+class Generator:
+    """Starts generations from text: what every front end needs (engine client, tokenizer,
+    chat template), built once per process.
+
+    Args:
+        engine: the engine client. tokenizer: the served model's. template: its chat template.
+    """
+
+    def __init__(self, engine: EngineClient, tokenizer: Tokenizer, template: ChatTemplate):
+        self.engine, self.tokenizer, self.template = engine, tokenizer, template
+
+    def chat(self, messages: list[dict], req: GenerationRequest, prompt_param: str = "messages",
+             **submit) -> Generation:
+        """``messages`` (``[{"role", "content": str}]``) rendered with the chat template.
+        ``submit``: ``tenant``, ``weight``, ``watch_socket``. Raises as :class:`Generation`."""
+        return Generation(self.engine, self.tokenizer.pieces, self.template.encode(messages), req,
+                          prompt_param, **submit)
+
+    def complete(self, text: str, req: GenerationRequest, prompt_param: str = "prompt", **submit) -> Generation:
+        """A plain-text prompt (BOS added if the model wants it). Raises as :class:`Generation`."""
+        return Generation(self.engine, self.tokenizer.pieces,
+                          self.tokenizer.encode(text, special=False, add_bos=True), req, prompt_param, **submit)

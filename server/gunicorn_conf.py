@@ -19,7 +19,6 @@ import signal
 from engine.config import ConfigError
 from engine.supervisor import EngineSupervisor
 from server.config import ServerConfig
-from shm import Layout, Transport
 
 try:
     _config = ServerConfig.from_env()
@@ -49,14 +48,12 @@ def on_starting(server) -> None:
         raise SystemExit(f"inference-server: {e}") from None
     engine = _config.engine_config()
     # INFERENCE_SHM may name the segment in advance (tests attach to it to inspect the engine).
-    transport = Transport.create(Layout(engine.max_slots, engine.n_mailboxes, engine.max_seq_len),
-                                 name=os.environ.get("INFERENCE_SHM") or None)
-    os.environ["INFERENCE_SHM"] = transport.name
-    supervisor = EngineSupervisor(engine, transport)
-    _state.update(transport=transport, supervisor=supervisor)
+    supervisor = EngineSupervisor.create(engine, name=os.environ.get("INFERENCE_SHM") or None)
+    os.environ["INFERENCE_SHM"] = supervisor.transport_name
+    _state["supervisor"] = supervisor
     supervisor.start()
     server.log.info("engine starting: %d slots x %d tokens, policy %s, %d threads; shared memory %s",
-                    engine.max_slots, engine.max_seq_len, engine.policy, engine.threads, transport.name)
+                    engine.max_slots, engine.max_seq_len, engine.policy, engine.threads, supervisor.transport_name)
 
 
 def pre_request(worker, req) -> None:
@@ -91,8 +88,6 @@ def child_exit(server, worker) -> None:
 
 
 def on_exit(server) -> None:
-    supervisor, transport = _state.pop("supervisor", None), _state.pop("transport", None)
+    supervisor = _state.pop("supervisor", None)
     if supervisor is not None:
-        supervisor.stop()
-    if transport is not None:
-        transport.close()
+        supervisor.stop()  # also unlinks the shared memory it created

@@ -6,8 +6,8 @@ import time
 import falcon
 
 from engine.client import EngineClient
+from engine.errors import EngineUnavailable, ModelNotFound
 from server.config import ServerConfig
-from server.errors import APIError
 
 
 class Health:
@@ -18,8 +18,7 @@ class Health:
 
     def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
         if not self.engine.ready():
-            raise APIError(503, "engine is loading or unavailable", code="engine_unavailable",
-                           headers={"Retry-After": "1"})
+            raise EngineUnavailable("engine is loading or unavailable")
         resp.media = {"status": "ok"}
 
     def on_head(self, req: falcon.Request, resp: falcon.Response) -> None:
@@ -42,5 +41,5 @@ class Models:
 
     def on_get_one(self, req: falcon.Request, resp: falcon.Response, model: str) -> None:
         if model != self.config.model_id:
-            raise APIError(404, f"The model {model!r} does not exist", param="model", code="model_not_found")
+            raise ModelNotFound(f"The model {model!r} does not exist", "model")
         resp.media = self.card()

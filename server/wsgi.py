@@ -12,6 +12,7 @@ from engine.client import EngineClient
 from server.app import create_app
 from server.chat_template import ChatTemplate
 from server.config import ServerConfig
+from server.generation import Generator
 from server.tokenizer import Tokenizer
 
 
@@ -19,7 +20,7 @@ def build():
     config = ServerConfig.from_env()
     tokenizer = Tokenizer(config.resolved_model_path())
     engine = EngineClient.attach(os.environ["INFERENCE_SHM"])
-    return create_app(config, engine, tokenizer, ChatTemplate(tokenizer))
+    return create_app(config, Generator(engine, tokenizer, ChatTemplate(tokenizer)))
 
 
 app = build()

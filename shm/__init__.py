@@ -1,32 +1,24 @@
-"""Shared-memory transport between the front ends and the engine (DESIGN.md section 3).
+"""Shared-memory transport between the front ends and the engine (docs/architecture.md,
+"Shared memory").
 
-One ``multiprocessing.shared_memory`` segment holds, as fixed-size numpy structured arrays:
+One ``multiprocessing.shared_memory`` segment holds fixed-size numpy structured arrays, used
+only through the verbs of three objects:
 
-* a control block (engine state and pid, step counter, slot table),
-* the request ring: many producers (front-end threads) push fixed-size records holding a
-  request's header and prompt token ids; one consumer (the engine) pops them,
-* the result mailboxes: one per in-flight request, leased by the front-end thread that submits
-  it, written only by the engine, read only by that thread.
+* :class:`shm.control.ControlBlock`: engine state, heartbeat and the per-step slot table
+  (a seqlock: ``publish`` / ``snapshot``);
+* :class:`shm.ring.RequestRing`: many producers push fixed-size request records, one consumer
+  (the engine) pops them; the payload's format belongs to ``engine.request``;
+* :class:`shm.mailbox.Mailboxes`: one result mailbox per in-flight request, leased by a
+  front-end thread, written only by the engine, read only by that thread. Its module docstring
+  holds the publication and memory-ordering rule; no other module writes a mailbox.
 
-Wake-ups are named FIFOs (``mkfifo``) next to the segment, so a reader can ``poll()`` its
-mailbox and its client's socket at once and never sleep-polls.
-
-Publication and memory-ordering rule
-------------------------------------
-Every writer publishes in this order: **write the data, then the counter (or state), then
-ring the wake-up**. Every reader reads **after** its wake-up: it drains the FIFO, then reads
-the counter, then reads only the data the counter covers. The ``write(2)`` that rings and the
-``poll(2)``/``read(2)`` that wakes are system calls and act as full memory barriers; between
-them, x86-64 stores are seen in program order (TSO), so a counter seen by a reader never runs
-ahead of the data it covers. Data behind a counter is never rewritten while the counter covers
-it: mailboxes hold the whole generation (no wrap-around) and a ring record is reused only after
-the consumer moved ``head`` past it.
-
-Cross-process mutual exclusion uses ``fcntl.flock`` on a file in the segment's directory: the
-kernel releases it when its holder dies, so a producer SIGKILLed inside its critical section
-cannot freeze the others (a ``multiprocessing.Lock`` would stay held forever).
+Wake-ups are named FIFOs (:mod:`shm.wakeup`) next to the segment, so a reader can ``poll()``
+its mailboxes and its client's socket at once and never sleep-polls. Cross-process mutual
+exclusion uses ``fcntl.flock`` (:mod:`shm.lock`): the kernel releases it when its holder dies.
 """
-from shm.layout import Layout
+from shm.layout import ErrorCode, EngineState, Finish, Layout, MailboxState
+from shm.mailbox import Lease, Outcome, Published
 from shm.transport import Transport
 
-__all__ = ["Layout", "Transport"]
+__all__ = ["EngineState", "ErrorCode", "Finish", "Layout", "Lease", "MailboxState", "Outcome",
+           "Published", "Transport"]

@@ -1,27 +1,55 @@
-"""Fixed layout of the shared segment: numpy structured dtypes sized from configuration."""
+"""Fixed layout of the shared segment: numpy structured dtypes sized from configuration, and the
+ordered states and codes stored in it (see docs/architecture.md, "Shared memory")."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import IntEnum
 
 import numpy as np
 
-#: Most alternatives per generated token a request may ask for (OpenAI caps top_logprobs at 20).
+#: Most alternatives per generated token a mailbox can hold (OpenAI caps top_logprobs at 20).
 MAX_TOP_LOGPROBS = 20
-#: Most request-specific stop token ids carried in one ring record.
-MAX_STOP_IDS = 8
 
-# Mailbox states.
-FREE, LEASED, QUEUED, RUNNING, DONE = range(5)
-# Finish reasons written by the engine (index into FINISH_REASONS).
-FINISH_REASONS = ("", "stop", "length", "deadline", "cancelled", "error")
-FINISH_NONE, FINISH_STOP, FINISH_LENGTH, FINISH_DEADLINE, FINISH_CANCELLED, FINISH_ERROR = range(6)
-# Error codes carried with FINISH_ERROR.
-ERR_NONE, ERR_ENGINE_DIED, ERR_BAD_REQUEST, ERR_SHUTDOWN, ERR_DECODE = range(5)
-# Engine states in the control block. STOPPED: exited because it was asked to; DEAD: crashed
-# (or its supervisor saw it gone without STOPPED).
-ENGINE_STARTING, ENGINE_READY, ENGINE_DEAD, ENGINE_STOPPED = range(4)
-# Priority classes, in admission order.
-PRIORITIES = ("high", "normal", "low")
+
+class MailboxState(IntEnum):
+    """A mailbox's life cycle, in order (diagram in :mod:`shm.mailbox`)."""
+
+    FREE = 0
+    LEASED = 1
+    QUEUED = 2
+    RUNNING = 3
+    DONE = 4
+
+
+class Finish(IntEnum):
+    """Why the engine finished a sequence. ``NONE`` while it runs."""
+
+    NONE = 0
+    STOP = 1  # an end-of-generation or stop token
+    LENGTH = 2  # max_new_tokens
+    DEADLINE = 3
+    CANCELLED = 4
+    ERROR = 5  # see ErrorCode
+
+
+class ErrorCode(IntEnum):
+    """Carried with :attr:`Finish.ERROR`."""
+
+    NONE = 0
+    ENGINE_DIED = 1
+    BAD_REQUEST = 2
+    SHUTDOWN = 3
+    DECODE = 4
+
+
+class EngineState(IntEnum):
+    """The engine process's state in the control block. ``STOPPED``: exited because it was asked
+    to; ``DEAD``: crashed (or its supervisor saw it gone without ``STOPPED``)."""
+
+    STARTING = 0
+    READY = 1
+    DEAD = 2
+    STOPPED = 3
 
 
 @dataclass(frozen=True)
@@ -33,6 +61,8 @@ class Layout:
         n_mailboxes: in-flight requests (``max_slots + max_queued``); also the ring capacity,
             so a producer holding a mailbox always finds a free ring record.
         max_seq_len: tokens per sequence, prompt plus generation (the per-slot KV cells).
+        record_bytes: payload bytes of one request-ring record. The transport does not know what
+            a request is; ``engine.request.EngineRequest`` defines the payload's format.
     Raises:
         ValueError: on a non-positive size.
     """
@@ -40,9 +70,10 @@ class Layout:
     max_slots: int
     n_mailboxes: int
     max_seq_len: int
+    record_bytes: int
 
     def __post_init__(self):
-        for field in ("max_slots", "n_mailboxes", "max_seq_len"):
+        for field in ("max_slots", "n_mailboxes", "max_seq_len", "record_bytes"):
             if getattr(self, field) < 1:
                 raise ValueError(f"{field} must be >= 1, got {getattr(self, field)}")
         if self.n_mailboxes < self.max_slots:
@@ -52,7 +83,7 @@ class Layout:
         return np.dtype([
             # "publishing" is 1 while the engine rewrites the fields below and "step" changes
             # last: a reader whose "step" did not move and who saw "publishing" 0 before and
-            # after holds a consistent snapshot (a seqlock).
+            # after holds a consistent snapshot (a seqlock; shm.control).
             ("engine_state", np.int32), ("engine_pid", np.int64), ("step", np.uint64),
             ("publishing", np.int32),
             ("heartbeat", np.float64),  # time.monotonic() at the engine's last step
@@ -66,24 +97,13 @@ class Layout:
         ])
 
     def record_dtype(self) -> np.dtype:
-        """One request-ring record: header then prompt token ids."""
-        return np.dtype([
-            ("mailbox", np.int32), ("generation", np.uint64), ("tenant", np.int32),
-            ("weight", np.float32), ("priority", np.int8), ("ignore_eos", np.int8),
-            ("n_logprobs", np.int8),  # -1: none; 0..20: sampled token's logprob + top-n
-            ("n_prompt", np.int32), ("max_new_tokens", np.int32),
-            ("deadline", np.float64),  # time.monotonic() seconds; 0: none
-            ("temperature", np.float32), ("top_k", np.int32), ("top_p", np.float32),
-            ("min_p", np.float32), ("repeat_penalty", np.float32),
-            ("presence_penalty", np.float32), ("frequency_penalty", np.float32),
-            ("penalty_last_n", np.int32), ("seed", np.uint32),
-            ("n_stop", np.int32), ("stop_ids", np.int32, (MAX_STOP_IDS,)),
-            ("prompt", np.int32, (self.max_seq_len,)),
-        ])
+        """One request-ring record: the mailbox lease it answers to, then the request's bytes."""
+        return np.dtype([("mailbox", np.int32), ("lease", np.uint64),
+                         ("payload", np.uint8, (self.record_bytes,))])
 
     def mailbox_dtype(self) -> np.dtype:
         return np.dtype([
-            ("state", np.int32), ("generation", np.uint64), ("owner_pid", np.int64),
+            ("state", np.int32), ("lease", np.uint64), ("owner_pid", np.int64),
             ("cancel", np.int32), ("n_tokens", np.int32), ("finish", np.int32),
             ("error", np.int32), ("n_prompt", np.int32), ("slot", np.int32),
             # time.monotonic() seconds, for queue-wait / TTFT / latency metrics.

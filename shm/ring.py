@@ -1,12 +1,11 @@
 """The request ring: many producers push fixed-size records, one consumer (the engine) pops."""
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import numpy as np
 
-from shm.transport import Transport
-from shm.wakeup import Doorbells
+from shm.lock import FlockLock
 
 
 class RingFull(RuntimeError):
@@ -14,41 +13,55 @@ class RingFull(RuntimeError):
     number of mailboxes), so seeing it means a producer pushed without a lease."""
 
 
+class Record(NamedTuple):
+    """One popped record: the mailbox and lease it answers to, and a copy of its payload."""
+
+    mailbox: int
+    lease: int
+    payload: np.ndarray
+
+
 class RequestRing:
     """Producers serialize on the transport's flock; the single consumer needs no lock.
 
     ``ring_tail`` (producers) and ``ring_head`` (consumer) live in the control block; the
-    record at ``tail % capacity`` is written before ``tail`` is advanced (see :mod:`shm`).
+    record at ``tail % capacity`` is written before ``tail`` is advanced, and a record is reused
+    only after the consumer moved ``head`` past it.
     """
 
-    def __init__(self, transport: Transport):
-        self.t = transport
-        self.capacity = len(transport.ring)
+    def __init__(self, records: np.ndarray, control: np.ndarray, lock: FlockLock):
+        self.records, self.capacity = records, len(records)
+        self._c, self._lock = control[0], lock
 
-    def push(self, fill: Callable[[np.void], None]) -> None:
-        """Write one record with ``fill(record)`` and publish it, then wake the engine.
+    def push(self, mailbox: int, lease: int, write: Callable[[np.ndarray], None]) -> None:
+        """Write one record (``write(payload)`` fills its bytes) and publish it. The caller
+        wakes the engine.
 
         Raises:
             RingFull: every record is still unread.
         """
-        control = self.t.control
-        with self.t.lock:
-            tail = int(control["ring_tail"][0])
-            if tail - int(control["ring_head"][0]) >= self.capacity:
+        c = self._c
+        with self._lock:
+            tail = int(c["ring_tail"])
+            if tail - int(c["ring_head"]) >= self.capacity:
                 raise RingFull("request ring is full")
-            fill(self.t.ring[tail % self.capacity])
-            control["ring_tail"][0] = tail + 1
-        self.t.bells.ring(Doorbells.ENGINE)
+            rec = self.records[tail % self.capacity]
+            rec["mailbox"], rec["lease"] = mailbox, lease
+            write(rec["payload"])
+            c["ring_tail"] = tail + 1
 
-    def pop_all(self) -> list[np.void]:
+    def pop_all(self) -> list[Record]:
         """Consumer only: copy out every published record and free their places."""
-        control = self.t.control
-        head, tail = int(control["ring_head"][0]), int(control["ring_tail"][0])
-        records = [self.t.ring[i % self.capacity].copy() for i in range(head, tail)]
-        control["ring_head"][0] = tail
-        return records
+        c = self._c
+        head, tail = int(c["ring_head"]), int(c["ring_tail"])
+        out = []
+        for i in range(head, tail):
+            rec = self.records[i % self.capacity]
+            out.append(Record(int(rec["mailbox"]), int(rec["lease"]), rec["payload"].copy()))
+        c["ring_head"] = tail
+        return out
 
     def reset(self) -> None:
         """Drop unread records (after an engine crash, whose requests were failed)."""
-        with self.t.lock:
-            self.t.control["ring_head"][0] = self.t.control["ring_tail"][0]
+        with self._lock:
+            self._c["ring_head"] = self._c["ring_tail"]

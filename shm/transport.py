@@ -4,17 +4,21 @@ from __future__ import annotations
 import os
 import secrets
 import shutil
+from types import SimpleNamespace
 from multiprocessing import resource_tracker, shared_memory
 
 import numpy as np
 
+from shm.control import ControlBlock
 from shm.layout import Layout
 from shm.lock import FlockLock
-from shm.wakeup import Doorbells
+from shm.mailbox import Mailboxes
+from shm.ring import RequestRing
+from shm.wakeup import Wakeups
 
 _MAGIC = 0x494E4652  # "INFR"
 _META = np.dtype([("magic", np.uint32), ("max_slots", np.int32),
-                  ("n_mailboxes", np.int32), ("max_seq_len", np.int32)])
+                  ("n_mailboxes", np.int32), ("max_seq_len", np.int32), ("record_bytes", np.int32)])
 _META_BYTES = 64
 SHM_DIR = "/dev/shm"
 
@@ -23,10 +27,12 @@ class Transport:
     """One shared segment plus its FIFO/lock folder ``/dev/shm/<name>.d``.
 
     Use :meth:`create` in the process that owns the transport (it unlinks everything in
-    :meth:`close`) and :meth:`attach` everywhere else. Attributes ``control`` (a one-element
-    record array), ``ring``, ``mailboxes``, ``tokens`` ``[n_mailboxes, max_seq_len]``,
-    ``logprobs``, ``top_ids`` and ``top_logprobs`` ``[n_mailboxes, max_seq_len, 20]`` are numpy
-    views of the segment.
+    :meth:`close`) and :meth:`attach` everywhere else. The segment's arrays (``control``,
+    ``ring``, ``mailboxes``, ``tokens`` ``[n_mailboxes, max_seq_len]``, ``logprobs``,
+    ``top_ids`` and ``top_logprobs`` ``[n_mailboxes, max_seq_len, 20]``) are numpy views used
+    through the verbs of three objects: :attr:`control` (:class:`shm.control.ControlBlock`),
+    :attr:`ring` (:class:`shm.ring.RequestRing`) and :attr:`mailboxes`
+    (:class:`shm.mailbox.Mailboxes`).
     """
 
     def __init__(self, shm: shared_memory.SharedMemory, layout: Layout, owner: bool):
@@ -36,11 +42,14 @@ class Transport:
         self._shm = shm
         self.directory = os.path.join(SHM_DIR, f"{shm.name}.d")
         offsets, _ = layout.offsets()
-        for name, dtype, shape in layout.arrays():
-            view = np.ndarray(shape, dtype=dtype, buffer=shm.buf, offset=_META_BYTES + offsets[name])
-            setattr(self, name, view)
+        views = SimpleNamespace(**{
+            name: np.ndarray(shape, dtype=dtype, buffer=shm.buf, offset=_META_BYTES + offsets[name])
+            for name, dtype, shape in layout.arrays()})
         self.lock = FlockLock(os.path.join(self.directory, "lock"))
-        self.bells = Doorbells(self.directory, layout.n_mailboxes)
+        self.wakeups = Wakeups(self.directory, layout.n_mailboxes)
+        self.control = ControlBlock(views.control)
+        self.ring = RequestRing(views.ring, views.control, self.lock)
+        self.mailboxes = Mailboxes(views, self.ring, self.lock, self.wakeups)
 
     @classmethod
     def create(cls, layout: Layout, name: str | None = None) -> "Transport":
@@ -57,17 +66,16 @@ class Transport:
         try:
             os.mkdir(os.path.join(SHM_DIR, f"{name}.d"), 0o700)
             transport = cls(shm, layout, owner=True)
-            transport.bells.create_all()
+            transport.wakeups.create_all()
         except BaseException:
             shm.close()
             shm.unlink()
             shutil.rmtree(os.path.join(SHM_DIR, f"{name}.d"), ignore_errors=True)
             raise
-        np.ndarray((), _META, buffer=shm.buf)[()] = (_MAGIC, layout.max_slots,
-                                                     layout.n_mailboxes, layout.max_seq_len)
-        transport.mailboxes["slot"] = -1
-        transport.control[0]["slot_mailbox"] = -1
-        transport.control[0]["slot_kv_pos_max"] = -1
+        np.ndarray((), _META, buffer=shm.buf)[()] = (_MAGIC, layout.max_slots, layout.n_mailboxes,
+                                                     layout.max_seq_len, layout.record_bytes)
+        transport.mailboxes.boxes["slot"] = -1
+        transport.control.publish(0, -1, -1, 0, 0)
         return transport
 
     @classmethod
@@ -84,17 +92,17 @@ class Transport:
         if int(meta["magic"]) != _MAGIC:
             shm.close()
             raise ValueError(f"shared memory segment {name!r} is not an inference transport")
-        layout = Layout(int(meta["max_slots"]), int(meta["n_mailboxes"]), int(meta["max_seq_len"]))
+        layout = Layout(int(meta["max_slots"]), int(meta["n_mailboxes"]), int(meta["max_seq_len"]),
+                        int(meta["record_bytes"]))
         return cls(shm, layout, owner=False)
 
     def close(self) -> None:
         """Unmap; the owner also unlinks the segment and removes its folder. Idempotent."""
         if self._shm is None:
             return
-        self.bells.close()
+        self.wakeups.close()
         self.lock.close()
-        for name, _, _ in self.layout.arrays():
-            setattr(self, name, None)
+        self.ring = self.mailboxes = self.control = None  # drop the views before unmapping
         shm, self._shm = self._shm, None
         try:
             shm.close()

@@ -1,9 +1,9 @@
 """Wake-ups between processes: one named FIFO per mailbox plus one for the engine.
 
-A FIFO is a file descriptor, so a front-end thread can ``poll()`` its mailbox's wake-up and its
-client's socket together. Every process opens FIFOs ``O_RDWR | O_NONBLOCK``: on Linux that never
-blocks and never fails for lack of a peer, and a full pipe (a slow reader) makes ``ring`` a no-op
-instead of blocking the engine: the reader is already due to wake.
+A FIFO is a file descriptor, so a front-end thread can ``poll()`` the wake-ups of all its
+mailboxes and its client's socket together. Every process opens FIFOs ``O_RDWR | O_NONBLOCK``:
+on Linux that never blocks and never fails for lack of a peer, and a full pipe (a slow reader)
+makes ``wake`` a no-op instead of blocking the engine: the reader is already due to wake.
 """
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import select
 import threading
 
 
-class Doorbells:
+class Wakeups:
     """The FIFOs of one transport, opened lazily per process.
 
     Args:
@@ -53,7 +53,7 @@ class Doorbells:
                     self._fds[index] = fd
         return fd
 
-    def ring(self, index: int) -> None:
+    def wake(self, index: int) -> None:
         """Wake whoever waits on FIFO ``index``; never blocks."""
         try:
             os.write(self.fd(index), b"\x01")
@@ -69,26 +69,38 @@ class Doorbells:
         except BlockingIOError:
             pass
 
-    def wait(self, index: int, timeout: float | None, extra_fd: int | None = None) -> set[int]:
-        """Block until FIFO ``index`` is readable or ``extra_fd`` (a client socket) hangs up.
+    def wait(self, indices, timeout: float | None, extra_fd: int | None = None) -> tuple[set[int], bool]:
+        """Block until a FIFO of ``indices`` is readable or ``extra_fd`` (a client socket) hangs up.
 
         The socket is watched for ``POLLRDHUP``/``POLLHUP`` only, so bytes a client pipelines
         do not wake the caller.
 
         Args:
+            indices: FIFO indices (mailboxes, or :attr:`ENGINE`).
             timeout: seconds; None waits forever.
         Returns:
-            the ready descriptors (empty on timeout).
+            ``(indices woken, socket hung up)``; both empty/False on timeout.
         """
         poller = select.poll()
-        poller.register(self.fd(index), select.POLLIN)
+        by_fd = {}
+        for index in indices:
+            by_fd[self.fd(index)] = index
+            poller.register(self.fd(index), select.POLLIN)
         if extra_fd is not None:
             poller.register(extra_fd, select.POLLRDHUP)
         ms = None if timeout is None else max(0, int(timeout * 1000))
-        return {fd for fd, _ in poller.poll(ms)}
+        ready = {fd for fd, _ in poller.poll(ms)}
+        return {by_fd[fd] for fd in ready if fd in by_fd}, extra_fd is not None and extra_fd in ready
 
     def close(self) -> None:
         with self._lock:
             for fd in self._fds.values():
                 os.close(fd)
             self._fds = {}
+
+
+def hung_up(sock) -> bool:
+    """True if the peer of ``sock`` has already closed (or shut down) its side."""
+    poller = select.poll()
+    poller.register(sock.fileno(), select.POLLRDHUP)
+    return bool(poller.poll(0))

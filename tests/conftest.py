@@ -7,10 +7,13 @@ import time
 
 import pytest
 
+# llama.cpp's OpenMP threads in this process (the in-process engine) wait passively, as the
+# engine process's do (engine.supervisor.engine_environment); set before llama.cpp loads.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 from engine.client import EngineClient
 from engine.config import EngineConfig, default_model_path
 from engine.supervisor import EngineSupervisor
-from shm import Layout, Transport
 
 
 @pytest.fixture(scope="session")
@@ -34,16 +37,14 @@ def chat(tokenizer):
 def running_engine(supervisor_args: dict | None = None, **overrides):
     """Yield ``(client, supervisor)`` for a fresh engine; everything is torn down after."""
     config = EngineConfig(**{"max_slots": 4, "max_seq_len": 256, "max_queued": 16, **overrides})
-    transport = Transport.create(Layout(config.max_slots, config.n_mailboxes, config.max_seq_len))
-    supervisor = EngineSupervisor(config, transport, **(supervisor_args or {}))
+    supervisor = EngineSupervisor.create(config, **(supervisor_args or {}))
     try:
         supervisor.start()
         assert supervisor.wait_ready(120), "engine did not start"
-        yield EngineClient(transport), supervisor
+        yield EngineClient(supervisor.t), supervisor
     finally:
         supervisor.stop()
-        transport.close()
-    assert not os.path.exists(f"/dev/shm/{transport.name}"), "segment not unlinked"
+    assert not os.path.exists(f"/dev/shm/{supervisor.transport_name}"), "segment not unlinked"
 
 
 def wait_steps(client: EngineClient, n: int = 1, timeout: float = 10.0) -> None:
@@ -150,6 +151,44 @@ def server():
     with running_server("--max-slots", "4", "--max-seq-len", "512", "--max-queued", "16",
                         "--workers", "2", "--threads", "16", "--max-body-bytes", "65536") as s:
         yield s
+
+
+class AppServer:
+    """The Falcon app from ``create_app`` over an in-process engine, driven by
+    ``falcon.testing.TestClient``: the HTTP contract without gunicorn or extra processes.
+
+    Attributes: ``engine`` (the EngineClient), ``config``; :meth:`request` returns
+    ``(status, lower-case headers, body bytes)``.
+    """
+
+    def __init__(self, config, generator):
+        import falcon.testing
+
+        from server.app import create_app
+
+        self.config, self.engine = config, generator.engine
+        self.client = falcon.testing.TestClient(create_app(config, generator))
+
+    def request(self, method: str, path: str, body: bytes | None = None, headers: dict | None = None):
+        r = self.client.simulate_request(method, path, body=body, headers=headers or {})
+        return r.status_code, {k.lower(): v for k, v in r.headers.items()}, r.content
+
+    def wait_idle(self, timeout: float = 10.0) -> None:
+        RunningServer.wait_idle(self, timeout)
+
+
+@pytest.fixture(scope="session")
+def app(model_path, tokenizer, chat):
+    """The shared server's configuration (4 slots x 512 tokens, 64 KiB bodies), in-process."""
+    from engine.inproc import InprocEngine
+    from server.config import ServerConfig
+    from server.generation import Generator
+
+    config = ServerConfig(model_path=model_path, max_slots=4, max_seq_len=512, max_queued=16,
+                          max_body_bytes=65536)
+    with InprocEngine(config.engine_config()) as engine:
+        yield AppServer(config, Generator(engine.client, tokenizer, chat))
+    assert not os.path.exists(f"/dev/shm/{engine.transport.name}"), "segment not unlinked"
 
 
 @pytest.fixture(scope="module")

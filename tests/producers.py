@@ -3,7 +3,8 @@ from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 
-from engine.client import EngineClient, SamplingParams
+from engine.client import EngineClient
+from engine.request import Priority, SamplingParams
 
 
 def generate_many(transport_name: str, jobs: list[dict]) -> list[dict]:
@@ -20,6 +21,8 @@ def generate_many(transport_name: str, jobs: list[dict]) -> list[dict]:
 def _run(client: EngineClient, job: dict) -> dict:
     job = dict(job)
     prompt, params = job.pop("prompt"), SamplingParams(**job.pop("params"))
+    if "priority" in job:
+        job["priority"] = Priority.parse(job["priority"])
     with client.submit(prompt, params, **job) as stream:
         ids = [t.id for t in stream]
         return {"ids": ids, "finish": stream.finish_reason, "timings": stream.timings().__dict__}

@@ -33,7 +33,7 @@ def test_probes_use_health_and_shm_is_memory_backed():
 
 def test_configmap_keys_are_real_settings():
     (cm,) = load_all("configmap.yaml")
-    known = {var for _, _, var, _, _, _ in OPTIONS}
+    known = {o.env for o in OPTIONS}
     assert set(cm["data"]) <= known
 
 

@@ -8,7 +8,8 @@ from concurrent.futures import ProcessPoolExecutor
 
 import pytest
 
-from engine.client import DeadlineExceeded, PromptTooLong, SamplingParams
+from engine.errors import DeadlineExceeded, PromptTooLong
+from engine.request import Priority, SamplingParams
 from tests.conftest import assert_idle_and_clean, running_engine, wait_steps
 from tests.producers import generate_many
 
@@ -51,8 +52,9 @@ def test_64_mixed_requests_from_4_producers_through_4_slots():
 
         def watch_kv():  # a free slot never keeps KV cells, at any step
             while not stop.is_set():
-                step, slots, kv = client.snapshot()
-                violations.extend((step, s) for s in range(4) if slots[s] == -1 and kv[s] != -1)
+                snap = client.snapshot()
+                violations.extend((snap.step, s) for s in range(4)
+                                  if snap.slot_mailbox[s] == -1 and snap.kv_pos_max[s] != -1)
                 time.sleep(0.002)
 
         watcher = threading.Thread(target=watch_kv)
@@ -159,10 +161,10 @@ def test_priority_then_deadline_order_when_slots_are_busy():
         with blocker:
             p = SamplingParams(max_new_tokens=2, temperature=0, ignore_eos=True)
             streams = {
-                "low": client.submit([11, 12], p, priority="low"),
-                "normal": client.submit([13, 14], p, priority="normal"),
-                "normal+deadline": client.submit([15, 16], p, priority="normal", deadline_ms=60_000),
-                "high": client.submit([17, 18], p, priority="high"),
+                "low": client.submit([11, 12], p, priority=Priority.LOW),
+                "normal": client.submit([13, 14], p, priority=Priority.NORMAL),
+                "normal+deadline": client.submit([15, 16], p, priority=Priority.NORMAL, deadline_ms=60_000),
+                "high": client.submit([17, 18], p, priority=Priority.HIGH),
             }
             list(it)
         order = []
@@ -181,7 +183,7 @@ def test_low_priority_completes_under_sustained_high_load():
 
         def flood():
             while not stop.is_set():
-                with client.submit([21, 22], p, priority="high") as s:
+                with client.submit([21, 22], p, priority=Priority.HIGH) as s:
                     list(s)
                     high_done.append(s.timings().step_finished)
 
@@ -189,7 +191,7 @@ def test_low_priority_completes_under_sustained_high_load():
         for f in flooders:
             f.start()
         time.sleep(0.3)
-        with client.submit([23, 24], p, priority="low") as low:
+        with client.submit([23, 24], p, priority=Priority.LOW) as low:
             assert len(list(low)) == 4
             low_finished = low.timings().step_finished
         time.sleep(0.3)
@@ -240,7 +242,7 @@ def test_compaction_moves_kv_cells_without_changing_outputs(chat):
         for s in streams:
             with s:
                 together.append([t.id for t in s])
-        assert int(client.t.control["kv_moves"][0]) >= 1
+        assert client.t.control.kv_moves >= 1
         alone = []
         for p, sp in zip(prompts, params):
             with client.submit(p, sp) as s:

@@ -1,7 +1,7 @@
 """The HTTP server end to end: a real ``inference-server`` (gunicorn + engine + model).
 
 Covers the official ``openai`` client, concurrent streaming equality, client disconnects
-(http_contract.md cases 24, 25), overload (case 26), ``/infer``, ``/health`` and start-up errors.
+(contract cases 24, 25), overload (case 26), ``/infer``, ``/health`` and start-up errors.
 Nothing is asserted on wall-clock time: engine step counters and slot tables are the clock.
 """
 from __future__ import annotations
@@ -18,7 +18,7 @@ import time
 import openai
 import pytest
 
-from shm.layout import FINISH_CANCELLED, FREE
+from shm import Finish, MailboxState
 from tests.conftest import free_port, running_server
 
 MODEL = "local-model"
@@ -356,7 +356,7 @@ def test_stream_client_disconnect_frees_slot_within_steps(server):
 def test_queued_client_disconnect_is_never_decoded(single):
     """Case 25: with the only slot busy, a queued request whose client leaves is dropped from the
     queue while the slot is still held by the other request, so it never reaches a slot."""
-    engine, boxes = single.engine, single.engine.t.mailboxes
+    engine, boxes = single.engine, single.engine.t.mailboxes.boxes
     single.wait_idle()
     with SlotWatcher(engine) as watcher:
         blocker = RawStream(single, "/v1/completions", {"model": MODEL, "prompt": "Once upon a time",
@@ -365,13 +365,13 @@ def test_queued_client_disconnect_is_never_decoded(single):
         held = wait_for(lambda: engine.slot_mailboxes()[0] + 1, "the blocker to hold the slot") - 1
         queued = RawStream(single, "/v1/chat/completions", chat_body("Hi", max_tokens=50, **FIXED))
         wait_for(lambda: engine.mailboxes_in_use() == 2, "the second request to be queued")
-        (other,) = [i for i in range(len(boxes)) if i != held and int(boxes["state"][i]) != FREE]
+        (other,) = [i for i in range(len(boxes)) if i != held and int(boxes["state"][i]) != MailboxState.FREE]
         queued.close()  # before any response byte
-        wait_for(lambda: int(boxes["state"][other]) == FREE, "the queued request to be released")
+        wait_for(lambda: int(boxes["state"][other]) == MailboxState.FREE, "the queued request to be released")
         # Released while the only slot still decodes the blocker: the queued one never ran.
         assert engine.slot_mailboxes() == [held]
         assert float(boxes["t_admitted"][other]) == 0.0 and int(boxes["step_admitted"][other]) == 0
-        assert int(boxes["finish"][other]) == FINISH_CANCELLED
+        assert int(boxes["finish"][other]) == Finish.CANCELLED
         chunks = blocker.finish()
         assert [c["choices"][0]["finish_reason"] for c in chunks][-1] == "length"
         single.wait_idle(timeout=0.5)

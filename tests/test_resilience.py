@@ -11,7 +11,7 @@ import time
 import pytest
 
 from engine.client import EngineUnavailable, SamplingParams
-from shm.layout import FREE
+from shm import MailboxState
 from tests.conftest import assert_idle_and_clean, running_engine, running_server
 
 
@@ -21,7 +21,7 @@ def test_engine_crash_fails_in_flight_requests_and_restarts():
         stream = client.submit([40, 41, 42], long_params)
         it = iter(stream)
         next(it)
-        os.kill(int(client.t.control["engine_pid"][0]), signal.SIGKILL)
+        os.kill(client.t.control.engine_pid, signal.SIGKILL)
         with pytest.raises(EngineUnavailable):
             list(it)
         assert client.mailboxes_in_use() == 0
@@ -39,7 +39,7 @@ def test_stalled_engine_is_killed_and_replaced():
         stream = client.submit([50, 51], SamplingParams(max_new_tokens=200, temperature=0, ignore_eos=True))
         it = iter(stream)
         next(it)
-        pid = int(client.t.control["engine_pid"][0])
+        pid = client.t.control.engine_pid
         os.kill(pid, signal.SIGSTOP)
         try:
             time.sleep(0.3)  # no step can happen meanwhile: the heartbeat is at least this old
@@ -65,8 +65,8 @@ def test_killed_worker_leases_are_reclaimed_and_its_slot_freed():
         conn.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"})
         resp = conn.getresponse()
         resp.readline()  # the stream has started: its mailbox is leased and its slot busy
-        boxes = server.engine.t.mailboxes
-        leased = [i for i in range(len(boxes)) if int(boxes["state"][i]) != FREE]
+        boxes = server.engine.t.mailboxes.boxes
+        leased = [i for i in range(len(boxes)) if int(boxes["state"][i]) != MailboxState.FREE]
         assert len(leased) == 1
         os.kill(int(boxes["owner_pid"][leased[0]]), signal.SIGKILL)
         server.wait_idle(timeout=30)
@@ -99,7 +99,7 @@ def test_engine_killed_under_gunicorn_fails_requests_then_comes_back():
         while all(m == -1 for m in server.engine.slot_mailboxes()):  # until it runs
             assert time.monotonic() < deadline
             time.sleep(0.01)
-        os.kill(int(server.engine.t.control["engine_pid"][0]), signal.SIGKILL)
+        os.kill(server.engine.t.control.engine_pid, signal.SIGKILL)
         resp = conn.getresponse()
         reply = json.loads(resp.read())
         assert resp.status == 503 and reply["error"]["code"] == "engine_unavailable"

@@ -1,4 +1,5 @@
-"""The shared-memory transport alone (no model): many producers, one consumer, crashes."""
+"""The shared-memory transport alone (no model): many producers, one consumer, crashes. Both
+sides use the real verbs of ``shm.mailbox`` and ``shm.ring``, as the engine and client do."""
 from __future__ import annotations
 
 import multiprocessing as mp
@@ -7,48 +8,51 @@ import signal
 import threading
 import time
 
+import numpy as np
 import pytest
 
 from engine.supervisor import pid_alive
-from shm import Layout, Transport
-from shm.layout import DONE, FREE, LEASED, QUEUED
-from shm.mailbox import Mailboxes
-from shm.ring import RequestRing
-from shm.wakeup import Doorbells
+from shm import Finish, Layout, MailboxState, Published, Transport
+from shm.wakeup import Wakeups
 
 SPAWN = mp.get_context("spawn")
+FREE, LEASED, QUEUED, RUNNING, DONE = MailboxState
 
 
 @pytest.fixture
 def transport():
-    t = Transport.create(Layout(max_slots=4, n_mailboxes=8, max_seq_len=16))
+    t = Transport.create(Layout(max_slots=4, n_mailboxes=8, max_seq_len=16, record_bytes=12))
     yield t
     t.close()
     assert not os.path.exists(f"/dev/shm/{t.name}") and not os.path.exists(t.directory)
+
+
+def _fill(*values):
+    """A payload writer putting three int32 values (producer, thread, sequence number)."""
+    def write(payload):
+        payload.view(np.int32)[:3] = values
+    return write
 
 
 def producer(name: str, producer_id: int, count: int, threads: int) -> None:
     """Push ``count`` records per thread, each through the whole lease/submit/wait/release
     protocol; each record says (producer, thread, sequence number)."""
     t = Transport.attach(name)
-    boxes, ring = Mailboxes(t), RequestRing(t)
+    boxes = t.mailboxes
 
     def work(thread: int):
         for n in range(count):
             while (lease := boxes.lease()) is None:
                 time.sleep(0.0005)
-            i, gen = lease
-
-            def fill(rec):
-                rec["mailbox"], rec["generation"] = i, gen
-                rec["tenant"], rec["priority"], rec["max_new_tokens"] = producer_id, thread, n
-            t.mailboxes["state"][i] = QUEUED
-            ring.push(fill)
-            while int(t.mailboxes["state"][i]) != DONE:
-                t.bells.wait(i, timeout=1.0)
-                t.bells.drain(i)
-            assert int(t.tokens[i, 0]) == n
-            boxes.release(i, gen)
+            boxes.submit(lease, 1, _fill(producer_id, thread, n))
+            while True:
+                n_tokens, done = boxes.read_new(lease)
+                if done:
+                    break
+                boxes.wait([lease], 1.0)
+            assert n_tokens == 1 and boxes.token(lease, 0, None)[0] == n
+            assert boxes.outcome(lease).finish == Finish.LENGTH
+            boxes.release(lease)
 
     workers = [threading.Thread(target=work, args=(k,)) for k in range(threads)]
     for w in workers:
@@ -60,19 +64,20 @@ def producer(name: str, producer_id: int, count: int, threads: int) -> None:
 
 def test_many_producers_no_loss_no_duplicate_order_kept(transport):
     n_producers, threads, count = 4, 3, 300
-    ring, seen, stop = RequestRing(transport), [], threading.Event()
+    seen, stop = [], threading.Event()
+    boxes = transport.mailboxes
 
     def consumer():  # the engine's side of the protocol, without a model
         while not stop.is_set():
-            transport.bells.wait(Doorbells.ENGINE, timeout=0.1)
-            transport.bells.drain(Doorbells.ENGINE)
-            for rec in ring.pop_all():
-                i = int(rec["mailbox"])
-                seen.append((int(rec["tenant"]), int(rec["priority"]), int(rec["max_new_tokens"])))
-                transport.tokens[i, 0] = rec["max_new_tokens"]
-                transport.mailboxes["n_tokens"][i] = 1
-                transport.mailboxes["state"][i] = DONE
-                transport.bells.ring(i)
+            transport.wakeups.wait([Wakeups.ENGINE], 0.1)
+            transport.wakeups.drain(Wakeups.ENGINE)
+            for rec in transport.ring.pop_all():
+                assert boxes.is_queued(rec.mailbox, rec.lease)
+                p, k, n = rec.payload.view(np.int32)[:3].tolist()
+                seen.append((p, k, n))
+                boxes.admit(rec.mailbox, 0, 1, time.monotonic())
+                boxes.publish([Published(rec.mailbox, 0, n, None)], time.monotonic())
+                boxes.finish(rec.mailbox, rec.lease, Finish.LENGTH)
 
     c = threading.Thread(target=consumer)
     c.start()
@@ -89,14 +94,41 @@ def test_many_producers_no_loss_no_duplicate_order_kept(transport):
     for p in range(n_producers):
         for k in range(threads):
             assert [n for (pp, kk, n) in seen if (pp, kk) == (p, k)] == list(range(count))
-    assert Mailboxes(transport).in_use() == 0
+    assert boxes.in_use() == 0
+
+
+def test_reader_sees_every_token_in_order_and_the_final_count(transport):
+    """The publication rule, exercised: a reader polling with read_new never sees a counter
+    ahead of its data, and DONE implies the final count."""
+    boxes = transport.mailboxes
+    lease = boxes.lease()
+    boxes.submit(lease, 1, _fill(0, 0, 0))
+    (rec,) = transport.ring.pop_all()
+    n_tokens = 15  # max_seq_len 16
+
+    def engine():
+        for k in range(n_tokens):
+            boxes.publish([Published(rec.mailbox, k, 1000 + k, (-0.5, np.array([1000 + k]), np.array([-0.5])))],
+                          time.monotonic())
+        boxes.finish(rec.mailbox, rec.lease, Finish.LENGTH)
+
+    threading.Thread(target=engine).start()
+    got = []
+    while True:
+        n, done = boxes.read_new(lease)
+        got += [boxes.token(lease, k, 1) for k in range(len(got), n)]
+        if done:
+            break
+        boxes.wait([lease], 1.0)
+    assert [tok for tok, _, _ in got] == [1000 + k for k in range(n_tokens)]
+    assert all(lp == -0.5 and top == ((tok, -0.5),) for tok, lp, top in got)
+    boxes.release(lease)
 
 
 def hold_leases_then_sleep(name: str, n: int, ready) -> None:
     t = Transport.attach(name)
-    boxes = Mailboxes(t)
     for _ in range(n):
-        boxes.lease()
+        t.mailboxes.lease()
     ready.set()
     time.sleep(600)
 
@@ -113,7 +145,7 @@ def test_sigkilled_producer_leases_are_reclaimed(transport):
     p = SPAWN.Process(target=hold_leases_then_sleep, args=(transport.name, 3, ready))
     p.start()
     assert ready.wait(60)
-    boxes = Mailboxes(transport)
+    boxes = transport.mailboxes
     assert boxes.in_use() == 3
     assert boxes.reclaim(pid_alive) == []  # alive: nothing taken
     os.kill(p.pid, signal.SIGKILL)
@@ -128,7 +160,7 @@ def test_producer_killed_inside_critical_section_does_not_freeze_others(transpor
     p.start()
     assert ready.wait(60)
     got = []
-    t = threading.Thread(target=lambda: got.append(Mailboxes(transport).lease()), daemon=True)
+    t = threading.Thread(target=lambda: got.append(transport.mailboxes.lease()), daemon=True)
     t.start()
     t.join(0.5)
     assert not got, "the lock should be held by the sleeping producer"
@@ -139,30 +171,42 @@ def test_producer_killed_inside_critical_section_does_not_freeze_others(transpor
 
 
 def test_running_mailbox_of_dead_owner_is_cancelled_then_freed(transport):
-    boxes = Mailboxes(transport)
-    i, gen = boxes.lease()
-    transport.mailboxes["state"][i] = QUEUED
-    transport.mailboxes["owner_pid"][i] = 2 ** 22 + 12345  # no such process
+    boxes = transport.mailboxes
+    lease = boxes.lease()
+    boxes.submit(lease, 1, _fill(0, 0, 0))
+    boxes.boxes["owner_pid"][lease.index] = 2 ** 22 + 12345  # no such process
     assert boxes.reclaim(pid_alive) == []
-    assert transport.mailboxes["cancel"][i] == 1
-    transport.mailboxes["state"][i] = DONE  # the engine retires it
-    assert boxes.reclaim(pid_alive) == [i]
-    assert int(transport.mailboxes["state"][i]) == FREE
+    assert boxes.cancelled(lease.index, lease.number)
+    boxes.finish(lease.index, lease.number, Finish.CANCELLED)  # the engine retires it
+    assert boxes.reclaim(pid_alive) == [lease.index]
+    assert MailboxState(int(boxes.boxes["state"][lease.index])) == FREE
 
 
-def test_stale_generation_cannot_release_a_reused_mailbox(transport):
-    boxes = Mailboxes(transport)
-    i, gen = boxes.lease()
-    boxes.release(i, gen)
-    j, gen2 = boxes.lease()
-    assert (j, gen2) == (i, gen + 1)
-    boxes.release(i, gen)  # a stale reader
-    assert int(transport.mailboxes["state"][i]) == LEASED
+def test_stale_lease_can_neither_release_nor_cancel_a_reused_mailbox(transport):
+    boxes = transport.mailboxes
+    old = boxes.lease()
+    boxes.release(old)
+    new = boxes.lease()
+    assert new == (old.index, old.number + 1)
+    boxes.release(old)  # a stale reader
+    boxes.cancel(old)
+    assert MailboxState(int(boxes.boxes["state"][new.index])) == LEASED
+    assert not boxes.cancelled(new.index, new.number)
+
+
+def test_failed_in_flight_wakes_readers_with_an_error(transport):
+    boxes = transport.mailboxes
+    lease = boxes.lease()
+    boxes.submit(lease, 1, _fill(0, 0, 0))
+    assert boxes.fail_in_flight(3) == 1
+    woken, _ = boxes.wait([lease], 1.0)
+    assert woken == {lease.index} and boxes.read_new(lease) == (0, True)
+    assert boxes.outcome(lease).finish == Finish.ERROR
 
 
 def test_close_unlinks_after_an_exception():
     with pytest.raises(RuntimeError):
-        with Transport.create(Layout(1, 1, 8)) as t:
+        with Transport.create(Layout(1, 1, 8, 4)) as t:
             name = t.name
             raise RuntimeError("boom")
     assert not os.path.exists(f"/dev/shm/{name}") and not os.path.exists(f"/dev/shm/{name}.d")
@@ -170,6 +214,6 @@ def test_close_unlinks_after_an_exception():
 
 def test_layout_is_validated():
     with pytest.raises(ValueError):
-        Layout(max_slots=0, n_mailboxes=1, max_seq_len=8)
+        Layout(max_slots=0, n_mailboxes=1, max_seq_len=8, record_bytes=4)
     with pytest.raises(ValueError):
-        Layout(max_slots=4, n_mailboxes=2, max_seq_len=8)
+        Layout(max_slots=4, n_mailboxes=2, max_seq_len=8, record_bytes=4)

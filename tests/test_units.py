@@ -4,23 +4,23 @@ from __future__ import annotations
 
 import numpy as np
 
+from engine.request import EngineRequest, Priority, SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence
 from server.detokenizer import Detokenizer
 
-HIGH, NORMAL, LOW = 0, 1, 2
+HIGH, NORMAL, LOW = Priority
 
 
-def make(tenant: int, priority: int = NORMAL, deadline: float = 0.0, weight: float = 1.0,
+def make(tenant: int, priority: Priority = NORMAL, deadline: float = 0.0, weight: float = 1.0,
          arrival: float = 0.0) -> Sequence:
-    return Sequence(mailbox=0, generation=1, tenant=tenant, weight=weight, priority=priority,
-                    deadline=deadline, arrival=arrival, prompt=np.array([1, 2], np.int32),
-                    max_new_tokens=4, ignore_eos=False, n_logprobs=-1, stop_ids=frozenset(),
-                    sampling={})
+    request = EngineRequest(np.array([1, 2], np.int32), SamplingParams(max_new_tokens=4), priority,
+                            deadline, tenant, weight)
+    return Sequence(mailbox=0, lease=1, request=request, arrival=arrival)
 
 
 def admitted_tenants(sched: Scheduler, now: float = 0.0) -> list[int]:
-    return [s.tenant for s in sched.admit(now)]
+    return [s.request.tenant for s in sched.admit(now)]
 
 
 def test_tenant_with_least_weighted_service_goes_first():

@@ -1,0 +1,75 @@
+"""The errors a request can end with, for every front end.
+
+They are raised once, where the fault is found (the parser, :class:`engine.request.SamplingParams`,
+the engine client) and translated once per protocol: HTTP in ``server/errors.py``. Each carries
+what a protocol needs to answer: ``param`` (the request field at fault) and ``code`` (a
+machine-readable reason, as in OpenAI's error object).
+"""
+from __future__ import annotations
+
+
+class RequestError(Exception):
+    """A client mistake. Attributes: ``message``, ``param`` (field at fault or None), ``code``."""
+
+    code: str | None = None
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.message, self.param = message, param
+        self.code = code or type(self).code
+
+
+class InvalidRequest(RequestError, ValueError):
+    """A field is missing, of the wrong type or out of range (HTTP 400, gRPC INVALID_ARGUMENT)."""
+
+
+class PromptTooLong(InvalidRequest):
+    """The prompt, or prompt plus ``max_new_tokens``, does not fit one sequence.
+
+    Attributes: ``n_prompt``, ``max_new_tokens`` (None when the prompt alone is too long),
+    ``limit`` (tokens per sequence). ``param`` is None until the front end names the field.
+    """
+
+    code = "context_length_exceeded"
+
+    def __init__(self, n_prompt: int, limit: int, max_new_tokens: int | None = None):
+        self.n_prompt, self.limit, self.max_new_tokens = n_prompt, limit, max_new_tokens
+        if max_new_tokens is None:
+            msg = (f"prompt has {n_prompt} tokens, more than the per-sequence limit of "
+                   f"{limit - 1} prompt tokens ({limit} tokens in all)")
+        else:
+            msg = (f"prompt ({n_prompt} tokens) + max_tokens ({max_new_tokens}) = "
+                   f"{n_prompt + max_new_tokens} tokens exceeds the per-sequence limit of {limit}")
+        super().__init__(msg)
+
+
+class ModelNotFound(RequestError):
+    """The request names a model this server does not serve (HTTP 404, gRPC NOT_FOUND)."""
+
+    code = "model_not_found"
+
+
+class EngineError(RuntimeError):
+    """The server could not serve the request (not the client's fault)."""
+
+
+class Saturated(EngineError):
+    """Every mailbox is leased: the server is full. ``retry_after`` is seconds (int >= 1)."""
+
+    def __init__(self, retry_after: int = 1):
+        super().__init__("server saturated: every request slot and queue place is in use")
+        self.retry_after = retry_after
+
+
+class EngineUnavailable(EngineError):
+    """The engine is loading, died, or is shutting down. ``retry_after`` is seconds."""
+
+    retry_after = 1
+
+
+class DeadlineExceeded(EngineError):
+    """The request's deadline passed before it produced any token."""
+
+
+class ClientDisconnected(EngineError):
+    """The watched client connection closed; the request's sequences were cancelled."""

@@ -1,0 +1,250 @@
+"""The one request type, from the front end's parser to the engine's sampler.
+
+:class:`SamplingParams` is built by a front end's parser (``server/params.py``), carried inside
+:class:`EngineRequest` through the request ring, and read by ``engine/sampler.py``. Its wire
+form is derived from the fields (their ``wire`` metadata), so adding a sampler option touches
+this class, its parser and the sampler, nothing else. As vLLM v1 carries one ``SamplingParams``
+inside ``EngineCoreRequest``; the fixed-size record replaces its msgpack.
+"""
+from __future__ import annotations
+
+import functools
+import math
+import time
+from dataclasses import dataclass, field, fields, replace
+from enum import IntEnum
+
+import numpy as np
+
+from engine.errors import InvalidRequest, PromptTooLong
+from shm.layout import MAX_TOP_LOGPROBS
+
+#: Most request-specific stop token ids carried in one record.
+MAX_STOP_IDS = 8
+#: Largest ``max_new_tokens`` / ``top_k`` accepted (int32 on the wire).
+INT32_MAX = 2**31 - 1
+
+
+class Priority(IntEnum):
+    """Priority classes, in admission order (a smaller value is admitted first)."""
+
+    HIGH = 0
+    NORMAL = 1
+    LOW = 2
+
+    @classmethod
+    def parse(cls, value, param: str = "priority") -> "Priority":
+        """``"high" | "normal" | "low"`` (None: normal).
+
+        Raises:
+            InvalidRequest: anything else.
+        """
+        if value is None:
+            return cls.NORMAL
+        if isinstance(value, str) and value.upper() in cls.__members__:
+            return cls[value.upper()]
+        names = ", ".join(p.name.lower() for p in cls)
+        raise InvalidRequest(f"{param} must be one of {names}, got {shown(value)}", param)
+
+
+def _field(default, wire: str, lo=None, hi=None, lo_open: bool = False, doc: str = ""):
+    """A field with its wire type (numpy dtype code; ``None`` encodes as -1) and its bounds."""
+    return field(default=default, metadata={"wire": wire, "bounds": (lo, hi, lo_open), "doc": doc})
+
+
+def shown(value, limit: int = 40) -> str:
+    """A request value for an error message, cut to ``limit`` characters."""
+    import json
+    text = str(value) if isinstance(value, int) and not isinstance(value, bool) else json.dumps(value, ensure_ascii=False)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def check_number(name: str, value, lo=None, hi=None, lo_open: bool = False, integer: bool = False):
+    """``value`` as an int (``integer``) or a float, if it is a finite number within bounds.
+
+    Bounds are compared before any conversion, so a 400-digit integer never overflows a float.
+
+    Raises:
+        InvalidRequest: naming ``name``.
+    """
+    kind = "an integer" if integer else "a number"
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)) or \
+            (isinstance(value, float) and not math.isfinite(value)) or \
+            (integer and isinstance(value, float) and not value.is_integer()):
+        raise InvalidRequest(f"{name} must be {kind}, got {shown(value)}", name)
+    if (lo is not None and (value < lo or (lo_open and value == lo))) or (hi is not None and value > hi):
+        bound = f"({lo}, {hi}]" if lo_open else f"[{lo}, {hi}]"
+        raise InvalidRequest(f"{name} must be in {bound}, got {shown(value)}", name)
+    return int(value) if integer else float(value)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request generation settings, with llama.cpp's sampler-chain semantics.
+
+    Attributes:
+        max_new_tokens: generated tokens at most; None = up to the sequence limit.
+        temperature: 0 = greedy. top_k: 0 = off. top_p, min_p: 1.0 / 0.0 = off.
+        repeat_penalty (1 = off), presence_penalty, frequency_penalty (0 = off) over the last
+        ``penalty_last_n`` tokens. seed: None = random.
+        ignore_eos: never sample end-of-generation tokens (fixed-length benchmarks).
+        logprobs: None, or k in 0..20: return the sampled token's log-probability and the top-k.
+        stop_ids: extra token ids that end the sequence (EOS/EOG always do unless ignore_eos).
+    Raises:
+        InvalidRequest: a value out of its bounds (the same bounds the HTTP parser checks).
+    """
+
+    max_new_tokens: int | None = _field(None, "i4", 1, INT32_MAX)
+    temperature: float = _field(1.0, "f4", 0, 2)
+    top_k: int = _field(0, "i4", 0, INT32_MAX)
+    top_p: float = _field(1.0, "f4", 0, 1, lo_open=True)
+    min_p: float = _field(0.0, "f4", 0, 1)
+    repeat_penalty: float = _field(1.0, "f4", 0, 10, lo_open=True)
+    presence_penalty: float = _field(0.0, "f4", -2, 2)
+    frequency_penalty: float = _field(0.0, "f4", -2, 2)
+    penalty_last_n: int = _field(64, "i4", -1, INT32_MAX)
+    seed: int | None = _field(None, "i8", 0, 2**32 - 1)
+    ignore_eos: bool = _field(False, "i1")
+    logprobs: int | None = _field(None, "i1", 0, MAX_TOP_LOGPROBS)
+    stop_ids: tuple[int, ...] = _field((), f"({MAX_STOP_IDS},)i4")
+
+    def __post_init__(self):
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name == "stop_ids":
+                if len(value) > MAX_STOP_IDS:
+                    raise InvalidRequest(f"at most {MAX_STOP_IDS} stop token ids", f.name)
+                object.__setattr__(self, f.name, tuple(int(t) for t in value))
+            elif f.metadata["wire"] == "i1" and f.name == "ignore_eos":
+                object.__setattr__(self, f.name, bool(value))
+            elif value is not None:
+                integer = f.metadata["wire"][0] == "i"
+                object.__setattr__(self, f.name, check_number(f.name, value, *f.metadata["bounds"],
+                                                              integer=integer))
+
+    @staticmethod
+    def bounds(name: str) -> dict:
+        """``lo``, ``hi``, ``lo_open`` and ``integer`` of field ``name``, for a parser's checks."""
+        f = SamplingParams.__dataclass_fields__[name]
+        lo, hi, lo_open = f.metadata["bounds"]
+        return {"lo": lo, "hi": hi, "lo_open": lo_open, "integer": f.metadata["wire"][0] == "i"}
+
+    @staticmethod
+    def wire_fields() -> list[tuple[str, str]]:
+        """``(name, dtype)`` of each field in the record, plus the stop-id count."""
+        return [(f.name, f.metadata["wire"]) for f in fields(SamplingParams)] + [("n_stop_ids", "i4")]
+
+    def encode(self, rec) -> None:
+        """Write into a record with :meth:`wire_fields` (None as -1)."""
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name == "stop_ids":
+                rec["stop_ids"][:len(value)] = value
+                rec["n_stop_ids"] = len(value)
+            else:
+                rec[f.name] = -1 if value is None else value
+
+    @classmethod
+    def decode(cls, rec) -> "SamplingParams":
+        """Inverse of :meth:`encode` (skips validation: the front end validated it)."""
+        obj = object.__new__(cls)
+        for f in fields(cls):
+            if f.name == "stop_ids":
+                value = tuple(rec["stop_ids"][:int(rec["n_stop_ids"])].tolist())
+            else:
+                value = rec[f.name].item()
+                if f.default is None and value == -1:
+                    value = None
+                elif f.name == "ignore_eos":
+                    value = bool(value)
+            object.__setattr__(obj, f.name, value)
+        return obj
+
+
+@dataclass(frozen=True)
+class EngineRequest:
+    """One sequence to generate: what a request-ring record carries (token ids only).
+
+    Attributes:
+        prompt: token ids ``[n_prompt]`` (int32 numpy array once decoded).
+        sampling: the sampler's settings; ``max_new_tokens`` is resolved (never None) on the wire.
+        priority: admission class. deadline: ``time.monotonic()`` seconds, 0 = none.
+        tenant, weight: fair-share identity and weight (VTC).
+    """
+
+    prompt: np.ndarray
+    sampling: SamplingParams
+    priority: Priority = Priority.NORMAL
+    deadline: float = 0.0
+    tenant: int = 0
+    weight: float = 1.0
+
+    @staticmethod
+    @functools.lru_cache(maxsize=8)
+    def wire_dtype(max_seq_len: int) -> np.dtype:
+        """The payload of one request-ring record for sequences of ``max_seq_len`` tokens."""
+        return np.dtype([("tenant", "i4"), ("weight", "f4"), ("priority", "i1"), ("deadline", "f8"),
+                         *SamplingParams.wire_fields(),
+                         ("n_prompt", "i4"), ("prompt", "i4", (max_seq_len,))])
+
+    def encode(self, payload: np.ndarray) -> None:
+        """Write this request into a record's payload bytes (``uint8 [wire_dtype.itemsize]``)."""
+        rec = payload.view(self.wire_dtype((len(payload) - self._header_bytes()) // 4))[0]
+        rec["tenant"], rec["weight"], rec["priority"], rec["deadline"] = (
+            self.tenant, self.weight, self.priority, self.deadline)
+        self.sampling.encode(rec)
+        rec["n_prompt"] = len(self.prompt)
+        rec["prompt"][:len(self.prompt)] = self.prompt
+
+    @classmethod
+    def decode(cls, payload: np.ndarray) -> "EngineRequest":
+        """Inverse of :meth:`encode`; the prompt is copied out."""
+        rec = payload.view(cls.wire_dtype((len(payload) - cls._header_bytes()) // 4))[0]
+        n = int(rec["n_prompt"])
+        return cls(prompt=np.array(rec["prompt"][:n], dtype=np.int32),
+                   sampling=SamplingParams.decode(rec), priority=Priority(int(rec["priority"])),
+                   deadline=float(rec["deadline"]), tenant=int(rec["tenant"]),
+                   weight=float(rec["weight"]))
+
+    @staticmethod
+    def _header_bytes() -> int:
+        return EngineRequest.wire_dtype(0).itemsize
+
+    @staticmethod
+    def deadline_after(deadline_ms: float | None) -> float:
+        """``time.monotonic()`` seconds ``deadline_ms`` from now (0.0: none).
+
+        Raises:
+            InvalidRequest: not a positive, finite number.
+        """
+        if deadline_ms is None:
+            return 0.0
+        ms = check_number("deadline_ms", deadline_ms, **DEADLINE_MS_BOUNDS)
+        return time.monotonic() + ms / 1000.0
+
+    def resolved(self, max_seq_len: int) -> "EngineRequest":
+        """This request with ``max_new_tokens`` resolved against ``max_seq_len``.
+
+        Raises:
+            InvalidRequest: empty prompt. PromptTooLong: the prompt (plus ``max_new_tokens``)
+            does not fit one sequence.
+        """
+        n, max_new = len(self.prompt), self.sampling.max_new_tokens
+        if n < 1:
+            raise InvalidRequest("prompt is empty", "prompt")
+        if n > max_seq_len - 1:
+            raise PromptTooLong(n, max_seq_len)
+        if max_new is None:
+            return replace(self, sampling=replace(self.sampling, max_new_tokens=max_seq_len - n))
+        if n + max_new > max_seq_len:
+            raise PromptTooLong(n, max_seq_len, max_new)
+        return self
+
+
+#: ``deadline_ms`` accepted by every front end: more than 0, at most about 11.5 days.
+DEADLINE_MS_BOUNDS = {"lo": 0, "hi": 1e9, "lo_open": True}
+
+
+def record_bytes(max_seq_len: int) -> int:
+    """Payload size of a request-ring record (``shm.layout.Layout.record_bytes``)."""
+    return EngineRequest.wire_dtype(max_seq_len).itemsize

@@ -1,0 +1,174 @@
+"""Reading results: one :class:`Stream` per submitted sequence, and :func:`follow`, the one output
+loop that waits on many streams and the client's socket together (as vLLM v1 has one output
+loop for all requests, not a thread per request)."""
+from __future__ import annotations
+
+import socket
+import time
+from dataclasses import dataclass
+from typing import Iterator
+
+from engine.errors import ClientDisconnected, DeadlineExceeded, EngineUnavailable, InvalidRequest
+from shm import ErrorCode, Finish, Lease, MailboxState
+from shm.mailbox import Mailboxes
+
+_ERROR_MESSAGES = {ErrorCode.ENGINE_DIED: "engine died while serving the request",
+                   ErrorCode.DECODE: "engine failed to decode the request's batch"}
+#: Seconds between checks of a stream nobody woke (the engine rings at every token, so this
+#: only bounds how late a lost wake-up or an engine restart is noticed).
+POLL_S = 1.0
+
+
+@dataclass(frozen=True)
+class Token:
+    """One generated token: id, its log-probability and ``top`` ``[(id, logprob)]`` (if asked)."""
+
+    id: int
+    logprob: float | None = None
+    top: tuple = ()
+
+
+@dataclass(frozen=True)
+class Timings:
+    """``time.monotonic()`` seconds of one request (0 where not reached) and engine steps."""
+
+    queued: float = 0.0
+    admitted: float = 0.0
+    prefill_done: float = 0.0
+    first_token: float = 0.0
+    finished: float = 0.0
+    step_admitted: int = 0
+    step_finished: int = 0
+
+
+class Stream:
+    """The tokens of one submitted sequence, in order, as the engine publishes them.
+
+    Iterate it (then read ``finish_reason``: ``stop | length | deadline | cancelled``), or read
+    many streams together with :func:`follow`. It must be consumed or closed (``with``):
+    closing an unfinished stream cancels the sequence, waits for the engine to finish it (one
+    step) and returns the mailbox.
+
+    Args:
+        mailboxes: the transport's mailboxes. lease: the mailbox holding the results.
+        n_logprobs: top-k asked for, or None. watch_socket: the client's connection, for
+            :meth:`__iter__` (a hang-up cancels).
+    """
+
+    def __init__(self, mailboxes: Mailboxes, lease: Lease, n_prompt: int, n_logprobs: int | None,
+                 watch_socket: socket.socket | None = None):
+        self.mailboxes, self.lease = mailboxes, lease
+        self.n_prompt, self.n_logprobs, self.watch_socket = n_prompt, n_logprobs, watch_socket
+        self.n_generated = 0
+        self.finished = False
+        self.finish_reason: str | None = None
+        self._timings: Timings | None = None
+
+    def poll(self) -> list[Token]:
+        """The tokens published since the last call; sets ``finished`` and ``finish_reason``
+        once the engine is done.
+
+        Raises:
+            EngineUnavailable: the engine died or stopped. InvalidRequest: the engine refused
+            the request.
+        """
+        n, done = self.mailboxes.read_new(self.lease)
+        tokens = [Token(*self.mailboxes.token(self.lease, k, self.n_logprobs)) for k in range(self.n_generated, n)]
+        self.n_generated = n
+        if done:
+            self.finished = True
+            outcome = self.mailboxes.outcome(self.lease)
+            if outcome.finish == Finish.ERROR:
+                if outcome.error == ErrorCode.BAD_REQUEST:
+                    raise InvalidRequest("engine rejected the request")
+                raise EngineUnavailable(_ERROR_MESSAGES.get(outcome.error, "engine stopped"))
+            self.finish_reason = outcome.finish.name.lower()
+        return tokens
+
+    def __iter__(self) -> Iterator[Token]:
+        """Tokens as they come; closes the stream at the end.
+
+        Raises:
+            DeadlineExceeded: the deadline passed before the first token.
+            ClientDisconnected: ``watch_socket`` hung up (the sequence was cancelled).
+        """
+        try:
+            for _, tokens in follow([self], self.watch_socket):
+                yield from tokens
+            if self.finish_reason == "deadline" and self.n_generated == 0:
+                raise DeadlineExceeded("deadline passed before the first token")
+        finally:
+            self.close()
+
+    def timings(self) -> Timings:
+        """Timestamps of this request (kept from the mailbox when the stream closed)."""
+        if self._timings is not None:
+            return self._timings
+        o = self.mailboxes.outcome(self.lease)
+        return Timings(o.t_queued, o.t_admitted, o.t_prefill_done, o.t_first_token, o.t_finished,
+                       o.step_admitted, o.step_finished)
+
+    def cancel(self) -> None:
+        """Ask the engine to stop this sequence (it finishes it within one step)."""
+        self.mailboxes.cancel(self.lease)
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Cancel if unfinished, wait until the engine finished it, and return the mailbox."""
+        if self._timings is not None:
+            return
+        boxes = self.mailboxes
+        if not boxes.read_new(self.lease)[1]:
+            self.cancel()
+            end = time.monotonic() + timeout
+            while not boxes.read_new(self.lease)[1] and time.monotonic() < end:
+                boxes.wait([self.lease], 0.1)
+        self._timings = self.timings()  # the mailbox may be leased again right after release
+        boxes.release(self.lease)
+
+    @property
+    def state(self) -> MailboxState:
+        return MailboxState(int(self.mailboxes.boxes["state"][self.lease.index]))
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def follow(streams: list[Stream], watch_socket: socket.socket | None = None) -> Iterator[tuple[int, list[Token]]]:
+    """The output loop: yield ``(k, new tokens of streams[k])`` as the engine publishes them,
+    until every stream is finished (``streams[k].finished``; the last yield of a stream may hold
+    no token). One ``poll(2)`` waits on every unfinished stream's wake-up and the client socket.
+
+    Closes nothing: the caller closes the streams (which cancels the unfinished ones).
+
+    Raises:
+        ClientDisconnected: ``watch_socket`` hung up; every unfinished stream was cancelled.
+        EngineUnavailable, InvalidRequest: from :meth:`Stream.poll`.
+    """
+    if not streams:
+        return
+    mailboxes = streams[0].mailboxes
+    fd = watch_socket.fileno() if watch_socket is not None else None
+    open_ = {s.lease.index: k for k, s in enumerate(streams) if not s.finished}
+    due = set(open_)  # check each once first: tokens may be there before any wake-up is seen
+    while open_:
+        for index in sorted(due & open_.keys()):
+            k = open_[index]
+            tokens = streams[k].poll()
+            if streams[k].finished:
+                del open_[index]
+            if tokens or streams[k].finished:
+                yield k, tokens
+        if not open_:
+            return
+        due, hung_up = mailboxes.wait([streams[k].lease for k in open_.values()], POLL_S, fd)
+        if hung_up:
+            # POLLRDHUP: the client closed (or shut down) its side. Even if it pipelined another
+            # request first, nobody is left to read these answers.
+            for k in open_.values():
+                streams[k].cancel()
+            raise ClientDisconnected("client closed the connection")
+        if not due:
+            due = set(open_)  # timed out: look at everything (a restart, a lost wake-up)

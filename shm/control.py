@@ -1,0 +1,101 @@
+"""The control block: the engine's state and the per-step slot table, written by the engine only.
+
+The slot table is published under a seqlock: the writer sets ``publishing``, rewrites the
+fields, stores the new ``step`` and clears ``publishing``; a reader that saw ``publishing`` 0
+before and after and the same ``step`` both times holds a consistent snapshot.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from shm.layout import EngineState
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """The engine's slot table as of one completed step.
+
+    Attributes:
+        step: the step number. slot_mailbox: ``[max_slots]`` mailbox index per KV slot (-1:
+        free). kv_pos_max: ``[max_slots]`` highest KV position per slot (-1: no cells).
+        n_waiting, n_running: sequences queued in the engine and holding a slot.
+    """
+
+    step: int
+    slot_mailbox: list[int]
+    kv_pos_max: list[int]
+    n_waiting: int
+    n_running: int
+
+
+class ControlBlock:
+    """Verbs over the segment's one-record ``control`` array."""
+
+    def __init__(self, control: np.ndarray):
+        self._c = control[0]
+
+    # -- engine state (engine process and its supervisor) ----------------------------------------
+    @property
+    def state(self) -> EngineState:
+        return EngineState(int(self._c["engine_state"]))
+
+    def set_state(self, state: EngineState, pid: int | None = None) -> None:
+        if pid is not None:
+            self._c["engine_pid"] = pid
+        if state == EngineState.READY:
+            self._c["heartbeat"] = time.monotonic()  # ready means "stepped just now"
+        self._c["engine_state"] = state
+
+    @property
+    def engine_pid(self) -> int:
+        return int(self._c["engine_pid"])
+
+    def seconds_since_step(self) -> float:
+        return time.monotonic() - float(self._c["heartbeat"])
+
+    def ready(self, stall_s: float) -> bool:
+        """The engine is READY and stepped within ``stall_s`` seconds."""
+        return self.state == EngineState.READY and self.seconds_since_step() < stall_s
+
+    # -- per-step publication (engine) -----------------------------------------------------------
+    @property
+    def step(self) -> int:
+        """The last completed step number."""
+        return int(self._c["step"])
+
+    def count_kv_move(self) -> None:
+        self._c["kv_moves"] += 1
+
+    @property
+    def kv_moves(self) -> int:
+        return int(self._c["kv_moves"])
+
+    def publish(self, step: int, slot_mailbox, kv_pos_max, n_waiting: int, n_running: int) -> None:
+        """Seqlock writer: the slot table and queue sizes as of ``step``; also the heartbeat."""
+        c = self._c
+        c["publishing"] = 1
+        c["heartbeat"] = time.monotonic()
+        c["n_waiting"], c["n_running"] = n_waiting, n_running
+        c["slot_mailbox"] = slot_mailbox
+        c["slot_kv_pos_max"] = kv_pos_max
+        c["step"] = step
+        c["publishing"] = 0
+
+    def clear_slots(self) -> None:
+        """After the engine died: no slot is held (its supervisor's view)."""
+        self._c["slot_mailbox"] = -1
+
+    def snapshot(self) -> Snapshot:
+        """Seqlock reader: a consistent :class:`Snapshot` of the last completed step."""
+        c = self._c
+        while True:
+            step = int(c["step"])
+            if not c["publishing"]:
+                snap = Snapshot(step, c["slot_mailbox"].tolist(), c["slot_kv_pos_max"].tolist(),
+                                int(c["n_waiting"]), int(c["n_running"]))
+                if not c["publishing"] and int(c["step"]) == step:
+                    return snap
+            time.sleep(0)
