@@ -1,11 +1,12 @@
 """Token delivery: time from the engine publishing a token to its reader waking.
 
-Run with ``make bench`` (pytest-benchmark). A separate "engine" process, on each request,
+Run with ``make bench`` (pytest-benchmark). A separate "engine" process, on each wake-up,
 publishes one token into mailbox 0 with the real verb (``Mailboxes.publish``: data, counter,
 wake-up); the token id is the publishing time, ``time.perf_counter()`` (CLOCK_MONOTONIC, the
-same clock in every process) in microseconds since the benchmark started. The benchmark process waits with the real reader verbs
-(``Mailboxes.wait`` and ``read_new``), as ``engine.stream.follow`` does; the one-way latency of
-every round is kept and its percentiles go to ``extra_info``.
+same clock in every process) in microseconds since the benchmark started. The benchmark process
+waits with the real reader verbs (``Mailboxes.wait`` and ``read_new``), as
+``engine.stream.follow`` does; the one-way latency of every round is kept and its percentiles
+go to ``extra_info``.
 """
 from __future__ import annotations
 
@@ -26,16 +27,17 @@ def fake_engine(name: str, base: float) -> None:
     """Publish one token per wake-up until the reader cancels."""
     t = Transport.attach(name)
     boxes = t.mailboxes
+    t.wakeups.wait([Wakeups.ENGINE], None)
+    (rec,) = t.ring.pop_all()  # the one submitted request; each later wake-up asks for a token
     k = 0
     while True:
-        t.wakeups.wait([Wakeups.ENGINE], None)
         t.wakeups.drain(Wakeups.ENGINE)
-        (rec,) = t.ring.pop_all() or [rec]  # the submitted record; later rounds push none
         if boxes.cancelled(rec.mailbox, rec.lease):
             break
         stamp = time.perf_counter()
         boxes.publish([Published(rec.mailbox, k, int((stamp - base) * 1e6), None)], stamp)
         k += 1
+        t.wakeups.wait([Wakeups.ENGINE], None)
     boxes.finish(rec.mailbox, rec.lease, Finish.CANCELLED)
     t.close()
 

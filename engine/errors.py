@@ -73,3 +73,31 @@ class DeadlineExceeded(EngineError):
 
 class ClientDisconnected(EngineError):
     """The watched client connection closed; the request's sequences were cancelled."""
+
+
+class Unauthenticated(RequestError):
+    """A missing or unknown API key while a tenant file is loaded (HTTP 401, gRPC UNAUTHENTICATED).
+    The message never repeats the key."""
+
+    code = "invalid_api_key"
+
+
+class PermissionDenied(RequestError):
+    """The key is valid but may not do this, e.g. name another tenant (HTTP 403)."""
+
+    code = "permission_denied"
+
+
+class RateLimited(RequestError):
+    """Over the tenant's quota (HTTP 429, gRPC RESOURCE_EXHAUSTED).
+
+    Attributes: ``retry_after_s`` (seconds until the request could be admitted), ``buckets``
+    (``{"requests" | "tokens": (limit, remaining, reset seconds)}``, for the ``x-ratelimit-*``
+    headers), ``kind`` (``rate`` or ``concurrency``).
+    """
+
+    code = "rate_limit_exceeded"
+
+    def __init__(self, message: str, retry_after_s: float, buckets: dict | None = None, kind: str = "rate"):
+        super().__init__(message)
+        self.retry_after_s, self.buckets, self.kind = retry_after_s, buckets or {}, kind

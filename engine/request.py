@@ -9,6 +9,7 @@ inside ``EngineCoreRequest``; the fixed-size record replaces its msgpack.
 from __future__ import annotations
 
 import functools
+import json
 import math
 import time
 from dataclasses import dataclass, field, fields, replace
@@ -47,15 +48,23 @@ class Priority(IntEnum):
         raise InvalidRequest(f"{param} must be one of {names}, got {shown(value)}", param)
 
 
-def _field(default, wire: str, lo=None, hi=None, lo_open: bool = False, doc: str = ""):
-    """A field with its wire type (numpy dtype code; ``None`` encodes as -1) and its bounds."""
-    return field(default=default, metadata={"wire": wire, "bounds": (lo, hi, lo_open), "doc": doc})
+def _field(default, wire: str, lo=None, hi=None, lo_open: bool = False):
+    """A field with its wire type and its bounds (``lo``/``hi`` None: unbounded).
+
+    ``wire`` is a numpy dtype string: ``i4``/``i8``/``f4`` (a number; None encodes as -1),
+    ``?`` (a bool), or ``(N,)i4`` (a tuple of at most N ints, with a count field ``n_<name>``).
+    """
+    return field(default=default, metadata={"wire": wire, "bounds": (lo, hi, lo_open)})
+
+
+def _is_array(f) -> bool:
+    return f.metadata["wire"].startswith("(")
 
 
 def shown(value, limit: int = 40) -> str:
     """A request value for an error message, cut to ``limit`` characters."""
-    import json
-    text = str(value) if isinstance(value, int) and not isinstance(value, bool) else json.dumps(value, ensure_ascii=False)
+    plain_int = isinstance(value, int) and not isinstance(value, bool)
+    text = str(value) if plain_int else json.dumps(value, ensure_ascii=False)
     return text if len(text) <= limit else text[:limit] + "..."
 
 
@@ -104,23 +113,23 @@ class SamplingParams:
     frequency_penalty: float = _field(0.0, "f4", -2, 2)
     penalty_last_n: int = _field(64, "i4", -1, INT32_MAX)
     seed: int | None = _field(None, "i8", 0, 2**32 - 1)
-    ignore_eos: bool = _field(False, "i1")
+    ignore_eos: bool = _field(False, "?")
     logprobs: int | None = _field(None, "i1", 0, MAX_TOP_LOGPROBS)
     stop_ids: tuple[int, ...] = _field((), f"({MAX_STOP_IDS},)i4")
 
     def __post_init__(self):
         for f in fields(self):
-            value = getattr(self, f.name)
-            if f.name == "stop_ids":
-                if len(value) > MAX_STOP_IDS:
-                    raise InvalidRequest(f"at most {MAX_STOP_IDS} stop token ids", f.name)
-                object.__setattr__(self, f.name, tuple(int(t) for t in value))
-            elif f.metadata["wire"] == "i1" and f.name == "ignore_eos":
-                object.__setattr__(self, f.name, bool(value))
+            value, wire = getattr(self, f.name), f.metadata["wire"]
+            if _is_array(f):
+                size = np.dtype(wire).shape[0]
+                if len(value) > size:
+                    raise InvalidRequest(f"{f.name} holds at most {size} values, got {len(value)}", f.name)
+                value = tuple(int(v) for v in value)
+            elif wire == "?":
+                value = bool(value)
             elif value is not None:
-                integer = f.metadata["wire"][0] == "i"
-                object.__setattr__(self, f.name, check_number(f.name, value, *f.metadata["bounds"],
-                                                              integer=integer))
+                value = check_number(f.name, value, *f.metadata["bounds"], integer=wire[0] == "i")
+            object.__setattr__(self, f.name, value)
 
     @staticmethod
     def bounds(name: str) -> dict:
@@ -131,16 +140,21 @@ class SamplingParams:
 
     @staticmethod
     def wire_fields() -> list[tuple[str, str]]:
-        """``(name, dtype)`` of each field in the record, plus the stop-id count."""
-        return [(f.name, f.metadata["wire"]) for f in fields(SamplingParams)] + [("n_stop_ids", "i4")]
+        """``(name, dtype)`` of each field in the record, and the count of each tuple field."""
+        out = []
+        for f in fields(SamplingParams):
+            out.append((f.name, f.metadata["wire"]))
+            if _is_array(f):
+                out.append((f"n_{f.name}", "i4"))
+        return out
 
     def encode(self, rec) -> None:
         """Write into a record with :meth:`wire_fields` (None as -1)."""
         for f in fields(self):
             value = getattr(self, f.name)
-            if f.name == "stop_ids":
-                rec["stop_ids"][:len(value)] = value
-                rec["n_stop_ids"] = len(value)
+            if _is_array(f):
+                rec[f.name][:len(value)] = value
+                rec[f"n_{f.name}"] = len(value)
             else:
                 rec[f.name] = -1 if value is None else value
 
@@ -149,14 +163,12 @@ class SamplingParams:
         """Inverse of :meth:`encode` (skips validation: the front end validated it)."""
         obj = object.__new__(cls)
         for f in fields(cls):
-            if f.name == "stop_ids":
-                value = tuple(rec["stop_ids"][:int(rec["n_stop_ids"])].tolist())
+            if _is_array(f):
+                value = tuple(rec[f.name][:int(rec[f"n_{f.name}"])].tolist())
             else:
                 value = rec[f.name].item()
                 if f.default is None and value == -1:
                     value = None
-                elif f.name == "ignore_eos":
-                    value = bool(value)
             object.__setattr__(obj, f.name, value)
         return obj
 

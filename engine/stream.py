@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Iterator
 
 from engine.errors import ClientDisconnected, DeadlineExceeded, EngineUnavailable, InvalidRequest
-from shm import ErrorCode, Finish, Lease, MailboxState
+from shm import ErrorCode, Finish, Lease
 from shm.mailbox import Mailboxes
 
 _ERROR_MESSAGES = {ErrorCode.ENGINE_DIED: "engine died while serving the request",
@@ -124,10 +124,6 @@ class Stream:
                 boxes.wait([self.lease], 0.1)
         self._timings = self.timings()  # the mailbox may be leased again right after release
         boxes.release(self.lease)
-
-    @property
-    def state(self) -> MailboxState:
-        return MailboxState(int(self.mailboxes.boxes["state"][self.lease.index]))
 
     def __enter__(self):
         return self

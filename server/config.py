@@ -46,8 +46,8 @@ class ServerConfig:
     max_queued: int = _option("--max-queued", "MAX_QUEUED", "requests that may wait beyond the slots; more get 503",
                               engine="max_queued")
     policy: str = _option("--policy", "POLICY", "scheduling policy: " + " | ".join(POLICIES), engine="policy")
-    engine_threads: int = _option("--engine-threads", "ENGINE_THREADS", "llama.cpp compute threads (0: measured default)",
-                                  engine="n_threads")
+    engine_threads: int = _option("--engine-threads", "ENGINE_THREADS",
+                                  "llama.cpp compute threads (0: measured default)", engine="n_threads")
     n_batch: int = _option("--n-batch", "N_BATCH", "token budget of one engine step", engine="n_batch")
     workers: int = _option("--workers", "WORKERS", "gunicorn worker processes", 2)
     threads: int = _option("--threads", "THREADS", "threads per gunicorn worker (concurrent connections)", 32)
@@ -108,7 +108,7 @@ def _options() -> list[Option]:
     out = []
     for f in fields(ServerConfig):
         m = f.metadata
-        typ = {"int": int, "str": str}[str(f.type).split(" ")[0].split("|")[0].strip()]
+        typ = str if f.default is None else type(f.default)
         out.append(Option(f.name, m["flag"], m["env"], typ, f.default, m["help"],
                           str(m["shown"] if m["shown"] is not None else f.default)))
     return out

@@ -12,8 +12,7 @@ import logging
 import falcon
 import ujson
 
-from engine.errors import (ClientDisconnected, EngineUnavailable, InvalidRequest, ModelNotFound,
-                           RequestError, Saturated)
+from engine.errors import ClientDisconnected, EngineUnavailable, ModelNotFound, RequestError, Saturated
 
 log = logging.getLogger("server")
 CLIENT_CLOSED = "499 Client Closed Request"  # nginx's status for it; never seen by the client
@@ -51,8 +50,9 @@ def http_error(ex: Exception) -> tuple[int, dict, dict]:
         status = 404 if isinstance(ex, ModelNotFound) else 400
         message, param, code, headers = ex.message, ex.param, ex.code, {}
     elif isinstance(ex, (Saturated, EngineUnavailable)):
-        status, message, param, headers = 503, str(ex) or "engine unavailable", None, {"Retry-After": str(ex.retry_after)}
+        status, message, param = 503, str(ex) or "engine unavailable", None
         code = "server_overloaded" if isinstance(ex, Saturated) else "engine_unavailable"
+        headers = {"Retry-After": str(ex.retry_after)}
     else:
         log.error("unhandled error: %r", ex, exc_info=ex)
         status, message, param, code, headers = 500, "internal server error", None, None, {}
@@ -96,5 +96,3 @@ def install(app: falcon.App) -> None:
     app.add_error_handler(falcon.HTTPError, handle_http_error)
     app.add_error_handler(ClientDisconnected, handle_client_gone)
 
-
-__all__ = ["APIError", "InvalidRequest", "error_body", "http_error", "install"]

@@ -133,7 +133,8 @@ def _refuse_unsupported(body: dict, chat: bool) -> None:
         raise InvalidRequest("logit_bias is not supported", "logit_bias")
     if chat:
         if body.get("tools") or body.get("functions"):
-            raise InvalidRequest("tools are not supported by this server", "tools" if body.get("tools") else "functions")
+            field = "tools" if body.get("tools") else "functions"
+            raise InvalidRequest("tools are not supported by this server", field)
         fmt = body.get("response_format")
         if fmt is not None and fmt != {"type": "text"}:
             raise InvalidRequest("response_format other than {\"type\": \"text\"} is not supported",

@@ -80,6 +80,9 @@ class Mailboxes:
         self.tokens, self.logprobs = arrays.tokens, arrays.logprobs
         self.top_ids, self.top_logprobs = arrays.top_ids, arrays.top_logprobs
         self.ring, self.lock, self.wakeups = ring, lock, wakeups
+        # Field views made once: the per-token paths (publish, read_new) index them directly.
+        self._state, self._n_tokens = self.boxes["state"], self.boxes["n_tokens"]
+        self._t_first_token = self.boxes["t_first_token"]
 
     # -- front end ----------------------------------------------------------------------------
     def lease(self) -> Lease | None:
@@ -120,10 +123,10 @@ class Mailboxes:
     def read_new(self, lease: Lease) -> tuple[int, bool]:
         """After a wake-up: ``(tokens published so far, finished)``. State is read before the
         counter, so ``finished`` implies the count is final."""
-        box = self.boxes[lease.index]
-        self.wakeups.drain(lease.index)
-        done = int(box["state"]) == DONE
-        return int(box["n_tokens"]), done
+        i = lease.index
+        self.wakeups.drain(i)
+        done = int(self._state[i]) == DONE
+        return int(self._n_tokens[i]), done
 
     def token(self, lease: Lease, k: int, n_logprobs: int | None):
         """Token ``k`` (covered by the counter): ``(id, logprob, ((id, logprob), ...))``, the
@@ -191,7 +194,6 @@ class Mailboxes:
 
     def publish(self, tokens: list[Published], now: float) -> None:
         """Write every token's data, then its counter, then wake every reader (the rule above)."""
-        boxes = self.boxes
         for i, k, tok, lp in tokens:
             if lp is not None:
                 logprob, top_ids, top_lp = lp
@@ -200,8 +202,8 @@ class Mailboxes:
                 self.top_logprobs[i, k, :len(top_lp)] = top_lp
             self.tokens[i, k] = tok
             if k == 0:
-                boxes["t_first_token"][i] = now
-            boxes["n_tokens"][i] = k + 1
+                self._t_first_token[i] = now
+            self._n_tokens[i] = k + 1
         for p in tokens:
             self.wakeups.wake(p.index)
 

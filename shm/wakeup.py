@@ -82,15 +82,13 @@ class Wakeups:
             ``(indices woken, socket hung up)``; both empty/False on timeout.
         """
         poller = select.poll()
-        by_fd = {}
-        for index in indices:
-            by_fd[self.fd(index)] = index
-            poller.register(self.fd(index), select.POLLIN)
+        by_fd = {self.fd(index): index for index in indices}
+        for fd in by_fd:
+            poller.register(fd, select.POLLIN)
         if extra_fd is not None:
             poller.register(extra_fd, select.POLLRDHUP)
-        ms = None if timeout is None else max(0, int(timeout * 1000))
-        ready = {fd for fd, _ in poller.poll(ms)}
-        return {by_fd[fd] for fd in ready if fd in by_fd}, extra_fd is not None and extra_fd in ready
+        ready = poller.poll(None if timeout is None else max(0, int(timeout * 1000)))
+        return {by_fd[fd] for fd, _ in ready if fd in by_fd}, any(fd == extra_fd for fd, _ in ready)
 
     def close(self) -> None:
         with self._lock:
