@@ -18,10 +18,12 @@ from typing import Sequence as Seq
 
 import numpy as np
 
-from engine.errors import ClientDisconnected, EngineUnavailable, Saturated
+from engine.errors import ClientDisconnected, EngineUnavailable, RateLimited, Saturated
 from engine.request import EngineRequest, Priority, SamplingParams
 from engine.stream import Stream
+from shm.buckets import SharedBuckets
 from shm.control import Snapshot
+from shm.mailbox import TenantBusy
 from shm.transport import Transport
 from shm.wakeup import hung_up
 
@@ -55,20 +57,27 @@ class EngineClient:
         """Sequences that can be in flight at once (running plus queued): the mailboxes."""
         return self.t.layout.n_mailboxes
 
+    def check(self, prompt_ids: Seq[int], params: SamplingParams) -> None:
+        """Raise what :meth:`submit` would for a request that cannot fit (InvalidRequest,
+        PromptTooLong), without submitting anything (the same check, ``EngineRequest.resolved``)."""
+        EngineRequest(np.asarray(prompt_ids, dtype=np.int32), params).resolved(self.max_seq_len)
+
     def submit(self, prompt_ids: Seq[int], params: SamplingParams, *, priority: Priority = Priority.NORMAL,
                deadline_ms: float | None = None, tenant: int = 0, weight: float = 1.0,
-               watch_socket: socket.socket | None = None) -> Stream:
+               max_concurrent: int | None = None, watch_socket: socket.socket | None = None) -> Stream:
         """Queue one sequence.
 
         Args:
             prompt_ids: token ids, 1..max_seq_len-1 of them.
             deadline_ms: milliseconds from now after which the engine gives up; None = none.
             tenant, weight: fair-share identity and weight (VTC).
+            max_concurrent: most sequences ``tenant`` may have in flight on this node (None: no limit).
             watch_socket: the client's connection; if it closes, the sequence is cancelled.
         Raises:
             InvalidRequest / PromptTooLong: the request does not fit (checked here, once).
             ClientDisconnected: ``watch_socket`` is already closed. EngineUnavailable: the
-            engine is not ready. Saturated: no free mailbox.
+            engine is not ready. Saturated: no free mailbox. RateLimited (``kind``
+            ``concurrency``): the tenant is at ``max_concurrent``.
         """
         request = EngineRequest(np.asarray(prompt_ids, dtype=np.int32), params, Priority(priority),
                                 EngineRequest.deadline_after(deadline_ms), tenant, weight
@@ -78,11 +87,20 @@ class EngineClient:
             raise ClientDisconnected("client closed the connection before its request was queued")
         if not self.ready():
             raise EngineUnavailable("engine is not ready")
-        lease = self.t.mailboxes.lease()
+        try:
+            lease = self.t.mailboxes.lease(tenant, max_concurrent)
+        except TenantBusy:
+            raise RateLimited(f"the tenant already has {max_concurrent} requests in flight, its limit",
+                              1.0, kind="concurrency") from None
         if lease is None:
             raise Saturated(retry_after=1)
         self.t.mailboxes.submit(lease, len(request.prompt), request.encode)
         return Stream(self.t.mailboxes, lease, len(request.prompt), params.logprobs, watch_socket)
+
+    @property
+    def buckets(self) -> SharedBuckets:
+        """The token buckets this node's processes share (the rate limiter's local fallback)."""
+        return self.t.buckets
 
     # -- inspection (tests, benchmarks, metrics) ------------------------------------------------
     def snapshot(self) -> Snapshot:

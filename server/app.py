@@ -4,22 +4,26 @@ from __future__ import annotations
 import falcon
 
 from server import errors
+from server.auth import Authenticate
 from server.completions import ChatCompletions, Completions
 from server.config import ServerConfig
 from server.generation import Generator
 from server.infer import Infer
 from server.status import Health, Models
+from server.tenants import TenantRegistry, Tenants
 
 
-def create_app(config: ServerConfig, generator: Generator) -> falcon.App:
+def create_app(config: ServerConfig, generator: Generator, tenants: TenantRegistry | None = None) -> falcon.App:
     """Routes: ``/v1/chat/completions``, ``/v1/completions``, ``/v1/models``,
     ``/v1/models/{model}``, ``/health``, ``/infer``. Errors follow :mod:`server.errors`.
 
     Args:
         config: validated settings. generator: the request path over an engine client (a real
             engine process under gunicorn; an in-process engine in contract tests).
+        tenants: API keys and limits (None: no tenant file, everyone is the default tenant).
     """
-    app = falcon.App()
+    tenants = tenants or TenantRegistry(Tenants([]))
+    app = falcon.App(middleware=[Authenticate(tenants)])
     errors.install(app)
     app.add_route("/v1/chat/completions", ChatCompletions(config, generator))
     app.add_route("/v1/completions", Completions(config, generator))
@@ -27,5 +31,5 @@ def create_app(config: ServerConfig, generator: Generator) -> falcon.App:
     app.add_route("/v1/models", models)
     app.add_route("/v1/models/{model}", models, suffix="one")
     app.add_route("/health", Health(generator.engine))
-    app.add_route("/infer", Infer(config, generator))
+    app.add_route("/infer", Infer(config, generator, tenants))
     return app

@@ -18,7 +18,7 @@ def main(argv=None) -> int:
 
     try:
         config = from_args(argv)
-        config.check_model()
+        config.check_files()
     except ConfigError as e:
         print(f"inference-server: {e}", file=sys.stderr)
         return 2

@@ -39,7 +39,7 @@ class _Completions:
         body = read_json(req, self.config.max_body_bytes)
         check_model(body, self.config.model_id)
         greq = parse_generation(body, chat=self.chat)
-        gen = self.start(body, greq, watch_socket=req.env.get("gunicorn.socket"))
+        gen = self.start(body, greq, tenant=req.context.tenant, watch_socket=req.env.get("gunicorn.socket"))
         meta = {"id": f"{self.id_prefix}-{secrets.token_hex(12)}", "created": int(time.time()),
                 "model": self.config.model_id}
         if greq.stream:

@@ -52,7 +52,11 @@ class ServerConfig:
     workers: int = _option("--workers", "WORKERS", "gunicorn worker processes", 2)
     threads: int = _option("--threads", "THREADS", "threads per gunicorn worker (concurrent connections)", 32)
     max_body_bytes: int = _option("--max-body-bytes", "MAX_BODY_BYTES", "largest request body accepted", 1 << 20)
-    redis_url: str = _option("--redis-url", "REDIS_URL", "Redis for shared rate limits (optional)", "", shown="none")
+    tenants_file: str = _option("--tenants", "TENANTS_FILE",
+                                "tenant file (JSON or TOML): API keys, priority, weight, limits; SIGHUP reloads it",
+                                "", shown="none")
+    redis_url: str = _option("--redis-url", "REDIS_URL", "Redis for rate limits shared across replicas", "",
+                             shown="none")
     grpc_port: int = _option("--grpc-port", "GRPC_PORT", "gRPC port (0 disables)", 50051)
 
     def __post_init__(self):
@@ -80,6 +84,13 @@ class ServerConfig:
     def check_model(self) -> None:
         """Raise ConfigError (one line) unless the model file is a readable GGUF."""
         check_model_file(self.resolved_model_path())
+
+    def check_files(self) -> None:
+        """Raise ConfigError (one line) unless the model and the tenant file are usable."""
+        from server.tenants import Tenants
+
+        self.check_model()
+        Tenants.load(self.tenants_file or None)
 
     def to_env(self) -> dict[str, str]:
         """The environment variables that reproduce this configuration."""

@@ -12,12 +12,16 @@ import logging
 import falcon
 import ujson
 
-from engine.errors import ClientDisconnected, EngineUnavailable, ModelNotFound, RequestError, Saturated
+import math
+
+from engine.errors import (ClientDisconnected, EngineUnavailable, ModelNotFound, PermissionDenied, RateLimited,
+                           RequestError, Saturated, Unauthenticated)
 
 log = logging.getLogger("server")
 CLIENT_CLOSED = "499 Client Closed Request"  # nginx's status for it; never seen by the client
 
-_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
+_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+          404: "invalid_request_error",
           405: "invalid_request_error", 413: "invalid_request_error", 415: "invalid_request_error",
           429: "rate_limit_error", 503: "server_error", 500: "server_error"}
 
@@ -46,9 +50,13 @@ def http_error(ex: Exception) -> tuple[int, dict, dict]:
     in this server), logged, answered without internals."""
     if isinstance(ex, APIError):
         status, message, param, code, headers = ex.status, ex.message, ex.param, ex.code, ex.headers
+    elif isinstance(ex, RateLimited):
+        status, message, param, headers = 429, ex.message, None, rate_limit_headers(ex)
+        code = "concurrency_limit_exceeded" if ex.kind == "concurrency" else ex.code
     elif isinstance(ex, RequestError):
-        status = 404 if isinstance(ex, ModelNotFound) else 400
-        message, param, code, headers = ex.message, ex.param, ex.code, {}
+        status = _STATUS.get(type(ex), 400)
+        message, param, code = ex.message, ex.param, ex.code
+        headers = {"WWW-Authenticate": "Bearer"} if status == 401 else {}
     elif isinstance(ex, (Saturated, EngineUnavailable)):
         status, message, param = 503, str(ex) or "engine unavailable", None
         code = "server_overloaded" if isinstance(ex, Saturated) else "engine_unavailable"
@@ -57,6 +65,29 @@ def http_error(ex: Exception) -> tuple[int, dict, dict]:
         log.error("unhandled error: %r", ex, exc_info=ex)
         status, message, param, code, headers = 500, "internal server error", None, None, {}
     return status, error_body(message, _TYPES.get(status, "invalid_request_error"), param, code), headers
+
+
+_STATUS = {ModelNotFound: 404, Unauthenticated: 401, PermissionDenied: 403}
+
+
+def _duration(seconds: float) -> str:
+    """OpenAI's reset format: ``1s``, ``250ms``, ``6m0s``."""
+    if seconds < 1:
+        return f"{max(0, math.ceil(seconds * 1000))}ms"
+    minutes, rest = divmod(math.ceil(seconds), 60)
+    return f"{minutes}m{rest}s" if minutes else f"{rest}s"
+
+
+def rate_limit_headers(ex: RateLimited) -> dict:
+    """``Retry-After`` (whole seconds, rounded up), ``retry-after-ms`` (which OpenAI's SDK reads
+    first) and, per limited bucket, ``x-ratelimit-{limit,remaining,reset}-{requests,tokens}``."""
+    headers = {"Retry-After": str(max(1, math.ceil(ex.retry_after_s))),
+               "retry-after-ms": str(max(1, math.ceil(ex.retry_after_s * 1000)))}
+    for kind, (limit, remaining, reset) in ex.buckets.items():
+        headers[f"x-ratelimit-limit-{kind}"] = str(int(limit))
+        headers[f"x-ratelimit-remaining-{kind}"] = str(int(remaining))
+        headers[f"x-ratelimit-reset-{kind}"] = _duration(reset)
+    return headers
 
 
 def _write(resp: falcon.Response, status: int, body: dict, headers: dict | None = None) -> None:

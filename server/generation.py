@@ -12,13 +12,21 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Iterator
 
+import time
+
 from engine.client import EngineClient
 from engine.errors import InvalidRequest, PromptTooLong
 from engine.request import Priority, SamplingParams
 from engine.stream import Stream, Timings, Token, follow
 from server.chat_template import ChatTemplate
 from server.detokenizer import Detokenizer
+from server.ratelimit import RateLimiter
+from server.tenants import DEFAULT_TENANT, Tenant
 from server.tokenizer import Tokenizer
+
+#: Generated tokens are charged to the tenant's token bucket every this many tokens or seconds,
+#: whichever comes first, so a long answer keeps its tenant's bucket current with few calls.
+CHARGE_EVERY_TOKENS, CHARGE_EVERY_S = 16, 0.1
 
 
 @dataclass
@@ -66,44 +74,56 @@ class Choice:
 class Generation:
     """``n`` sequences for one prompt, submitted at construction, read by one output loop.
 
+    The tenant's rate limits are taken at construction (one request, the prompt tokens of every
+    choice) and its generated tokens charged while they are produced. Its priority caps the
+    request's; its index and weight travel to the engine's fair share.
+
     Args:
         prompt_ids: token ids. prompt_param: the request field they came from (named in errors).
+        tenant: who asks. limiter: its rate limits (None: none).
         watch_socket: the client connection; when it closes, every choice is cancelled.
     Raises:
         InvalidRequest: ``n`` beyond capacity; PromptTooLong (naming the prompt's or the
-        max-tokens field) when it does not fit one sequence.
-        Saturated, EngineUnavailable: no room or no engine. Nothing stays submitted.
+        max-tokens field) when it does not fit one sequence. RateLimited: over the tenant's
+        quota or concurrency limit. Saturated, EngineUnavailable: no room or no engine.
+        Nothing stays submitted, and a refused request is refunded to its tenant's buckets.
     """
 
     def __init__(self, engine: EngineClient, pieces: list[bytes], prompt_ids: list[int],
-                 req: GenerationRequest, prompt_param: str, tenant: int = 0, weight: float = 1.0,
-                 watch_socket=None):
+                 req: GenerationRequest, prompt_param: str, tenant: Tenant = DEFAULT_TENANT,
+                 limiter: RateLimiter | None = None, watch_socket=None):
         if req.n > engine.capacity:
             raise InvalidRequest(f"n={req.n} exceeds this server's capacity of {engine.capacity} "
                                  "concurrent sequences", "n")
         self.req, self.pieces, self.watch_socket = req, pieces, watch_socket
+        self.tenant, self.limiter = tenant, limiter
         self.prompt_tokens = len(prompt_ids)
         self.counts = [0] * req.n  # completion tokens per choice
         self.streams: list[Stream] = []
+        self._uncharged, self._charged_at = 0, time.monotonic()
+        admitted = False
         params = req.sampling
         try:
+            # Length first (a request that can never run costs no quota), then quota, then room.
+            engine.check(prompt_ids, params)
+            if limiter is not None:
+                limiter.admit(tenant, req.n * len(prompt_ids))
+                admitted = True
             for i in range(req.n):
                 if params.seed is not None and i:  # one seed would make every choice the same
                     params = dataclasses.replace(params, seed=(params.seed + 1) % 2**32)
-                self.streams.append(engine.submit(prompt_ids, params, priority=req.priority,
-                                                  deadline_ms=req.deadline_ms, tenant=tenant,
-                                                  weight=weight, watch_socket=watch_socket))
-        except PromptTooLong as e:
-            e.param = req.max_tokens_param if e.max_new_tokens is not None else prompt_param
-            self.close()
-            raise
-        except InvalidRequest as e:
-            if e.param == "prompt":
-                e.param = prompt_param
-            self.close()
-            raise
-        except BaseException:
+                self.streams.append(engine.submit(
+                    prompt_ids, params, priority=tenant.priority_for(req.priority), deadline_ms=req.deadline_ms,
+                    tenant=tenant.index, weight=tenant.weight, max_concurrent=tenant.max_concurrent,
+                    watch_socket=watch_socket))
+        except BaseException as e:
             self.close()  # nothing stays submitted
+            if admitted:
+                limiter.refund(tenant, req.n * len(prompt_ids))
+            if isinstance(e, PromptTooLong):
+                e.param = req.max_tokens_param if e.max_new_tokens is not None else prompt_param
+            elif isinstance(e, InvalidRequest) and e.param == "prompt":
+                e.param = prompt_param
             raise
 
     def deltas(self) -> Iterator[Delta]:
@@ -117,6 +137,7 @@ class Generation:
         ended = [False] * len(self.streams)
         try:
             for k, tokens in follow(self.streams, self.watch_socket):
+                self._charge(len(tokens))
                 if ended[k]:
                     continue  # a stop string ended it; its cancellation is being followed
                 for token in tokens:
@@ -148,13 +169,27 @@ class Generation:
             choice.text = "".join(text)
         return choices
 
+    def _charge(self, tokens: int, final: bool = False) -> None:
+        """Charge generated tokens to the tenant's token bucket, aggregated (see
+        :data:`CHARGE_EVERY_TOKENS`)."""
+        if self.limiter is None or self.tenant.tokens_per_second is None:
+            return
+        self._uncharged += tokens
+        now = time.monotonic()
+        if self._uncharged and (final or self._uncharged >= CHARGE_EVERY_TOKENS
+                                or now - self._charged_at >= CHARGE_EVERY_S):
+            self.limiter.charge(self.tenant, self._uncharged)
+            self._uncharged, self._charged_at = 0, now
+
     def close(self) -> None:
-        """Cancel every unfinished choice, then wait for each and release it (idempotent)."""
+        """Cancel every unfinished choice, then wait for each and release it, and charge what
+        is left to charge (idempotent)."""
         for s in self.streams:
             if not s.finished:
                 s.cancel()
         for s in self.streams:
             s.close()
+        self._charge(0, final=True)
 
     def usage(self) -> dict:
         completion = sum(self.counts)
@@ -167,23 +202,25 @@ class Generation:
 
 class Generator:
     """Starts generations from text: what every front end needs (engine client, tokenizer,
-    chat template), built once per process.
+    chat template, rate limiter), built once per process.
 
     Args:
         engine: the engine client. tokenizer: the served model's. template: its chat template.
+        limiter: tenants' rate limits (None: no limits).
     """
 
-    def __init__(self, engine: EngineClient, tokenizer: Tokenizer, template: ChatTemplate):
-        self.engine, self.tokenizer, self.template = engine, tokenizer, template
+    def __init__(self, engine: EngineClient, tokenizer: Tokenizer, template: ChatTemplate,
+                 limiter: RateLimiter | None = None):
+        self.engine, self.tokenizer, self.template, self.limiter = engine, tokenizer, template, limiter
 
     def chat(self, messages: list[dict], req: GenerationRequest, prompt_param: str = "messages",
              **submit) -> Generation:
         """``messages`` (``[{"role", "content": str}]``) rendered with the chat template.
-        ``submit``: ``tenant``, ``weight``, ``watch_socket``. Raises as :class:`Generation`."""
+        ``submit``: ``tenant``, ``watch_socket``. Raises as :class:`Generation`."""
         return Generation(self.engine, self.tokenizer.pieces, self.template.encode(messages), req,
-                          prompt_param, **submit)
+                          prompt_param, limiter=self.limiter, **submit)
 
     def complete(self, text: str, req: GenerationRequest, prompt_param: str = "prompt", **submit) -> Generation:
         """A plain-text prompt (BOS added if the model wants it). Raises as :class:`Generation`."""
-        return Generation(self.engine, self.tokenizer.pieces,
-                          self.tokenizer.encode(text, special=False, add_bos=True), req, prompt_param, **submit)
+        return Generation(self.engine, self.tokenizer.pieces, self.tokenizer.encode(text, special=False, add_bos=True),
+                          req, prompt_param, limiter=self.limiter, **submit)

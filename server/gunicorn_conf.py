@@ -8,7 +8,8 @@ Settings come from the same environment variables as the CLI flags (``server.con
 The master process owns the shared memory and the engine: ``on_starting`` creates the
 transport and starts the engine supervisor before any worker forks; ``child_exit`` reclaims the
 mailboxes a dead worker leased; ``on_exit`` stops the engine and unlinks the shared memory;
-``pre_request`` closes the connection of a request whose body is over the limit.
+``pre_request`` closes the connection of a request whose body is over the limit; ``when_ready``
+and ``post_worker_init`` make SIGHUP reload the tenant file.
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import signal
 from engine.config import ConfigError
 from engine.supervisor import EngineSupervisor
 from server.config import ServerConfig
+from server.tenants import Tenants
 
 try:
     _config = ServerConfig.from_env()
@@ -43,7 +45,7 @@ _state: dict = {}
 def on_starting(server) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
-        _config.check_model()
+        _config.check_files()
     except ConfigError as e:
         raise SystemExit(f"inference-server: {e}") from None
     engine = _config.engine_config()
@@ -72,11 +74,32 @@ def pre_request(worker, req) -> None:
         req.must_close = True
 
 
+def when_ready(server) -> None:
+    """SIGHUP to the master reloads the tenant file in every worker, in place: gunicorn's own
+    HUP would replace the workers and cut their streams after ``graceful_timeout``. The master
+    reads the file too, to log once whether it is valid; each worker keeps its tenants if not."""
+    def handle_hup():
+        try:
+            Tenants.load(_config.tenants_file or None)
+            server.log.info("SIGHUP: reloading the tenant file in every worker")
+        except ConfigError as e:
+            server.log.error("SIGHUP: %s; workers keep the previous tenants", e)
+        for pid in list(server.WORKERS):
+            os.kill(pid, signal.SIGHUP)
+
+    server.handle_hup = handle_hup  # the arbiter dispatches signals to handle_<name>
+
+
 def post_worker_init(worker) -> None:
     """Workers ignore SIGINT: Ctrl-C reaches the whole process group, and a gthread worker that
     gets both that SIGINT and the master's SIGQUIT re-enters its quit handler and deadlocks in
-    ``ThreadPoolExecutor.shutdown`` until the master SIGKILLs it. The master's signal suffices."""
+    ``ThreadPoolExecutor.shutdown`` until the master SIGKILLs it. The master's signal suffices.
+    SIGHUP (from the master, see :func:`when_ready`) reloads this worker's tenants."""
+    from server import wsgi
+
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGHUP, lambda *_: wsgi.tenants.reload())
+    signal.siginterrupt(signal.SIGHUP, False)
 
 
 def child_exit(server, worker) -> None:

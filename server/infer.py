@@ -11,24 +11,31 @@ import time
 
 import falcon
 
-from engine.errors import InvalidRequest
+from engine.errors import InvalidRequest, PermissionDenied
 from engine.request import DEADLINE_MS_BOUNDS, Priority, SamplingParams
 from server.completions import dumps
 from server.config import ServerConfig
 from server.generation import GenerationRequest, Generator
 from server.params import number, read_json, sampling_field
+from server.tenants import TenantRegistry
 
 
 class Infer:
-    def __init__(self, config: ServerConfig, generator: Generator):
-        self.config, self.generator = config, generator
+    """With a tenant file, ``tenant_id`` (if given) must name the key's tenant (else 403): a body
+    can never spend another tenant's quota. Without one, it is echoed."""
+
+    def __init__(self, config: ServerConfig, generator: Generator, tenants: TenantRegistry):
+        self.config, self.generator, self.tenants = config, generator, tenants
 
     def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
         started = time.monotonic()
         body = read_json(req, self.config.max_body_bytes)
-        tenant_id = body.get("tenant_id", "default")
+        tenant = req.context.tenant
+        tenant_id = body.get("tenant_id", tenant.id)
         if not isinstance(tenant_id, str):
             raise InvalidRequest("tenant_id must be a string", "tenant_id")
+        if not self.tenants.open and tenant_id != tenant.id:
+            raise PermissionDenied("tenant_id names another tenant than the API key's", "tenant_id")
         payload = body.get("payload")
         if not isinstance(payload, str):
             raise InvalidRequest("payload must be a string", "payload")
@@ -36,7 +43,7 @@ class Infer:
             sampling=SamplingParams(max_new_tokens=sampling_field(body, "max_new_tokens"), temperature=0.0),
             max_tokens_param="max_new_tokens", priority=Priority.parse(body.get("priority")),
             deadline_ms=number(body, "deadline_ms", **DEADLINE_MS_BOUNDS))
-        gen = self.generator.chat([{"role": "user", "content": payload}], greq, "payload",
+        gen = self.generator.chat([{"role": "user", "content": payload}], greq, "payload", tenant=tenant,
                                   watch_socket=req.env.get("gunicorn.socket"))
         (choice,) = gen.collect()
         timings = gen.timings()

@@ -11,7 +11,10 @@ from server.config import ServerConfig
 
 
 class Health:
-    """200 ``{"status": "ok"}`` when the engine is ready; 503 while loading or unavailable."""
+    """200 ``{"status": "ok"}`` when the engine is ready; 503 while loading or unavailable.
+    Needs no API key."""
+
+    public = True
 
     def __init__(self, engine: EngineClient):
         self.engine = engine

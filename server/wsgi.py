@@ -2,7 +2,8 @@
 
 Built in each worker after fork from the environment the gunicorn master prepared
 (``server.gunicorn_conf``): the configuration variables and ``INFERENCE_SHM``, the name of the
-shared-memory transport. Each worker loads its own tokenizer (``vocab_only``).
+shared-memory transport. Each worker loads its own tokenizer (``vocab_only``) and tenant file
+(:data:`tenants`, reloaded on SIGHUP).
 """
 from __future__ import annotations
 
@@ -13,14 +14,19 @@ from server.app import create_app
 from server.chat_template import ChatTemplate
 from server.config import ServerConfig
 from server.generation import Generator
+from server.ratelimit import RateLimiter
+from server.tenants import TenantRegistry, Tenants
 from server.tokenizer import Tokenizer
+
+config = ServerConfig.from_env()
+tenants = TenantRegistry(Tenants.load(config.tenants_file or None))
 
 
 def build():
-    config = ServerConfig.from_env()
     tokenizer = Tokenizer(config.resolved_model_path())
     engine = EngineClient.attach(os.environ["INFERENCE_SHM"])
-    return create_app(config, Generator(engine, tokenizer, ChatTemplate(tokenizer)))
+    limiter = RateLimiter(engine.buckets, config.redis_url)
+    return create_app(config, Generator(engine, tokenizer, ChatTemplate(tokenizer), limiter), tenants)
 
 
 app = build()

@@ -7,8 +7,12 @@ from enum import IntEnum
 
 import numpy as np
 
+from shm.buckets import BUCKET_DTYPE
+
 #: Most alternatives per generated token a mailbox can hold (OpenAI caps top_logprobs at 20).
 MAX_TOP_LOGPROBS = 20
+#: Token buckets the node's processes share (two per rate-limited tenant; see shm.buckets).
+N_BUCKETS = 512
 
 
 class MailboxState(IntEnum):
@@ -104,6 +108,7 @@ class Layout:
     def mailbox_dtype(self) -> np.dtype:
         return np.dtype([
             ("state", np.int32), ("lease", np.uint64), ("owner_pid", np.int64),
+            ("tenant", np.int32),  # the lease holder's tenant (per-tenant concurrency limits)
             ("cancel", np.int32), ("n_tokens", np.int32), ("finish", np.int32),
             ("error", np.int32), ("n_prompt", np.int32), ("slot", np.int32),
             # time.monotonic() seconds, for queue-wait / TTFT / latency metrics.
@@ -125,6 +130,7 @@ class Layout:
             ("logprobs", np.dtype(np.float32), (n, s)),
             ("top_ids", np.dtype(np.int32), (n, s, k)),
             ("top_logprobs", np.dtype(np.float32), (n, s, k)),
+            ("buckets", BUCKET_DTYPE, (N_BUCKETS,)),
         ]
 
     def offsets(self) -> tuple[dict[str, int], int]:

@@ -34,6 +34,10 @@ from shm.wakeup import Wakeups
 FREE, LEASED, QUEUED, RUNNING, DONE = MailboxState
 
 
+class TenantBusy(Exception):
+    """The tenant already holds its maximum of mailboxes (its concurrency limit)."""
+
+
 class Lease(NamedTuple):
     """A mailbox held by one front-end thread: its index and the lease number."""
 
@@ -85,10 +89,19 @@ class Mailboxes:
         self._t_first_token = self.boxes["t_first_token"]
 
     # -- front end ----------------------------------------------------------------------------
-    def lease(self) -> Lease | None:
-        """Take a free mailbox for this process; None when every one is in use (saturated)."""
+    def lease(self, tenant: int = 0, max_per_tenant: int | None = None) -> Lease | None:
+        """Take a free mailbox for this process and ``tenant``; None when every one is in use
+        (saturated).
+
+        Raises:
+            TenantBusy: ``tenant`` already holds ``max_per_tenant`` mailboxes (counted across
+            every process of this node, under the lock).
+        """
         mb = self.boxes
         with self.lock:
+            if max_per_tenant is not None and \
+                    np.count_nonzero((mb["state"] != FREE) & (mb["tenant"] == tenant)) >= max_per_tenant:
+                raise TenantBusy(tenant)
             free = np.flatnonzero(mb["state"] == FREE)
             if free.size == 0:
                 return None
@@ -96,7 +109,7 @@ class Mailboxes:
             box = mb[i]
             number = int(box["lease"]) + 1
             box["lease"] = number
-            box["owner_pid"] = os.getpid()
+            box["owner_pid"], box["tenant"] = os.getpid(), tenant
             box["cancel"] = box["n_tokens"] = 0
             box["finish"], box["error"] = Finish.NONE, ErrorCode.NONE
             box["slot"] = -1

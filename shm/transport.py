@@ -9,6 +9,7 @@ from multiprocessing import resource_tracker, shared_memory
 
 import numpy as np
 
+from shm.buckets import SharedBuckets
 from shm.control import ControlBlock
 from shm.layout import Layout
 from shm.lock import FlockLock
@@ -30,9 +31,9 @@ class Transport:
     :meth:`close`) and :meth:`attach` everywhere else. The segment's arrays (``control``,
     ``ring``, ``mailboxes``, ``tokens`` ``[n_mailboxes, max_seq_len]``, ``logprobs``,
     ``top_ids`` and ``top_logprobs`` ``[n_mailboxes, max_seq_len, 20]``) are numpy views used
-    through the verbs of three objects: :attr:`control` (:class:`shm.control.ControlBlock`),
-    :attr:`ring` (:class:`shm.ring.RequestRing`) and :attr:`mailboxes`
-    (:class:`shm.mailbox.Mailboxes`).
+    through the verbs of four objects: :attr:`control` (:class:`shm.control.ControlBlock`),
+    :attr:`ring` (:class:`shm.ring.RequestRing`), :attr:`mailboxes`
+    (:class:`shm.mailbox.Mailboxes`) and :attr:`buckets` (:class:`shm.buckets.SharedBuckets`).
     """
 
     def __init__(self, shm: shared_memory.SharedMemory, layout: Layout, owner: bool):
@@ -50,6 +51,7 @@ class Transport:
         self.control = ControlBlock(views.control)
         self.ring = RequestRing(views.ring, views.control, self.lock)
         self.mailboxes = Mailboxes(views, self.ring, self.lock, self.wakeups)
+        self.buckets = SharedBuckets(views.buckets, self.lock)
 
     @classmethod
     def create(cls, layout: Layout, name: str | None = None) -> "Transport":
@@ -102,7 +104,7 @@ class Transport:
             return
         self.wakeups.close()
         self.lock.close()
-        self.ring = self.mailboxes = self.control = None  # drop the views before unmapping
+        self.ring = self.mailboxes = self.control = self.buckets = None  # drop the views before unmapping
         shm, self._shm = self._shm, None
         try:
             shm.close()

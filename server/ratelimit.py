@@ -1,0 +1,191 @@
+"""Per-tenant token buckets, shared across replicas through Redis, failing open to buckets shared
+by the processes of this node.
+
+Two buckets per tenant, both optional: requests per second (each request costs 1) and tokens per
+second (the prompt at admission, generated tokens while they are produced). A request is
+admitted only when every bucket it has holds at least 1; admission takes from both atomically.
+Generated tokens are charged without a check, so a running request is never cut and a tenant
+that overran waits until its bucket refills above 1.
+
+Redis: one Lua script refills, checks and takes atomically, with the time from Redis ``TIME``
+(not each replica's clock), keys hash-tagged per tenant (``ratelimit:{<tenant>}:requests``) so
+they share one Redis Cluster slot, and a TTL so idle tenants leave nothing behind.
+
+Fail-open: socket and connect timeouts of 50 ms and no retries; the first failure opens a
+circuit breaker, which logs once, serves from the node's shared buckets (``shm.buckets``, same
+parameters), and probes Redis in the background until it answers.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from engine.errors import RateLimited
+from server.tenants import Rate, Tenant
+
+log = logging.getLogger("ratelimit")
+
+#: Redis socket and connect timeout, seconds: a request never waits longer on Redis.
+REDIS_TIMEOUT_S = 0.05
+#: Seconds between probes of a Redis that failed.
+PROBE_S = 0.5
+
+_SCRIPT = """
+-- KEYS: requests bucket, tokens bucket. ARGV: per bucket rate, burst, cost (rate 0: the tenant
+-- has no such limit), then check (1: admission, all-or-nothing against level >= 1).
+local t = redis.call('TIME')
+local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
+local levels, allowed = {}, 1
+for i = 1, 2 do
+  local rate, burst = tonumber(ARGV[3 * i - 2]), tonumber(ARGV[3 * i - 1])
+  if rate > 0 then
+    local v = redis.call('HMGET', KEYS[i], 'level', 't')
+    local level = burst
+    if v[1] then level = math.min(burst, tonumber(v[1]) + math.max(0, now - tonumber(v[2])) * rate) end
+    levels[i] = level
+    if ARGV[7] == '1' and level < 1 then allowed = 0 end
+  end
+end
+local out = {allowed}
+for i = 1, 2 do
+  local rate, burst, cost = tonumber(ARGV[3 * i - 2]), tonumber(ARGV[3 * i - 1]), tonumber(ARGV[3 * i])
+  if rate > 0 then
+    local level = levels[i]
+    if allowed == 1 then level = math.min(burst, level - cost) end
+    redis.call('HSET', KEYS[i], 'level', tostring(level), 't', tostring(now))
+    redis.call('PEXPIRE', KEYS[i], math.ceil(((burst - level) / rate + 1) * 1000))
+    out[i + 1] = tostring(level)
+  else
+    out[i + 1] = ''
+  end
+end
+return out
+"""
+
+
+@dataclass(frozen=True)
+class Decision:
+    """The outcome of one admission: ``allowed``, ``retry_after_s`` (0 when allowed) and, per
+    limited bucket (``requests``, ``tokens``), ``(limit, remaining, reset seconds)`` for the
+    ``x-ratelimit-*`` headers."""
+
+    allowed: bool
+    retry_after_s: float
+    buckets: dict
+
+
+def _decide(limits: dict[str, Rate], levels: dict[str, float], allowed: bool) -> Decision:
+    """Retry-after and header values from the levels after the script ran."""
+    retry = 0.0 if allowed else max((1 - levels[k]) / limits[k].rate for k in levels if levels[k] < 1)
+    buckets = {k: (limits[k].burst, max(0, math.floor(levels[k])),
+                   max(0.0, (limits[k].burst - levels[k]) / limits[k].rate)) for k in levels}
+    return Decision(allowed, retry, buckets)
+
+
+def _limits(tenant: Tenant) -> dict[str, Rate]:
+    return {k: r for k, r in (("requests", tenant.requests_per_second), ("tokens", tenant.tokens_per_second)) if r}
+
+
+class RateLimiter:
+    """Admission and charging of every tenant's buckets.
+
+    Args:
+        local: the node's shared buckets (``EngineClient.buckets``); also the fallback.
+        redis_url: ``redis://`` / ``rediss://`` (with a password if needed); empty: local only.
+        clock: ``time.monotonic``-like seconds, for the local buckets.
+    """
+
+    def __init__(self, local, redis_url: str = "", clock: Callable[[], float] = time.monotonic):
+        self.local, self.clock = local, clock
+        self.redis = None
+        if redis_url:
+            self.redis = redis.Redis.from_url(redis_url, socket_timeout=REDIS_TIMEOUT_S,
+                                              socket_connect_timeout=REDIS_TIMEOUT_S,
+                                              retry=Retry(NoBackoff(), 0), retry_on_timeout=False,
+                                              health_check_interval=0)
+            self._script = self.redis.register_script(_SCRIPT)
+        self._open = False  # circuit breaker: True while Redis is considered down
+        self._lock = threading.Lock()
+
+    @property
+    def using_redis(self) -> bool:
+        return self.redis is not None and not self._open
+
+    def admit(self, tenant: Tenant, prompt_tokens: int) -> Decision:
+        """Take one request and ``prompt_tokens`` tokens, or nothing.
+
+        Raises:
+            RateLimited: a bucket is below 1 (``retry_after_s``, ``buckets`` for the headers).
+        """
+        limits = _limits(tenant)
+        if not limits:
+            return Decision(True, 0.0, {})
+        decision = self._run(tenant, limits, {"requests": 1, "tokens": prompt_tokens}, check=True)
+        if not decision.allowed:
+            raise RateLimited(f"tenant {tenant.id!r} is over its rate limit", decision.retry_after_s,
+                              decision.buckets)
+        return decision
+
+    def refund(self, tenant: Tenant, prompt_tokens: int) -> None:
+        """Give back what :meth:`admit` took, for a request that was then not served (the
+        server was full); levels never exceed the burst."""
+        limits = _limits(tenant)
+        if limits:
+            self._run(tenant, limits, {"requests": -1, "tokens": -prompt_tokens}, check=False)
+
+    def charge(self, tenant: Tenant, tokens: int) -> None:
+        """Take ``tokens`` generated tokens, unconditionally (the level may go below zero)."""
+        if tokens > 0 and tenant.tokens_per_second is not None:
+            self._run(tenant, {"tokens": tenant.tokens_per_second}, {"tokens": tokens}, check=False)
+
+    def _run(self, tenant: Tenant, limits: dict[str, Rate], costs: dict[str, float], check: bool) -> Decision:
+        if self.using_redis:
+            try:
+                return self._redis(tenant, limits, costs, check)
+            except redis.RedisError as e:
+                self._trip(e)
+        return self._local(tenant, limits, costs, check)
+
+    def _redis(self, tenant: Tenant, limits, costs, check: bool) -> Decision:
+        args = []
+        for kind in ("requests", "tokens"):
+            rate = limits.get(kind)
+            args += [rate.rate, rate.burst, costs.get(kind, 0)] if rate else [0, 0, 0]
+        tag = "{" + tenant.id.replace("}", "") + "}"
+        out = self._script(keys=[f"ratelimit:{tag}:requests", f"ratelimit:{tag}:tokens"], args=args + [int(check)])
+        levels = {k: float(v) for k, v in zip(("requests", "tokens"), out[1:]) if k in limits}
+        return _decide(limits, levels, bool(int(out[0])))
+
+    def _local(self, tenant: Tenant, limits, costs, check: bool) -> Decision:
+        kinds = list(limits)
+        keys = {"requests": 2 * tenant.index, "tokens": 2 * tenant.index + 1}
+        allowed, levels = self.local.take([(keys[k], limits[k].rate, limits[k].burst, costs.get(k, 0)) for k in kinds],
+                                          check, self.clock())
+        return _decide(limits, dict(zip(kinds, levels)), allowed)
+
+    def _trip(self, error: Exception) -> None:
+        with self._lock:
+            if self._open:
+                return
+            self._open = True
+        log.warning("Redis unavailable (%s); rate limits fall back to this node's buckets", type(error).__name__)
+        threading.Thread(target=self._probe, name="redis-probe", daemon=True).start()
+
+    def _probe(self) -> None:
+        while True:
+            time.sleep(PROBE_S)
+            try:
+                self.redis.ping()
+            except redis.RedisError:
+                continue
+            self._open = False
+            log.warning("Redis answers again; rate limits are shared across replicas")
+            return

@@ -1,0 +1,223 @@
+"""Tenants: who may call, at which priority and weight, within which limits.
+
+The tenant file (``--tenants`` / ``TENANTS_FILE``, JSON or TOML) is a public contract, described
+in the README::
+
+    {"tenants": [
+      {"id": "team-a", "api_keys": ["key-a1", "key-a2"], "priority": "high", "weight": 2,
+       "requests_per_second": {"rate": 5, "burst": 10},
+       "tokens_per_second": {"rate": 500, "burst": 2000},
+       "max_concurrent": 8}
+    ]}
+
+Keys are kept only as SHA-256 digests and compared with ``hmac.compare_digest``; a key never
+appears in a message this module produces.
+"""
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import logging
+import math
+import tomllib
+import zlib
+from dataclasses import dataclass
+
+from engine.config import ConfigError
+from engine.errors import InvalidRequest
+from engine.request import Priority
+
+log = logging.getLogger("tenants")
+
+
+@dataclass(frozen=True)
+class Rate:
+    """A token bucket's parameters: ``rate`` per second refilled, ``burst`` held at most."""
+
+    rate: float
+    burst: float
+
+
+@dataclass(frozen=True)
+class Tenant:
+    """One tenant. ``index`` is its fair-share identity in the engine (stable across processes
+    and reloads: a CRC-32 of the id; 0 is the keyless default tenant). A limit of None means
+    unlimited. ``priority`` is a ceiling: a request may ask for a lower class, never a higher one.
+    """
+
+    id: str
+    index: int
+    priority: Priority = Priority.NORMAL
+    weight: float = 1.0
+    requests_per_second: Rate | None = None
+    tokens_per_second: Rate | None = None
+    max_concurrent: int | None = None
+
+    def priority_for(self, asked: Priority) -> Priority:
+        """The class a request runs at: the one it asked for, capped at the tenant's."""
+        return Priority(max(asked, self.priority))
+
+
+DEFAULT_TENANT = Tenant("default", 0)
+_NO_KEY = bytes(32)
+_FIELDS = {"id", "api_keys", "priority", "weight", "requests_per_second", "tokens_per_second", "max_concurrent"}
+
+
+def _digest(key: str) -> bytes:
+    return hashlib.sha256(key.encode("utf-8")).digest()
+
+
+class Tenants:
+    """The loaded tenant file, or the one keyless default tenant when there is none.
+
+    Args:
+        tenants: ``[(Tenant, [api key, ...])]``; empty means no file (everyone is ``default``).
+        path: the file they came from (for :meth:`reload`).
+    """
+
+    def __init__(self, tenants: list[tuple[Tenant, list[str]]], path: str | None = None):
+        self.path = path
+        self.by_id = {t.id: t for t, _ in tenants}
+        self._by_digest = {_digest(k): (_digest(k), t) for t, keys in tenants for k in keys}
+
+    @property
+    def open(self) -> bool:
+        """No tenant file: requests need no key and run as the default tenant."""
+        return not self.by_id
+
+    @classmethod
+    def load(cls, path: str | None) -> "Tenants":
+        """Read and validate a tenant file (None: no file).
+
+        Raises:
+            ConfigError: one line naming the tenant and the field at fault.
+        """
+        if not path:
+            return cls([])
+        try:
+            with open(path, "rb") as f:
+                raw = f.read()
+        except OSError as e:
+            raise ConfigError(f"tenants file {path}: {e.strerror}") from None
+        try:
+            data = tomllib.loads(raw.decode("utf-8")) if path.endswith(".toml") else json.loads(raw)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise ConfigError(f"tenants file {path}: not valid {'TOML' if path.endswith('.toml') else 'JSON'}: {e}") \
+                from None
+        return cls(parse(data, path), path)
+
+    def reload(self) -> "Tenants":
+        """The file read again. Raises ConfigError as :meth:`load` (the caller keeps the old)."""
+        return self.load(self.path)
+
+    def authenticate(self, key: str | None) -> Tenant | None:
+        """The tenant of ``key``; None for a missing or unknown key (the default tenant when no
+        file is loaded). The presented key's digest is compared in constant time."""
+        if self.open:
+            return DEFAULT_TENANT
+        if not key:
+            return None
+        # Looked up by digest, so the lookup's timing depends on a hash of a hash; the final
+        # comparison is constant-time whatever the key.
+        digest = _digest(key)
+        stored, tenant = self._by_digest.get(digest, (_NO_KEY, None))
+        return tenant if hmac.compare_digest(stored, digest) else None
+
+
+def parse(data, path: str = "tenants file") -> list[tuple[Tenant, list[str]]]:
+    """Validate the parsed file. Raises ConfigError naming the tenant and the field."""
+    if not isinstance(data, dict) or not isinstance(data.get("tenants"), list):
+        raise ConfigError(f"{path}: expected an object with a \"tenants\" array")
+    out, ids, keys = [], set(), set()
+    for n, entry in enumerate(data["tenants"]):
+        where = f"{path}: tenant #{n + 1}"
+        if not isinstance(entry, dict):
+            raise ConfigError(f"{where}: must be an object")
+        tid = entry.get("id")
+        if not isinstance(tid, str) or not tid:
+            raise ConfigError(f"{where}: field id must be a non-empty string")
+        where = f"{path}: tenant {tid!r}"
+        if tid in ids:
+            raise ConfigError(f"{where}: id is listed twice")
+        ids.add(tid)
+        unknown = set(entry) - _FIELDS
+        if unknown:
+            raise ConfigError(f"{where}: unknown field {sorted(unknown)[0]}")
+        api_keys = entry.get("api_keys")
+        if not isinstance(api_keys, list) or not api_keys or not all(isinstance(k, str) and k for k in api_keys):
+            raise ConfigError(f"{where}: field api_keys must be a non-empty array of non-empty strings")
+        for i, k in enumerate(api_keys):
+            if _digest(k) in keys:
+                raise ConfigError(f"{where}: field api_keys[{i}] is a key listed twice")
+            keys.add(_digest(k))
+        try:
+            priority = Priority.parse(entry.get("priority"))
+        except InvalidRequest:
+            raise ConfigError(f"{where}: field priority must be high, normal or low") from None
+        weight = _positive(entry.get("weight", 1), f"{where}: field weight")
+        max_concurrent = entry.get("max_concurrent")
+        if max_concurrent is not None and (isinstance(max_concurrent, bool) or not isinstance(max_concurrent, int)
+                                           or max_concurrent < 1):
+            raise ConfigError(f"{where}: field max_concurrent must be an integer >= 1")
+        tenant = Tenant(tid, zlib.crc32(tid.encode("utf-8")) & 0x7FFFFFFF or 1, priority, weight,
+                        _rate(entry, "requests_per_second", where), _rate(entry, "tokens_per_second", where),
+                        max_concurrent)
+        out.append((tenant, list(api_keys)))
+    return out
+
+
+def _positive(value, what: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ConfigError(f"{what} must be a positive number")
+    return float(value)
+
+
+def _rate(entry: dict, name: str, where: str) -> Rate | None:
+    value = entry.get(name)
+    if value is None:
+        return None
+    if not isinstance(value, dict) or set(value) != {"rate", "burst"}:
+        raise ConfigError(f"{where}: field {name} must be {{\"rate\": ..., \"burst\": ...}}")
+    rate = _positive(value["rate"], f"{where}: field {name}.rate")
+    burst = _positive(value["burst"], f"{where}: field {name}.burst")
+    if burst < 1:
+        raise ConfigError(f"{where}: field {name}.burst must be >= 1")
+    return Rate(rate, burst)
+
+
+def key_of(authorization: str | None, x_tenant_id: str | None) -> str | None:
+    """The API key a request carries: ``Authorization: Bearer <key>`` or ``X-Tenant-ID: <key>``."""
+    if authorization:
+        scheme, _, value = authorization.strip().partition(" ")
+        if scheme.lower() == "bearer" and value.strip():
+            return value.strip()
+    return x_tenant_id.strip() if x_tenant_id and x_tenant_id.strip() else None
+
+
+
+class TenantRegistry:
+    """The tenants in force in this process; :meth:`reload` (on SIGHUP) replaces them at once,
+    so a request sees either the old file or the new one, and in-flight requests keep running.
+    """
+
+    def __init__(self, tenants: Tenants):
+        self.current = tenants
+
+    def authenticate(self, key: str | None) -> Tenant | None:
+        return self.current.authenticate(key)
+
+    @property
+    def open(self) -> bool:
+        return self.current.open
+
+    def reload(self) -> bool:
+        """Read the file again; a bad file keeps the tenants in force and logs why."""
+        try:
+            new = self.current.reload()
+        except ConfigError as e:
+            log.error("tenant file not reloaded, keeping the previous one: %s", e)
+            return False
+        self.current = new
+        log.info("tenant file reloaded: %d tenants", len(new.by_id))
+        return True
