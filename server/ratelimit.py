@@ -23,6 +23,7 @@ import threading
 import time
 from dataclasses import dataclass
 from typing import Callable
+from urllib.parse import quote
 
 import redis
 from redis.backoff import NoBackoff
@@ -159,7 +160,7 @@ class RateLimiter:
         for kind in ("requests", "tokens"):
             rate = limits.get(kind)
             args += [rate.rate, rate.burst, costs.get(kind, 0)] if rate else [0, 0, 0]
-        tag = "{" + tenant.id.replace("}", "") + "}"
+        tag = "{" + quote(tenant.id, safe="") + "}"  # braces escaped: one tag per tenant, never shared
         out = self._script(keys=[f"ratelimit:{tag}:requests", f"ratelimit:{tag}:tokens"], args=args + [int(check)])
         levels = {k: float(v) for k, v in zip(("requests", "tokens"), out[1:]) if k in limits}
         return _decide(limits, levels, bool(int(out[0])))

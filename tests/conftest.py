@@ -161,13 +161,13 @@ class AppServer:
     ``(status, lower-case headers, body bytes)``.
     """
 
-    def __init__(self, config, generator):
+    def __init__(self, config, generator, tenants=None):
         import falcon.testing
 
         from server.app import create_app
 
         self.config, self.engine = config, generator.engine
-        self.client = falcon.testing.TestClient(create_app(config, generator))
+        self.client = falcon.testing.TestClient(create_app(config, generator, tenants))
 
     def request(self, method: str, path: str, body: bytes | None = None, headers: dict | None = None):
         r = self.client.simulate_request(method, path, body=body, headers=headers or {})
