@@ -6,7 +6,7 @@ Sheng et al., "Fairness in Serving Large Language Models" (OSDI 2024): each tena
 grows by the tokens it is served divided by its weight, the tenant with the smallest counter
 goes first, and a tenant that becomes backlogged is lifted to the smallest counter among the
 backlogged so it cannot bank credit while idle. Starvation is impossible because waiting ages a
-request: every ``aging_s`` seconds it climbs one priority class.
+class: every ``aging_s`` seconds its oldest sequence waits, the class climbs one rank.
 """
 from __future__ import annotations
 
@@ -51,11 +51,22 @@ class Scheduler:
         tenant = seq.request.tenant
         self.counters[tenant] = self.counters.get(tenant, 0.0) + n_tokens / max(seq.request.weight, 1e-6)
 
-    def key(self, seq: Sequence, now: float) -> tuple:
-        """Sort key of a waiting sequence: smaller is admitted first."""
-        promoted = int((now - seq.arrival) / self.aging_s)
+    def class_ranks(self, now: float) -> dict[int, int]:
+        """Each waiting priority class's rank: the class, raised by one for every ``aging_s``
+        its oldest waiting sequence has waited. A whole class ages, not single requests, so
+        inside a class the order stays fair share: an aged request of a flooding tenant never
+        overtakes a light tenant's fresh request of the same class."""
+        oldest: dict[int, float] = {}
+        for seq in self.waiting:
+            p = seq.request.priority
+            oldest[p] = min(oldest.get(p, seq.arrival), seq.arrival)
+        return {p: max(0, p - int((now - t) / self.aging_s)) for p, t in oldest.items()}
+
+    def key(self, seq: Sequence, ranks: dict[int, int]) -> tuple:
+        """Sort key of a waiting sequence (``ranks`` from :meth:`class_ranks`): smaller is
+        admitted first."""
         r = seq.request
-        return (max(0, r.priority - promoted), r.deadline or math.inf, self.counters.get(r.tenant, 0.0), seq.order)
+        return (ranks[r.priority], r.deadline or math.inf, self.counters.get(r.tenant, 0.0), seq.order)
 
     def admit(self, now: float) -> list[Sequence]:
         """Move waiting sequences into free slots as the policy allows; returns the admitted."""
@@ -70,7 +81,8 @@ class Scheduler:
             if self.policy == "static" and self.running:
                 return []
             room = len(self.free_slots)
-            order = sorted(self.waiting, key=lambda s: self.key(s, now))
+            ranks = self.class_ranks(now)
+            order = sorted(self.waiting, key=lambda s: self.key(s, ranks))
         admitted = order[:room]
         for seq in admitted:
             self.waiting.remove(seq)

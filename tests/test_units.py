@@ -73,6 +73,17 @@ def test_waiting_ages_a_low_request_up_to_high():
     assert admitted_tenants(sched, now=10.0) == [1]  # waited 10 s: two classes up, ties on arrival
 
 
+def test_aging_raises_a_class_so_fair_share_holds_inside_it():
+    """A flooding tenant's request that waited long is not ahead of a light tenant's fresh one
+    of the same class: the class ages as a whole and fair share orders it."""
+    sched = Scheduler(max_slots=1, policy="continuous", aging_s=1.0)
+    old = make(tenant=1, arrival=0.0)
+    sched.add(old)
+    sched.add(make(tenant=2, arrival=9.9))
+    sched.charge(old, 100)  # tenant 1's other requests were served meanwhile
+    assert admitted_tenants(sched, now=10.0) == [2]
+
+
 def test_static_and_fifo_admission():
     static = Scheduler(max_slots=2, policy="static", aging_s=1e9)
     for t in range(3):
