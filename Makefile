@@ -27,6 +27,7 @@ bench: install
 	mkdir -p bench/results
 	$(PY) -m bench.engine --json bench/results/engine.json
 	$(PY) -m bench.http --json bench/results/http.json
+	$(PY) -m bench.tenancy --json bench/results/tenancy.json
 	$(PY) -m pytest bench --benchmark-enable --benchmark-json bench/results/delivery.json -s
 
 clean:

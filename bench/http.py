@@ -25,13 +25,15 @@ import threading
 import time
 
 
-def stream_completion(port: int, prompt: str, max_tokens: int) -> tuple[float, float, int]:
-    """One streaming request; returns (seconds to first token, seconds to [DONE], tokens)."""
+def stream_completion(port: int, prompt: str, max_tokens: int, key: str | None = None) -> tuple[float, float, int]:
+    """One streaming request (with API ``key`` if given); returns (seconds to first token,
+    seconds to [DONE], tokens)."""
     body = json.dumps({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
                        "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}})
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
     t0 = time.perf_counter()
-    conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
+    conn.request("POST", "/v1/completions", body, headers)
     resp = conn.getresponse()
     first, tokens = None, 0
     for line in resp:
@@ -57,12 +59,12 @@ def prompt_text(tokenizer, n_tokens: int, salt: int) -> str:
     return text.strip()
 
 
-def throughput(port: int, prompts: list[str], gen: int) -> tuple[float, int]:
+def throughput(port: int, prompts: list[str], gen: int, key: str | None = None) -> tuple[float, int]:
     """All prompts streamed at once, one client thread each; returns (tokens/s, tokens)."""
     results = [None] * len(prompts)
 
     def client(i):
-        results[i] = stream_completion(port, prompts[i], gen)
+        results[i] = stream_completion(port, prompts[i], gen, key)
 
     threads = [threading.Thread(target=client, args=(i,)) for i in range(len(prompts))]
     t0 = time.perf_counter()

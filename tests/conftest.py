@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
+import subprocess
 import time
 
 import pytest
@@ -62,6 +64,30 @@ def assert_idle_and_clean(client: EngineClient) -> None:
     assert client.mailboxes_in_use() == 0
     assert client.slot_mailboxes() == [-1] * client.max_slots
     assert client.kv_pos_max() == [-1] * client.max_slots
+
+
+@contextlib.contextmanager
+def redis_server(port: int | None = None):
+    """A real ``redis-server`` on a free port (no persistence); yields ``(url, process)``."""
+    import redis
+
+    port = port or free_port()
+    proc = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                             "--appendonly", "no"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    client = redis.Redis(port=port, socket_timeout=1)
+    try:
+        for _ in range(200):
+            try:
+                client.ping()
+                break
+            except redis.ConnectionError:
+                time.sleep(0.02)
+        yield f"redis://127.0.0.1:{port}/0", proc
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            proc.send_signal(signal.SIGCONT)
+        proc.kill()
+        proc.wait()
 
 
 def free_port() -> int:

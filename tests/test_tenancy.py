@@ -27,35 +27,13 @@ from server.errors import http_error
 from server.ratelimit import RateLimiter
 from server.tenants import Rate, Tenant, Tenants
 from shm import Layout, Transport
-from tests.conftest import AppServer, free_port, running_server
+from tests.conftest import AppServer, free_port, redis_server, running_server
 
 pytestmark = pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server is not installed")
 COMPLETIONS = "/v1/completions"
 
 
 # -- helpers ----------------------------------------------------------------------------------------
-@contextlib.contextmanager
-def redis_server(port: int | None = None):
-    """A real ``redis-server`` on a free port (no persistence); yields ``(url, process)``."""
-    port = port or free_port()
-    proc = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                             "--appendonly", "no"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    client = redis.Redis(port=port, socket_timeout=1)
-    try:
-        for _ in range(200):
-            try:
-                client.ping()
-                break
-            except redis.ConnectionError:
-                time.sleep(0.02)
-        yield f"redis://127.0.0.1:{port}/0", proc
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            proc.send_signal(signal.SIGCONT)
-        proc.kill()
-        proc.wait()
-
-
 def write_tenants(path, tenants: list[dict]) -> str:
     path.write_text(json.dumps({"tenants": tenants}))
     return str(path)
