@@ -90,7 +90,7 @@ class EngineClient:
         try:
             lease = self.t.mailboxes.lease(tenant, max_concurrent)
         except TenantBusy:
-            raise RateLimited(f"the tenant already has {max_concurrent} requests in flight, its limit",
+            raise RateLimited(f"the tenant already has {max_concurrent} sequences in flight, its limit",
                               1.0, kind="concurrency") from None
         if lease is None:
             raise Saturated(retry_after=1)

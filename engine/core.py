@@ -3,7 +3,7 @@
 
 One :meth:`EngineCore.step` is the phases of llama.cpp's server loop, in order::
 
-    ingest -> expire -> admit -> batch -> decode -> sample + publish -> retire
+    ingest -> expire -> admit -> compact -> batch -> decode -> sample + publish -> retire
 """
 from __future__ import annotations
 

@@ -83,7 +83,7 @@ class Generation:
         tenant: who asks. limiter: its rate limits (None: none).
         watch_socket: the client connection; when it closes, every choice is cancelled.
     Raises:
-        InvalidRequest: ``n`` beyond capacity; PromptTooLong (naming the prompt's or the
+        InvalidRequest: ``n`` beyond capacity or the tenant's ``max_concurrent``; PromptTooLong (naming the prompt's or the
         max-tokens field) when it does not fit one sequence. RateLimited: over the tenant's
         quota or concurrency limit. Saturated, EngineUnavailable: no room or no engine.
         Nothing stays submitted, and a refused request is refunded to its tenant's buckets.
@@ -94,6 +94,9 @@ class Generation:
                  limiter: RateLimiter | None = None, watch_socket=None):
         if req.n > engine.capacity:
             raise InvalidRequest(f"n={req.n} exceeds this server's capacity of {engine.capacity} "
+                                 "concurrent sequences", "n")
+        if tenant.max_concurrent is not None and req.n > tenant.max_concurrent:
+            raise InvalidRequest(f"n={req.n} exceeds this tenant's limit of {tenant.max_concurrent} "
                                  "concurrent sequences", "n")
         self.req, self.pieces, self.watch_socket = req, pieces, watch_socket
         self.tenant, self.limiter = tenant, limiter
