@@ -26,16 +26,18 @@ class InvalidRequest(RequestError, ValueError):
 class PromptTooLong(InvalidRequest):
     """The prompt, or prompt plus ``max_new_tokens``, does not fit one sequence.
 
-    Attributes: ``n_prompt``, ``max_new_tokens`` (None when the prompt alone is too long),
-    ``limit`` (tokens per sequence). ``param`` is None until the front end names the field.
+    Attributes: ``n_prompt`` (a lower bound when ``at_least``: found before tokenizing),
+    ``max_new_tokens`` (None when the prompt alone is too long), ``limit`` (tokens per
+    sequence). ``param`` is None until the front end names the field.
     """
 
     code = "context_length_exceeded"
 
-    def __init__(self, n_prompt: int, limit: int, max_new_tokens: int | None = None):
+    def __init__(self, n_prompt: int, limit: int, max_new_tokens: int | None = None, at_least: bool = False):
         self.n_prompt, self.limit, self.max_new_tokens = n_prompt, limit, max_new_tokens
         if max_new_tokens is None:
-            msg = (f"prompt has {n_prompt} tokens, more than the per-sequence limit of "
+            msg = (f"prompt has {'at least ' if at_least else ''}{n_prompt} tokens, more than the per-sequence "
+                   f"limit of "
                    f"{limit - 1} prompt tokens ({limit} tokens in all)")
         else:
             msg = (f"prompt ({n_prompt} tokens) + max_tokens ({max_new_tokens}) = "

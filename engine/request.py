@@ -24,6 +24,15 @@ from shm.layout import MAX_TOP_LOGPROBS
 MAX_STOP_IDS = 8
 #: Largest ``max_new_tokens`` / ``top_k`` accepted (int32 on the wire).
 INT32_MAX = 2**31 - 1
+#: Seeds are reduced modulo this, so none becomes 0xFFFFFFFF: llama.cpp's ``LLAMA_DEFAULT_SEED``,
+#: which means "a random seed" and would make a seeded request irreproducible.
+SEED_MODULUS = 2**32 - 1
+
+
+def reduce_seed(seed: int) -> int:
+    """Any integer seed (OpenAI allows the signed 64-bit range) as a reproducible llama.cpp
+    seed in ``[0, 2**32 - 2]``."""
+    return seed % SEED_MODULUS
 
 
 class Priority(IntEnum):
@@ -95,7 +104,8 @@ class SamplingParams:
         max_new_tokens: generated tokens at most; None = up to the sequence limit.
         temperature: 0 = greedy. top_k: 0 = off. top_p, min_p: 1.0 / 0.0 = off.
         repeat_penalty (1 = off), presence_penalty, frequency_penalty (0 = off) over the last
-        ``penalty_last_n`` tokens. seed: None = random.
+        ``penalty_last_n`` tokens (-1: the whole sequence; 0: none). seed: None = random;
+        otherwise ``0 .. 2**32 - 2`` (see :func:`reduce_seed`).
         ignore_eos: never sample end-of-generation tokens (fixed-length benchmarks).
         logprobs: None, or k in 0..20: return the sampled token's log-probability and the top-k.
         stop_ids: extra token ids that end the sequence (EOS/EOG always do unless ignore_eos).
@@ -106,13 +116,13 @@ class SamplingParams:
     max_new_tokens: int | None = _field(None, "i4", 1, INT32_MAX)
     temperature: float = _field(1.0, "f4", 0, 2)
     top_k: int = _field(0, "i4", 0, INT32_MAX)
-    top_p: float = _field(1.0, "f4", 0, 1, lo_open=True)
+    top_p: float = _field(1.0, "f4", 0, 1)  # 0 keeps only the most likely token: greedy
     min_p: float = _field(0.0, "f4", 0, 1)
     repeat_penalty: float = _field(1.0, "f4", 0, 10, lo_open=True)
     presence_penalty: float = _field(0.0, "f4", -2, 2)
     frequency_penalty: float = _field(0.0, "f4", -2, 2)
     penalty_last_n: int = _field(64, "i4", -1, INT32_MAX)
-    seed: int | None = _field(None, "i8", 0, 2**32 - 1)
+    seed: int | None = _field(None, "i8", 0, SEED_MODULUS - 1)
     ignore_eos: bool = _field(False, "?")
     logprobs: int | None = _field(None, "i1", 0, MAX_TOP_LOGPROBS)
     stop_ids: tuple[int, ...] = _field((), f"({MAX_STOP_IDS},)i4")

@@ -132,10 +132,12 @@ class Stream:
         self.close()
 
 
-def follow(streams: list[Stream], watch_socket: socket.socket | None = None) -> Iterator[tuple[int, list[Token]]]:
+def follow(streams: list[Stream], watch_socket: socket.socket | None = None,
+           idle_s: float | None = None) -> Iterator[tuple[int, list[Token]]]:
     """The output loop: yield ``(k, new tokens of streams[k])`` as the engine publishes them,
     until every stream is finished (``streams[k].finished``; the last yield of a stream may hold
     no token). One ``poll(2)`` waits on every unfinished stream's wake-up and the client socket.
+    With ``idle_s``, ``(-1, [])`` is yielded whenever that many seconds passed without a yield.
 
     Closes nothing: the caller closes the streams (which cancels the unfinished ones).
 
@@ -149,6 +151,7 @@ def follow(streams: list[Stream], watch_socket: socket.socket | None = None) -> 
     fd = watch_socket.fileno() if watch_socket is not None else None
     open_ = {s.lease.index: k for k, s in enumerate(streams) if not s.finished}
     due = set(open_)  # check each once first: tokens may be there before any wake-up is seen
+    last = time.monotonic()
     while open_:
         for index in sorted(due & open_.keys()):
             k = open_[index]
@@ -156,10 +159,19 @@ def follow(streams: list[Stream], watch_socket: socket.socket | None = None) -> 
             if streams[k].finished:
                 del open_[index]
             if tokens or streams[k].finished:
+                last = time.monotonic()
                 yield k, tokens
         if not open_:
             return
-        due, hung_up = mailboxes.wait([streams[k].lease for k in open_.values()], POLL_S, fd)
+        timeout = POLL_S
+        if idle_s is not None:
+            idle = time.monotonic() - last
+            if idle >= idle_s:
+                last = time.monotonic()
+                yield -1, []
+                idle = 0.0
+            timeout = min(POLL_S, idle_s - idle)
+        due, hung_up = mailboxes.wait([streams[k].lease for k in open_.values()], timeout, fd)
         if hung_up:
             # POLLRDHUP: the client closed (or shut down) its side. Even if it pipelined another
             # request first, nobody is left to read these answers.

@@ -23,7 +23,13 @@ def create_app(config: ServerConfig, generator: Generator, tenants: TenantRegist
         tenants: API keys and limits (None: no tenant file, everyone is the default tenant).
     """
     tenants = tenants or TenantRegistry(Tenants([]))
-    app = falcon.App(middleware=[Authenticate(tenants)])
+    middleware = [Authenticate(tenants)]
+    if config.cors_origins:
+        # Falcon's own CORS: preflight OPTIONS answered with Access-Control-Allow-Methods and
+        # -Headers (it echoes the requested headers, Authorization included), and the
+        # Access-Control-Allow-Origin header added to every response, errors and streams too.
+        middleware.insert(0, falcon.CORSMiddleware(allow_origins=config.cors_origins, expose_headers="*"))
+    app = falcon.App(middleware=middleware)
     errors.install(app)
     app.add_route("/v1/chat/completions", ChatCompletions(config, generator))
     app.add_route("/v1/completions", Completions(config, generator))

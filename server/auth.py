@@ -20,8 +20,8 @@ class Authenticate:
         self.tenants = tenants
 
     def process_resource(self, req: falcon.Request, resp: falcon.Response, resource, params) -> None:
-        if resource is None or getattr(resource, "public", False):
-            return
+        if resource is None or getattr(resource, "public", False) or req.method == "OPTIONS":
+            return  # a CORS preflight carries no credentials
         key = key_of(req.get_header("Authorization"), req.get_header("X-Tenant-ID"))
         tenant = self.tenants.authenticate(key)
         if tenant is None:

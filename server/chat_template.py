@@ -34,15 +34,27 @@ class ChatTemplate:
         self.template = env.from_string(source)
         self.tokenizer = tokenizer
 
-    def encode(self, messages: list[dict]) -> list[int]:
-        """Prompt token ids for ``messages`` followed by the assistant's generation prompt."""
+    def encode(self, messages: list[dict], add_generation_prompt: bool = True,
+               continue_final_message: bool = False) -> list[int]:
+        """Prompt token ids for ``messages``.
+
+        Args:
+            add_generation_prompt: end with the opening of a new assistant turn.
+            continue_final_message: end right after the final message's text (an assistant
+                message the model continues, as llama.cpp's server and vLLM's
+                ``continue_final_message`` do): whatever the template renders after it (the
+                end of that turn) is dropped. Needs ``add_generation_prompt`` False.
+        """
         tag = secrets.token_hex(8)
         marked = [{"role": ROLE_ALIASES.get(m["role"], m["role"]), "content": f"\x00{tag}:{i}\x00"}
                   for i, m in enumerate(messages)]
-        rendered = self.template.render(messages=marked, add_generation_prompt=True,
+        rendered = self.template.render(messages=marked, add_generation_prompt=add_generation_prompt,
                                         bos_token="", eos_token="")
+        parts = re.split(f"\x00{tag}:(\\d+)\x00", rendered)
+        if continue_final_message:
+            parts = parts[:-1]  # the template text after the final message's text
         ids: list[int] = []
-        for k, part in enumerate(re.split(f"\x00{tag}:(\\d+)\x00", rendered)):
+        for k, part in enumerate(parts):
             if k % 2:
                 ids += self.tokenizer.encode(messages[int(part)]["content"], special=False)
             elif part:

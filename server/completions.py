@@ -14,7 +14,8 @@ from engine.errors import ClientDisconnected
 from server.config import ServerConfig
 from server.errors import http_error
 from server.generation import Choice, Delta, Generation, GenerationRequest, Generator
-from server.params import check_model, parse_generation, parse_messages, parse_prompt, read_json
+from server.params import (check_model, parse_generation, parse_messages, parse_prompt, read_json,
+                           render_options)
 
 
 def dumps(obj) -> str:
@@ -37,11 +38,10 @@ class _Completions:
 
     def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
         body = read_json(req, self.config.max_body_bytes)
-        check_model(body, self.config.model_id)
+        model = check_model(body, self.config.model_ids)
         greq = parse_generation(body, chat=self.chat)
         gen = self.start(body, greq, tenant=req.context.tenant, watch_socket=req.env.get("gunicorn.socket"))
-        meta = {"id": f"{self.id_prefix}-{secrets.token_hex(12)}", "created": int(time.time()),
-                "model": self.config.model_id}
+        meta = {"id": f"{self.id_prefix}-{secrets.token_hex(12)}", "created": int(time.time()), "model": model}
         if greq.stream:
             resp.content_type = "text/event-stream; charset=utf-8"
             resp.set_header("Cache-Control", "no-cache")
@@ -58,15 +58,22 @@ class _Completions:
 
     # -- streaming ------------------------------------------------------------------------------
     def sse_events(self, gen: Generation, greq: GenerationRequest, meta: dict) -> Iterator[bytes]:
+        """The SSE body. The status line and headers go out at once (an empty first chunk makes
+        gunicorn send them), and an SSE comment every ``--sse-keepalive-s`` while nothing is due
+        (queued, or a long prefill), so proxies do not cut a silent stream."""
         chunk = {**meta, "object": self.object_name + ".chunk" if self.chat else self.object_name}
         if greq.include_usage:
             chunk["usage"] = None
+        yield b""
         try:
             state: dict = {}  # per-choice state a route keeps across chunks (text offsets)
             if self.chat:
-                for i in range(greq.n):
+                for i in range(gen.n_choices):
                     yield sse({**chunk, "choices": [self.chunk_choice(Delta(i), greq, state, first=True)]})
-            for d in gen.deltas():
+            for d in gen.deltas(keepalive_s=self.config.sse_keepalive_s or None):
+                if d is None:
+                    yield b": keep-alive\n\n"
+                    continue
                 yield sse({**chunk, "choices": [self.chunk_choice(d, greq, state)]})
             if greq.include_usage:
                 yield sse({**chunk, "choices": [], "usage": gen.usage()})
@@ -90,7 +97,8 @@ class ChatCompletions(_Completions):
     id_prefix = "chatcmpl"
 
     def start(self, body: dict, greq: GenerationRequest, **submit) -> Generation:
-        return self.generator.chat(parse_messages(body), greq, **submit)
+        messages = parse_messages(body, self.config.max_messages)
+        return self.generator.chat(messages, greq, render=render_options(body, messages), **submit)
 
     def logprobs(self, tokens, greq) -> dict | None:
         if greq.sampling.logprobs is None:
@@ -99,7 +107,7 @@ class ChatCompletions(_Completions):
                              "top_logprobs": [self.token_entry(i, lp) for i, lp in t.top]} for t in tokens]}
 
     def choice(self, i: int, c: Choice, greq) -> dict:
-        return {"index": i, "message": {"role": "assistant", "content": c.text},
+        return {"index": i, "message": {"role": "assistant", "content": c.text, "refusal": None},
                 "logprobs": self.logprobs(c.tokens, greq), "finish_reason": c.finish_reason}
 
     def chunk_choice(self, d: Delta, greq, state: dict, first: bool = False) -> dict:

@@ -39,7 +39,9 @@ class ServerConfig:
     host: str = _option("--host", "HOST", "address to listen on", "127.0.0.1")
     port: int = _option("--port", "PORT", "HTTP port", 8080)
     model_path: str | None = _option("--model", "MODEL_PATH", "GGUF model file", None, shown="bundled SmolLM2-135M")
-    model_id: str = _option("--model-id", "MODEL_ID", "model name clients send and /v1/models lists", "local-model")
+    model_id: str = _option("--model-id", "MODEL_ID",
+                            "model names clients may send, comma-separated (the first is the default); /v1/models "
+                            "lists them all", "local-model")
     max_slots: int = _option("--max-slots", "MAX_SLOTS", "sequences decoded together (KV slots)", engine="max_slots")
     max_seq_len: int = _option("--max-seq-len", "MAX_SEQ_LEN", "tokens per sequence, prompt + generation",
                                engine="max_seq_len")
@@ -52,6 +54,11 @@ class ServerConfig:
     workers: int = _option("--workers", "WORKERS", "gunicorn worker processes", 2)
     threads: int = _option("--threads", "THREADS", "threads per gunicorn worker (concurrent connections)", 32)
     max_body_bytes: int = _option("--max-body-bytes", "MAX_BODY_BYTES", "largest request body accepted", 1 << 20)
+    max_messages: int = _option("--max-messages", "MAX_MESSAGES", "most chat messages in one request", 512)
+    sse_keepalive_s: float = _option("--sse-keepalive-s", "SSE_KEEPALIVE_S",
+                                     "seconds between SSE keep-alive comments while a stream waits (0: none)", 15.0)
+    cors_allow_origins: str = _option("--cors-allow-origins", "CORS_ALLOW_ORIGINS",
+                                      "origins browsers may call from, comma-separated, or *", "", shown="none")
     tenants_file: str = _option("--tenants", "TENANTS_FILE",
                                 "tenant file (JSON or TOML): API keys, priority, weight, limits; SIGHUP reloads it",
                                 "", shown="none")
@@ -64,14 +71,27 @@ class ServerConfig:
             raise ConfigError(f"--port must be 0..65535, got {self.port}")
         if not 0 <= self.grpc_port <= 65535:
             raise ConfigError(f"--grpc-port must be 0..65535, got {self.grpc_port}")
-        for name in ("workers", "threads", "max_body_bytes"):
+        for name in ("workers", "threads", "max_body_bytes", "max_messages"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
-        if not self.model_id:
-            raise ConfigError("--model-id must not be empty")
+        if not self.model_ids:
+            raise ConfigError("--model-id must name at least one model")
+        if not 0 <= self.sse_keepalive_s <= 3600:
+            raise ConfigError(f"--sse-keepalive-s must be 0..3600, got {self.sse_keepalive_s}")
         if self.redis_url and urlparse(self.redis_url).scheme not in ("redis", "rediss", "unix"):
             raise ConfigError(f"--redis-url must be redis://, rediss:// or unix://, got {self.redis_url!r}")
         self.engine_config()  # validates the engine's share
+
+    @property
+    def model_ids(self) -> tuple[str, ...]:
+        """The served names (``--model-id``, comma-separated), the first being the default."""
+        return tuple(name.strip() for name in self.model_id.split(",") if name.strip())
+
+    @property
+    def cors_origins(self) -> tuple[str, ...] | str | None:
+        """``--cors-allow-origins`` as Falcon's CORS middleware takes it (None: no CORS)."""
+        origins = tuple(o.strip() for o in self.cors_allow_origins.split(",") if o.strip())
+        return "*" if "*" in origins else origins or None
 
     def resolved_model_path(self) -> str:
         return self.model_path or default_model_path()

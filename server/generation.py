@@ -16,7 +16,7 @@ import time
 
 from engine.client import EngineClient
 from engine.errors import InvalidRequest, PromptTooLong
-from engine.request import Priority, SamplingParams
+from engine.request import Priority, SamplingParams, reduce_seed
 from engine.stream import Stream, Timings, Token, follow
 from server.chat_template import ChatTemplate
 from server.detokenizer import Detokenizer
@@ -35,6 +35,7 @@ class GenerationRequest:
 
     Attributes:
         sampling: the engine's settings (``max_new_tokens`` None = up to the sequence limit).
+        max_tokens: as asked; 0 generates nothing (each choice ends at once with ``length``).
         max_tokens_param: the request field ``max_new_tokens`` came from (named in errors).
         stop: stop strings (text, applied here). n: choices, each its own sequence.
         stream, include_usage: the response's shape (read by the protocol, not here).
@@ -42,6 +43,7 @@ class GenerationRequest:
     """
 
     sampling: SamplingParams = field(default_factory=SamplingParams)
+    max_tokens: int | None = None
     max_tokens_param: str = "max_tokens"
     stop: list[str] = field(default_factory=list)
     n: int = 1
@@ -72,74 +74,86 @@ class Choice:
 
 
 class Generation:
-    """``n`` sequences for one prompt, submitted at construction, read by one output loop.
+    """``n`` sequences for each prompt, submitted at construction, read by one output loop.
+    Choice ``p * n + j`` is choice ``j`` of prompt ``p`` (OpenAI's numbering).
 
     The tenant's rate limits are taken at construction (one request, the prompt tokens of every
     choice) and its generated tokens charged while they are produced. Its priority caps the
     request's; its index and weight travel to the engine's fair share.
 
     Args:
-        prompt_ids: token ids. prompt_param: the request field they came from (named in errors).
+        prompts: token ids of each prompt. prompt_param: the request field they came from.
         tenant: who asks. limiter: its rate limits (None: none).
         watch_socket: the client connection; when it closes, every choice is cancelled.
     Raises:
-        InvalidRequest: ``n`` beyond capacity or the tenant's ``max_concurrent``; PromptTooLong (naming the prompt's or the
-        max-tokens field) when it does not fit one sequence. RateLimited: over the tenant's
+        InvalidRequest: more choices than the capacity or the tenant's ``max_concurrent``;
+        PromptTooLong (naming the prompt's or the max-tokens field) when it does not fit. RateLimited: over the tenant's
         quota or concurrency limit. Saturated, EngineUnavailable: no room or no engine.
         Nothing stays submitted, and a refused request is refunded to its tenant's buckets.
     """
 
-    def __init__(self, engine: EngineClient, pieces: list[bytes], prompt_ids: list[int],
+    def __init__(self, engine: EngineClient, pieces: list[bytes], prompts: list[list[int]],
                  req: GenerationRequest, prompt_param: str, tenant: Tenant = DEFAULT_TENANT,
                  limiter: RateLimiter | None = None, watch_socket=None):
-        if req.n > engine.capacity:
-            raise InvalidRequest(f"n={req.n} exceeds this server's capacity of {engine.capacity} "
-                                 "concurrent sequences", "n")
-        if tenant.max_concurrent is not None and req.n > tenant.max_concurrent:
-            raise InvalidRequest(f"n={req.n} exceeds this tenant's limit of {tenant.max_concurrent} "
-                                 "concurrent sequences", "n")
+        self.n_choices = len(prompts) * req.n
+        limits = ((engine.capacity, "this server's capacity"), (tenant.max_concurrent, "this tenant's limit"))
+        for limit, whose in limits:
+            if limit is not None and self.n_choices > limit:
+                raise InvalidRequest(f"{self.n_choices} choices (n={req.n} for {len(prompts)} prompts) exceed "
+                                     f"{whose} of {limit} concurrent sequences", "n")
         self.req, self.pieces, self.watch_socket = req, pieces, watch_socket
         self.tenant, self.limiter = tenant, limiter
-        self.prompt_tokens = len(prompt_ids)
-        self.counts = [0] * req.n  # completion tokens per choice
+        self.prompt_tokens = sum(len(p) for p in prompts)
+        self.counts = [0] * self.n_choices  # completion tokens per choice
         self.streams: list[Stream] = []
         self._uncharged, self._charged_at = 0, time.monotonic()
+        cost = 0 if req.max_tokens == 0 else req.n * self.prompt_tokens  # prefill the engine will do
         admitted = False
-        params = req.sampling
         try:
             # Length first (a request that can never run costs no quota), then quota, then room.
-            engine.check(prompt_ids, params)
+            for prompt in prompts:
+                engine.check(prompt, req.sampling)
             if limiter is not None:
-                limiter.admit(tenant, req.n * len(prompt_ids))
+                limiter.admit(tenant, cost)
                 admitted = True
-            for i in range(req.n):
-                if params.seed is not None and i:  # one seed would make every choice the same
-                    params = dataclasses.replace(params, seed=(params.seed + 1) % 2**32)
-                self.streams.append(engine.submit(
-                    prompt_ids, params, priority=tenant.priority_for(req.priority), deadline_ms=req.deadline_ms,
-                    tenant=tenant.index, weight=tenant.weight, max_concurrent=tenant.max_concurrent,
-                    watch_socket=watch_socket))
+            for prompt in prompts if req.max_tokens != 0 else ():
+                for j in range(req.n):
+                    params = req.sampling
+                    if params.seed is not None and j:  # one seed would make every choice the same
+                        params = dataclasses.replace(params, seed=reduce_seed(params.seed + j))
+                    self.streams.append(engine.submit(
+                        prompt, params, priority=tenant.priority_for(req.priority), deadline_ms=req.deadline_ms,
+                        tenant=tenant.index, weight=tenant.weight, max_concurrent=tenant.max_concurrent,
+                        watch_socket=watch_socket))
         except BaseException as e:
             self.close()  # nothing stays submitted
             if admitted:
-                limiter.refund(tenant, req.n * len(prompt_ids))
+                limiter.refund(tenant, cost)
             if isinstance(e, PromptTooLong):
                 e.param = req.max_tokens_param if e.max_new_tokens is not None else prompt_param
             elif isinstance(e, InvalidRequest) and e.param == "prompt":
                 e.param = prompt_param
             raise
 
-    def deltas(self) -> Iterator[Delta]:
+    def deltas(self, keepalive_s: float | None = None) -> Iterator[Delta | None]:
         """Deltas of every choice as they come; each choice ends with one ``finish_reason``.
+        With ``keepalive_s``, None is yielded whenever that long passed without a delta (queued,
+        or in a long prefill), so a stream can show it is alive.
 
         Raises:
             ClientDisconnected: the client left (every choice was cancelled).
             EngineUnavailable: the engine failed meanwhile.
         """
+        if self.req.max_tokens == 0:
+            yield from (Delta(k, "", [], "length") for k in range(self.n_choices))
+            return
         detoks = [Detokenizer(self.pieces, self.req.stop) for _ in self.streams]
         ended = [False] * len(self.streams)
         try:
-            for k, tokens in follow(self.streams, self.watch_socket):
+            for k, tokens in follow(self.streams, self.watch_socket, keepalive_s):
+                if k < 0:
+                    yield None
+                    continue
                 self._charge(len(tokens))
                 if ended[k]:
                     continue  # a stop string ended it; its cancellation is being followed
@@ -162,8 +176,8 @@ class Generation:
 
     def collect(self) -> list[Choice]:
         """Run every choice to its end and close. Raises as :meth:`deltas`."""
-        choices = [Choice() for _ in self.streams]
-        texts = [[] for _ in self.streams]
+        choices = [Choice() for _ in range(self.n_choices)]
+        texts = [[] for _ in range(self.n_choices)]
         for d in self.deltas():
             texts[d.index].append(d.text)
             choices[d.index].tokens.extend(d.tokens)
@@ -217,13 +231,42 @@ class Generator:
         self.engine, self.tokenizer, self.template, self.limiter = engine, tokenizer, template, limiter
 
     def chat(self, messages: list[dict], req: GenerationRequest, prompt_param: str = "messages",
-             **submit) -> Generation:
-        """``messages`` (``[{"role", "content": str}]``) rendered with the chat template.
-        ``submit``: ``tenant``, ``watch_socket``. Raises as :class:`Generation`."""
-        return Generation(self.engine, self.tokenizer.pieces, self.template.encode(messages), req,
+             render: dict | None = None, **submit) -> Generation:
+        """``messages`` (``[{"role", "content": str}]``) rendered with the chat template
+        (``render``: :meth:`ChatTemplate.encode`'s options). ``submit``: ``tenant``,
+        ``watch_socket``. Raises as :class:`Generation`."""
+        render = render or {}
+        self._fits_at_all([m["content"] for m in messages], prompt_param)
+        return Generation(self.engine, self.tokenizer.pieces, [self.template.encode(messages, **render)], req,
                           prompt_param, limiter=self.limiter, **submit)
 
-    def complete(self, text: str, req: GenerationRequest, prompt_param: str = "prompt", **submit) -> Generation:
-        """A plain-text prompt (BOS added if the model wants it). Raises as :class:`Generation`."""
-        return Generation(self.engine, self.tokenizer.pieces, self.tokenizer.encode(text, special=False, add_bos=True),
-                          req, prompt_param, limiter=self.limiter, **submit)
+    def _fits_at_all(self, texts: list[str], prompt_param: str) -> None:
+        """Refuse, before rendering or tokenizing, text that cannot fit one sequence: a token holds
+        at most ``max_piece_bytes`` bytes and a character is at least one byte, so C characters
+        are at least C / ``max_piece_bytes`` tokens. A body that will be refused costs little CPU.
+
+        Raises:
+            PromptTooLong: naming ``prompt_param`` and the lower bound.
+        """
+        at_least = -(-sum(len(t) for t in texts) // self.tokenizer.max_piece_bytes)
+        if at_least > self.engine.max_seq_len - 1:
+            e = PromptTooLong(at_least, self.engine.max_seq_len, at_least=True)
+            e.param = prompt_param
+            raise e
+
+    def complete(self, prompts: list[str | list[int]], req: GenerationRequest, prompt_param: str = "prompt",
+                 **submit) -> Generation:
+        """Plain-text prompts (BOS added if the model wants it) or token-id prompts (used as
+        they are). Raises as :class:`Generation`; InvalidRequest for a token id outside the
+        vocabulary."""
+        self._fits_at_all([p for p in prompts if isinstance(p, str)], prompt_param)
+        ids = []
+        for i, prompt in enumerate(prompts):
+            if isinstance(prompt, str):
+                ids.append(self.tokenizer.encode(prompt, special=False, add_bos=True))
+            elif any(not 0 <= t < self.tokenizer.n_vocab for t in prompt):
+                raise InvalidRequest(f"{prompt_param}[{i}] holds a token id outside 0..{self.tokenizer.n_vocab - 1}",
+                                     prompt_param)
+            else:
+                ids.append(list(prompt))
+        return Generation(self.engine, self.tokenizer.pieces, ids, req, prompt_param, limiter=self.limiter, **submit)

@@ -9,12 +9,12 @@ import falcon
 import ujson
 
 from engine.errors import InvalidRequest, ModelNotFound
-from engine.request import DEADLINE_MS_BOUNDS, Priority, SamplingParams, check_number
+from engine.request import DEADLINE_MS_BOUNDS, INT32_MAX, Priority, SamplingParams, check_number, reduce_seed
 from server.errors import APIError
 from server.generation import GenerationRequest
 
 CHAT_ROLES = ("system", "developer", "user", "assistant")
-MAX_N = 16
+MAX_N = 128  # OpenAI's bound; what fits is bounded by the server's capacity (a 400 beyond it)
 MAX_STOPS = 4
 _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
 
@@ -87,31 +87,89 @@ def boolean(body: dict, name: str, default: bool = False) -> bool:
     return value
 
 
-def check_model(body: dict, model_id: str) -> None:
-    """``model`` may be absent or the served id; anything else is 404 ``model_not_found``."""
+def check_model(body: dict, model_ids: tuple[str, ...]) -> str:
+    """``model`` may be absent (the first served name) or any served name (aliases, as vLLM's
+    ``--served-model-name``); anything else is 404 ``model_not_found``. Returns the name a
+    response echoes."""
     model = body.get("model")
-    if model is not None and not isinstance(model, str):
+    if model is None:
+        return model_ids[0]
+    if not isinstance(model, str):
         raise InvalidRequest("model must be a string", "model")
-    if model is not None and model != model_id:
-        raise ModelNotFound(f"The model {model!r} does not exist; this server serves {model_id!r}", "model")
+    if model not in model_ids:
+        raise ModelNotFound(f"The model {model!r} does not exist; this server serves {', '.join(model_ids)}", "model")
+    return model
 
 
-_SAMPLING = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repeat_penalty")
+# -- which fields each route takes -------------------------------------------------------------------
+#: Fields both routes implement (OpenAI's and this server's extensions).
+_COMMON = {"model", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "stop",
+           "presence_penalty", "frequency_penalty", "seed", "logprobs", "logit_bias", "user",
+           "top_k", "min_p", "repeat_penalty", "ignore_eos", "priority", "deadline_ms"}
+CHAT_FIELDS = _COMMON | {
+    "messages", "max_completion_tokens", "top_logprobs", "continue_final_message", "add_generation_prompt",
+    # accepted because they cannot change what this server generates (README "API"):
+    "safety_identifier", "metadata", "service_tier", "prompt_cache_key", "prompt_cache_retention",
+    "prompt_cache_options", "parallel_tool_calls",
+    # served only at their default value, refused otherwise (README "API"):
+    "store", "modalities", "tools", "functions", "tool_choice", "function_call", "response_format", "audio",
+    "prediction", "web_search_options", "reasoning_effort", "verbosity", "moderation"}
+COMPLETION_FIELDS = _COMMON | {"prompt", "best_of", "echo", "suffix"}
+
+# field -> (values served, why others are refused): a field at one of these values (or null)
+# changes nothing; any other value asks for a feature this server does not implement.
+_DEFAULT_ONLY = {
+    "logit_bias": ([{}], "logit_bias is not supported"),
+    "tools": ([[]], "tools are not supported by this server"),
+    "functions": ([[]], "functions are not supported by this server"),
+    "tool_choice": (["none", "auto"], "tool_choice other than none/auto is not supported (no tools)"),
+    "function_call": (["none", "auto"], "function_call other than none/auto is not supported (no functions)"),
+    "response_format": ([{"type": "text"}], "response_format other than {\"type\": \"text\"} is not supported"),
+    "store": ([False], "store is not supported: completions are not stored"),
+    "modalities": ([["text"]], "modalities other than [\"text\"] are not supported"),
+    "audio": ([], "audio output is not supported"),
+    "prediction": ([], "predicted outputs are not supported"),
+    "web_search_options": ([], "web search is not supported"),
+    "reasoning_effort": ([], "reasoning_effort is not supported: the model does not reason"),
+    "verbosity": ([], "verbosity is not supported"),
+    "moderation": ([], "moderation is not supported"),
+    "echo": ([False], "echo is not supported"),
+    "suffix": ([""], "suffix is not supported"),
+    "best_of": ([0, 1], "best_of is not supported (only 1)"),
+}
+
+
+def check_fields(body: dict, fields: set[str]) -> None:
+    """Every field must be one this route takes (an unknown one, or the other route's, is never
+    silently ignored), and a field this server does not implement must be at its default."""
+    unknown = sorted(set(body) - fields)
+    if unknown:
+        raise InvalidRequest(f"Unrecognized request argument supplied: {unknown[0]}", unknown[0])
+    for name, (served, why) in _DEFAULT_ONLY.items():
+        value = body.get(name)
+        if value is not None and name in fields and not any(_same(value, v) for v in served):
+            raise InvalidRequest(why, name)
+
+
+def _same(a, b) -> bool:
+    """Equal as JSON values (``False`` is not ``0``)."""
+    return type(a) is type(b) and a == b
 
 
 def parse_generation(body: dict, *, chat: bool) -> GenerationRequest:
     """Fields common to chat and completions (and their extensions)."""
+    check_fields(body, CHAT_FIELDS if chat else COMPLETION_FIELDS)
     r = GenerationRequest()
     max_tokens = None
     for name in ("max_tokens", "max_completion_tokens") if chat else ("max_tokens",):
-        value = sampling_field(body, name, "max_new_tokens")  # both validated when both given
+        value = number(body, name, lo=0, hi=INT32_MAX, integer=True)  # both validated when both given
         if value is not None and (max_tokens is None or name == "max_completion_tokens"):
             max_tokens, r.max_tokens_param = value, name  # the newer name wins, as in OpenAI's API
-    _refuse_unsupported(body, chat)
+    r.max_tokens = max_tokens
     kwargs = {name: sampling_field(body, name) for name in _SAMPLING}
     seed = number(body, "seed", lo=-2**63, hi=2**64 - 1, integer=True)
     r.sampling = SamplingParams(
-        max_new_tokens=max_tokens, seed=None if seed is None else seed % 2**32,
+        max_new_tokens=max_tokens or None, seed=None if seed is None else reduce_seed(seed),
         ignore_eos=boolean(body, "ignore_eos"), logprobs=_logprobs(body, chat),
         **{k: v for k, v in kwargs.items() if v is not None})
     r.stop = _stops(body.get("stop"))
@@ -121,31 +179,16 @@ def parse_generation(body: dict, *, chat: bool) -> GenerationRequest:
     if options is not None:
         if not isinstance(options, dict):
             raise InvalidRequest("stream_options must be an object", "stream_options")
+        unknown = sorted(set(options) - {"include_usage", "include_obfuscation"})
+        if unknown:
+            raise InvalidRequest(f"Unrecognized stream option: {unknown[0]}", f"stream_options.{unknown[0]}")
         r.include_usage = boolean(options, "include_usage") and r.stream
     r.priority = Priority.parse(body.get("priority"))
     r.deadline_ms = number(body, "deadline_ms", **DEADLINE_MS_BOUNDS)
     return r
 
 
-def _refuse_unsupported(body: dict, chat: bool) -> None:
-    """Options this server does not implement are refused, not silently ignored."""
-    if body.get("logit_bias"):
-        raise InvalidRequest("logit_bias is not supported", "logit_bias")
-    if chat:
-        if body.get("tools") or body.get("functions"):
-            field = "tools" if body.get("tools") else "functions"
-            raise InvalidRequest("tools are not supported by this server", field)
-        fmt = body.get("response_format")
-        if fmt is not None and fmt != {"type": "text"}:
-            raise InvalidRequest("response_format other than {\"type\": \"text\"} is not supported",
-                              "response_format")
-        return
-    if body.get("echo"):
-        raise InvalidRequest("echo is not supported", "echo")
-    if body.get("best_of") not in (None, 1):
-        raise InvalidRequest("best_of is not supported (only 1)", "best_of")
-    if body.get("suffix") is not None:
-        raise InvalidRequest("suffix is not supported", "suffix")
+_SAMPLING = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repeat_penalty")
 
 
 def _stops(value) -> list[str]:
@@ -169,22 +212,58 @@ def _logprobs(body: dict, chat: bool) -> int | None:
     return sampling_field(body, "logprobs")
 
 
-def parse_messages(body: dict) -> list[dict]:
-    """``messages`` -> ``[{"role", "content": str}]``; text parts are joined, others rejected."""
+def parse_messages(body: dict, max_messages: int) -> list[dict]:
+    """``messages`` -> ``[{"role", "content": str}]``; text parts are joined, others rejected.
+    At most ``max_messages``, checked before anything else is looked at (a refusal is cheap)."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise InvalidRequest("messages must be a non-empty array", "messages")
+    if len(messages) > max_messages:
+        raise InvalidRequest(f"messages holds {len(messages)} messages, more than this server's limit of "
+                             f"{max_messages}", "messages")
     out = []
     for i, m in enumerate(messages):
         where = f"messages[{i}]"
         if not isinstance(m, dict):
             raise InvalidRequest(f"{where} must be an object", where)
         role = m.get("role")
+        if role in ("tool", "function"):
+            raise InvalidRequest(f"{where}.role {role!r} is not supported: this server has no tools", f"{where}.role")
         if role not in CHAT_ROLES:
             raise InvalidRequest(f"{where}.role must be one of {', '.join(CHAT_ROLES)}, got {ujson.dumps(role)}",
-                              f"{where}.role")
+                                 f"{where}.role")
+        for key in sorted(set(m) - {"role", "content"}):
+            if m[key] is not None:  # name, tool_calls, function_call, refusal, audio: not implemented
+                raise InvalidRequest(f"{where}.{key} is not supported by this server", f"{where}.{key}")
         out.append({"role": role, "content": _content(m.get("content"), f"{where}.content", role)})
     return out
+
+
+def render_options(body: dict, messages: list[dict]) -> dict:
+    """``add_generation_prompt`` and ``continue_final_message`` (vLLM's extensions): by default a
+    final assistant message is continued (as llama.cpp's server does), otherwise a new assistant
+    turn is opened.
+
+    Raises:
+        InvalidRequest: a combination that cannot be honoured.
+    """
+    last_is_assistant = messages[-1]["role"] == "assistant"
+    add = body.get("add_generation_prompt")
+    cont = body.get("continue_final_message")
+    for name, value in (("add_generation_prompt", add), ("continue_final_message", cont)):
+        if value is not None and not isinstance(value, bool):
+            raise InvalidRequest(f"{name} must be a boolean", name)
+    if cont is None:
+        cont = last_is_assistant and add is not True
+    if add is None:
+        add = not cont
+    if cont and add:
+        raise InvalidRequest("continue_final_message and add_generation_prompt cannot both be true",
+                             "continue_final_message")
+    if cont and not last_is_assistant:
+        raise InvalidRequest("continue_final_message needs a final assistant message to continue",
+                             "continue_final_message")
+    return {"add_generation_prompt": add, "continue_final_message": cont}
 
 
 def _content(content, where: str, role: str) -> str:
@@ -207,11 +286,23 @@ def _content(content, where: str, role: str) -> str:
     return "".join(texts)
 
 
-def parse_prompt(body: dict) -> str:
-    """``prompt`` of /v1/completions: a string or a list of exactly one string."""
+def parse_prompt(body: dict) -> list[str | list[int]]:
+    """``prompt`` of /v1/completions in any of OpenAI's four forms: a string, an array of
+    strings, an array of token ids, or an array of token-id arrays. Returns one entry per
+    prompt: text, or token ids (range-checked against the vocabulary later)."""
     prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-        prompt = prompt[0]
-    if not isinstance(prompt, str):
-        raise InvalidRequest("prompt must be a string or a list of one string", "prompt")
-    return prompt
+    if isinstance(prompt, str):
+        return [prompt]
+    if isinstance(prompt, list) and prompt:
+        if all(isinstance(p, str) for p in prompt):
+            return list(prompt)
+        if all(_is_token(t) for t in prompt):
+            return [list(prompt)]
+        if all(isinstance(p, list) and p and all(_is_token(t) for t in p) for p in prompt):
+            return [list(p) for p in prompt]
+    raise InvalidRequest("prompt must be a string, an array of strings, an array of token ids or an array of "
+                         "non-empty token-id arrays", "prompt")
+
+
+def _is_token(t) -> bool:
+    return isinstance(t, int) and not isinstance(t, bool)

@@ -29,20 +29,26 @@ class Health:
 
 
 class Models:
-    """The one served model, with ``context_length``: the real per-sequence token limit."""
+    """The served model under each of its names, with ``context_length``: the real per-sequence
+    token limit. Every GET answers HEAD too (HTTP requires it)."""
 
     def __init__(self, config: ServerConfig):
         self.config = config
         self.created = int(time.time())
 
-    def card(self) -> dict:
-        return {"id": self.config.model_id, "object": "model", "created": self.created,
+    def card(self, name: str) -> dict:
+        return {"id": name, "object": "model", "created": self.created,
                 "owned_by": "local", "context_length": self.config.max_seq_len}
 
     def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
-        resp.media = {"object": "list", "data": [self.card()]}
+        resp.media = {"object": "list", "data": [self.card(name) for name in self.config.model_ids]}
 
     def on_get_one(self, req: falcon.Request, resp: falcon.Response, model: str) -> None:
-        if model != self.config.model_id:
+        if not model:  # "/v1/models/": no model named, so no such route
+            raise falcon.HTTPNotFound()
+        if model not in self.config.model_ids:
             raise ModelNotFound(f"The model {model!r} does not exist", "model")
-        resp.media = self.card()
+        resp.media = self.card(model)
+
+    on_head = on_get
+    on_head_one = on_get_one

@@ -29,6 +29,8 @@ class Tokenizer:
         for t in range(self.n_vocab):
             n = llama_cpp.llama_token_to_piece(self.vocab, t, buf, len(buf), 0, False)
             self.pieces.append(buf.raw[:n] if n > 0 else b"")
+        #: Bytes of the longest token: text of B bytes is at least B / this many tokens.
+        self.max_piece_bytes = max(len(p) for p in self.pieces)
         tmpl = llama_cpp.llama_model_chat_template(self._model, None)
         self.chat_template = tmpl.decode("utf-8") if tmpl else None
 

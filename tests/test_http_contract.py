@@ -306,7 +306,10 @@ def test_09_max_tokens_small_and_invalid(app):
         full = ok(ask(app, "Tell me a story.", max_tokens=n))
         assert 1 <= full["usage"]["completion_tokens"] <= n
         assert full["choices"][0]["finish_reason"] == "length"
-    for bad in (0, -1, "ten"):
+    zero = ok(ask(app, "Hi", max_tokens=0))  # OpenAI's schema allows 0: nothing is generated
+    assert content(zero) == "" and zero["choices"][0]["finish_reason"] == "length"
+    assert zero["usage"]["completion_tokens"] == 0 and zero["usage"]["prompt_tokens"] > 0
+    for bad in (-1, "ten"):
         for stream in (False, True):
             error(ask(app, "Hi", max_tokens=bad, stream=stream), 400, param="max_tokens")
 
