@@ -104,7 +104,8 @@ class ChatCompletions(_Completions):
         if greq.sampling.logprobs is None:
             return None
         return {"content": [{**self.token_entry(t.id, t.logprob),
-                             "top_logprobs": [self.token_entry(i, lp) for i, lp in t.top]} for t in tokens]}
+                             "top_logprobs": [self.token_entry(i, lp) for i, lp in t.top]} for t in tokens],
+                "refusal": None}
 
     def choice(self, i: int, c: Choice, greq) -> dict:
         return {"index": i, "message": {"role": "assistant", "content": c.text, "refusal": None},

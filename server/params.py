@@ -167,7 +167,9 @@ def parse_generation(body: dict, *, chat: bool) -> GenerationRequest:
             max_tokens, r.max_tokens_param = value, name  # the newer name wins, as in OpenAI's API
     r.max_tokens = max_tokens
     kwargs = {name: sampling_field(body, name) for name in _SAMPLING}
-    seed = number(body, "seed", lo=-2**63, hi=2**64 - 1, integer=True)
+    # OpenAI's document bounds seed at ±9223372036854776000 (2**63 as a float); any integer is
+    # reduced to a reproducible llama.cpp seed anyway.
+    seed = number(body, "seed", lo=-2**64, hi=2**64, integer=True)
     r.sampling = SamplingParams(
         max_new_tokens=max_tokens or None, seed=None if seed is None else reduce_seed(seed),
         ignore_eos=boolean(body, "ignore_eos"), logprobs=_logprobs(body, chat),
