@@ -24,6 +24,8 @@ from server.ratelimit import RateLimiter
 from server.tenants import DEFAULT_TENANT, Tenant
 from server.tokenizer import Tokenizer
 
+#: The text of OpenAI's default prompt: the document separator, a new document's start.
+DOCUMENT_START = "<|endoftext|>"
 #: Generated tokens are charged to the tenant's token bucket every this many tokens or seconds,
 #: whichever comes first, so a long answer keeps its tenant's bucket current with few calls.
 CHARGE_EVERY_TOKENS, CHARGE_EVERY_S = 16, 0.1
@@ -73,6 +75,21 @@ class Choice:
     finish_reason: str | None = None
 
 
+def check_choices(engine: EngineClient, n_prompts: int, n: int, tenant: Tenant) -> int:
+    """The number of choices (sequences) a request asks for, if the server and the tenant can
+    hold them all at once.
+
+    Raises:
+        InvalidRequest: more than the capacity or the tenant's ``max_concurrent`` (param ``n``).
+    """
+    choices = n_prompts * n
+    for limit, whose in ((engine.capacity, "this server's capacity"), (tenant.max_concurrent, "this tenant's limit")):
+        if limit is not None and choices > limit:
+            raise InvalidRequest(f"{choices} choices (n={n} for {n_prompts} prompts) exceed {whose} of {limit} "
+                                 "concurrent sequences", "n")
+    return choices
+
+
 class Generation:
     """``n`` sequences for each prompt, submitted at construction, read by one output loop.
     Choice ``p * n + j`` is choice ``j`` of prompt ``p`` (OpenAI's numbering).
@@ -95,12 +112,7 @@ class Generation:
     def __init__(self, engine: EngineClient, pieces: list[bytes], prompts: list[list[int]],
                  req: GenerationRequest, prompt_param: str, tenant: Tenant = DEFAULT_TENANT,
                  limiter: RateLimiter | None = None, watch_socket=None):
-        self.n_choices = len(prompts) * req.n
-        limits = ((engine.capacity, "this server's capacity"), (tenant.max_concurrent, "this tenant's limit"))
-        for limit, whose in limits:
-            if limit is not None and self.n_choices > limit:
-                raise InvalidRequest(f"{self.n_choices} choices (n={req.n} for {len(prompts)} prompts) exceed "
-                                     f"{whose} of {limit} concurrent sequences", "n")
+        self.n_choices = check_choices(engine, len(prompts), req.n, tenant)
         self.req, self.pieces, self.watch_socket = req, pieces, watch_socket
         self.tenant, self.limiter = tenant, limiter
         self.prompt_tokens = sum(len(p) for p in prompts)
@@ -259,11 +271,14 @@ class Generator:
         """Plain-text prompts (BOS added if the model wants it) or token-id prompts (used as
         they are). Raises as :class:`Generation`; InvalidRequest for a token id outside the
         vocabulary."""
+        check_choices(self.engine, len(prompts), req.n, submit.get("tenant", DEFAULT_TENANT))  # before tokenizing
         self._fits_at_all([p for p in prompts if isinstance(p, str)], prompt_param)
         ids = []
         for i, prompt in enumerate(prompts):
             if isinstance(prompt, str):
-                ids.append(self.tokenizer.encode(prompt, special=False, add_bos=True))
+                # An empty prompt starts a new document (OpenAI's default, "<|endoftext|>").
+                ids.append(self.tokenizer.encode(prompt, special=False, add_bos=True)
+                           or self.tokenizer.encode(DOCUMENT_START, special=True, add_bos=True))
             elif any(not 0 <= t < self.tokenizer.n_vocab for t in prompt):
                 raise InvalidRequest(f"{prompt_param}[{i}] holds a token id outside 0..{self.tokenizer.n_vocab - 1}",
                                      prompt_param)

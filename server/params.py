@@ -291,8 +291,11 @@ def _content(content, where: str, role: str) -> str:
 def parse_prompt(body: dict) -> list[str | list[int]]:
     """``prompt`` of /v1/completions in any of OpenAI's four forms: a string, an array of
     strings, an array of token ids, or an array of token-id arrays. Returns one entry per
-    prompt: text, or token ids (range-checked against the vocabulary later)."""
+    prompt: text, or token ids (range-checked against the vocabulary later). Absent or null is
+    OpenAI's default, ``<|endoftext|>``: the start of a new document."""
     prompt = body.get("prompt")
+    if prompt is None:
+        prompt = ""  # the generator starts an empty prompt as a new document
     if isinstance(prompt, str):
         return [prompt]
     if isinstance(prompt, list) and prompt:

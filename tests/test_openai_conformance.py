@@ -211,6 +211,8 @@ def test_prompt_in_all_four_forms(app, tokenizer):
     assert one["choices"][0]["text"] == by_text["choices"][2]["text"]
     streamed = events(post(app, COMPLETIONS, {"prompt": texts, "max_tokens": 5, "stream": True, **GREEDY}))
     assert {c["choices"][0]["index"] for c in streamed} == {0, 1}
+    for default in ({}, {"prompt": None}, {"prompt": ""}):  # OpenAI's default: "<|endoftext|>", one token
+        assert ok(post(app, COMPLETIONS, {**default, "max_tokens": 2}))["usage"]["prompt_tokens"] == 1
     error(post(app, COMPLETIONS, {"prompt": [1, 10**6], "max_tokens": 2}), 400, param="prompt")
     error(post(app, COMPLETIONS, {"prompt": [[1], "x"], "max_tokens": 2}), 400, param="prompt")
     app.wait_idle()
