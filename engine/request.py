@@ -205,7 +205,7 @@ class EngineRequest:
     @functools.lru_cache(maxsize=8)
     def wire_dtype(max_seq_len: int) -> np.dtype:
         """The payload of one request-ring record for sequences of ``max_seq_len`` tokens."""
-        return np.dtype([("tenant", "i4"), ("weight", "f4"), ("priority", "i1"), ("deadline", "f8"),
+        return np.dtype([("tenant", "i8"), ("weight", "f4"), ("priority", "i1"), ("deadline", "f8"),
                          *SamplingParams.wire_fields(),
                          ("n_prompt", "i4"), ("prompt", "i4", (max_seq_len,))])
 

@@ -78,8 +78,8 @@ class ServerConfig:
             raise ConfigError("--model-id must name at least one model")
         if not 0 <= self.sse_keepalive_s <= 3600:
             raise ConfigError(f"--sse-keepalive-s must be 0..3600, got {self.sse_keepalive_s}")
-        if self.redis_url and urlparse(self.redis_url).scheme not in ("redis", "rediss", "unix"):
-            raise ConfigError(f"--redis-url must be redis://, rediss:// or unix://, got {self.redis_url!r}")
+        if self.redis_url:
+            check_redis_url(self.redis_url)
         self.engine_config()  # validates the engine's share
 
     @property
@@ -147,6 +147,26 @@ def _options() -> list[Option]:
 
 #: Every setting, in ``--help`` order.
 OPTIONS = _options()
+
+
+def check_redis_url(url: str) -> None:
+    """Raise ConfigError (one line, the password hidden) unless redis-py can use ``url``."""
+    import redis
+
+    try:
+        parts = urlparse(url)
+    except ValueError as e:
+        raise ConfigError(f"--redis-url is not a URL: {e}") from None
+    shown = url.replace(f":{parts.password}@", ":***@") if parts.password else url
+    if parts.scheme not in ("redis", "rediss", "unix"):
+        raise ConfigError(f"--redis-url must be redis://, rediss:// or unix://, got {shown!r}")
+    try:
+        _ = parts.port  # raises on a port that is not a number in range
+        if parts.scheme != "unix" and parts.path.strip("/") and not parts.path.strip("/").isdigit():
+            raise ValueError("the database must be a number")
+        redis.ConnectionPool.from_url(url)
+    except (ValueError, TypeError) as e:
+        raise ConfigError(f"--redis-url {shown!r}: {e}") from None
 
 
 def _convert(typ, raw: str, what: str):

@@ -72,6 +72,7 @@ _STATUS = {ModelNotFound: 404, Unauthenticated: 401, PermissionDenied: 403}
 
 def _duration(seconds: float) -> str:
     """OpenAI's reset format: ``1s``, ``250ms``, ``6m0s``."""
+    seconds = min(seconds, 10**9)
     if seconds < 1:
         return f"{max(0, math.ceil(seconds * 1000))}ms"
     minutes, rest = divmod(math.ceil(seconds), 60)
@@ -81,8 +82,8 @@ def _duration(seconds: float) -> str:
 def rate_limit_headers(ex: RateLimited) -> dict:
     """``Retry-After`` (whole seconds, rounded up), ``retry-after-ms`` (which OpenAI's SDK reads
     first) and, per limited bucket, ``x-ratelimit-{limit,remaining,reset}-{requests,tokens}``."""
-    headers = {"Retry-After": str(max(1, math.ceil(ex.retry_after_s))),
-               "retry-after-ms": str(max(1, math.ceil(ex.retry_after_s * 1000)))}
+    retry = min(ex.retry_after_s, 10**9)  # finite whatever the bucket's parameters
+    headers = {"Retry-After": str(max(1, math.ceil(retry))), "retry-after-ms": str(max(1, math.ceil(retry * 1000)))}
     for kind, (limit, remaining, reset) in ex.buckets.items():
         headers[f"x-ratelimit-limit-{kind}"] = str(int(limit))
         headers[f"x-ratelimit-remaining-{kind}"] = str(int(remaining))

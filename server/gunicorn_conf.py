@@ -46,6 +46,7 @@ def on_starting(server) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         _config.check_files()
+        _state["tenants"] = Tenants.load(_config.tenants_file or None)
     except ConfigError as e:
         raise SystemExit(f"inference-server: {e}") from None
     engine = _config.engine_config()
@@ -77,17 +78,27 @@ def pre_request(worker, req) -> None:
 def when_ready(server) -> None:
     """SIGHUP to the master reloads the tenant file in every worker, in place: gunicorn's own
     HUP would replace the workers and cut their streams after ``graceful_timeout``. The master
-    reads the file too, to log once whether it is valid; each worker keeps its tenants if not."""
+    reads the file first: a bad one is logged and nothing changes; a good one becomes the
+    master's (the tenants a restarted worker boots with) and every worker reloads it."""
     def handle_hup():
         try:
-            Tenants.load(_config.tenants_file or None)
-            server.log.info("SIGHUP: reloading the tenant file in every worker")
-        except ConfigError as e:
-            server.log.error("SIGHUP: %s; workers keep the previous tenants", e)
+            _state["tenants"] = Tenants.load(_config.tenants_file or None)
+        except Exception as e:  # noqa: BLE001 - never let a bad file stop the master
+            server.log.error("SIGHUP: tenant file not reloaded, keeping the previous one: %s",
+                             e if isinstance(e, ConfigError) else type(e).__name__)
+            return
+        server.log.info("SIGHUP: reloading the tenant file in every worker")
         for pid in list(server.WORKERS):
             os.kill(pid, signal.SIGHUP)
 
     server.handle_hup = handle_hup  # the arbiter dispatches signals to handle_<name>
+
+
+def accepted_tenants() -> Tenants:
+    """The tenants the master accepted last. A worker forked after a bad file was written boots
+    with these (inherited with the master's memory), never with the bad file; outside a gunicorn
+    master, the file's."""
+    return _state.get("tenants") or Tenants.load(_config.tenants_file or None)
 
 
 def post_worker_init(worker) -> None:

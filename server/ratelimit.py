@@ -62,7 +62,8 @@ for i = 1, 2 do
     local level = levels[i]
     if allowed == 1 then level = math.min(burst, level - cost) end
     redis.call('HSET', KEYS[i], 'level', tostring(level), 't', tostring(now))
-    redis.call('PEXPIRE', KEYS[i], math.ceil(((burst - level) / rate + 1) * 1000))
+    -- Gone once full again (capped so Lua prints it as an integer).
+    redis.call('PEXPIRE', KEYS[i], math.min(100000000000, math.ceil(((burst - level) / rate + 1) * 1000)))
     out[i + 1] = tostring(level)
   else
     out[i + 1] = ''
@@ -108,11 +109,14 @@ class RateLimiter:
         self.local, self.clock = local, clock
         self.redis = None
         if redis_url:
-            self.redis = redis.Redis.from_url(redis_url, socket_timeout=REDIS_TIMEOUT_S,
-                                              socket_connect_timeout=REDIS_TIMEOUT_S,
-                                              retry=Retry(NoBackoff(), 0), retry_on_timeout=False,
-                                              health_check_interval=0)
+            pool = redis.ConnectionPool.from_url(redis_url)
+            # Ours win over options in the URL: nothing may make a request wait on Redis.
+            pool.connection_kwargs.update(socket_timeout=REDIS_TIMEOUT_S, socket_connect_timeout=REDIS_TIMEOUT_S,
+                                          retry=Retry(NoBackoff(), 0), retry_on_timeout=False,
+                                          health_check_interval=0)
+            self.redis = redis.Redis(connection_pool=pool)
             self._script = self.redis.register_script(_SCRIPT)
+        self._script_failed = False
         self._open = False  # circuit breaker: True while Redis is considered down
         self._lock = threading.Lock()
 
@@ -151,8 +155,12 @@ class RateLimiter:
         if self.using_redis:
             try:
                 return self._redis(tenant, limits, costs, check)
-            except redis.RedisError as e:
+            except (redis.ConnectionError, redis.TimeoutError) as e:
                 self._trip(e)
+            except redis.RedisError as e:  # Redis answered, with an error: not an outage
+                if not self._script_failed:
+                    self._script_failed = True
+                    log.error("rate-limit script failed in Redis (%s); this call used the local buckets", e)
         return self._local(tenant, limits, costs, check)
 
     def _redis(self, tenant: Tenant, limits, costs, check: bool) -> Decision:

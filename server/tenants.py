@@ -21,7 +21,6 @@ import json
 import logging
 import math
 import tomllib
-import zlib
 from dataclasses import dataclass
 
 from engine.config import ConfigError
@@ -100,12 +99,18 @@ class Tenants:
                 raw = f.read()
         except OSError as e:
             raise ConfigError(f"tenants file {path}: {e.strerror}") from None
+        kind = "TOML" if path.endswith(".toml") else "JSON"
         try:
-            data = tomllib.loads(raw.decode("utf-8")) if path.endswith(".toml") else json.loads(raw)
+            data = tomllib.loads(raw.decode("utf-8")) if kind == "TOML" else json.loads(raw)
+        except RecursionError:
+            raise ConfigError(f"tenants file {path}: not valid {kind}: nested too deeply") from None
         except (ValueError, UnicodeDecodeError) as e:
-            raise ConfigError(f"tenants file {path}: not valid {'TOML' if path.endswith('.toml') else 'JSON'}: {e}") \
-                from None
-        return cls(parse(data, path), path)
+            raise ConfigError(f"tenants file {path}: not valid {kind}: {e}") from None
+        tenants = parse(data, path)
+        if not tenants:
+            raise ConfigError(f"tenants file {path}: no tenants (an empty list would let everyone in without a key; "
+                              "leave out --tenants for that)")
+        return cls(tenants, path)
 
     def reload(self) -> "Tenants":
         """The file read again. Raises ConfigError as :meth:`load` (the caller keeps the old)."""
@@ -135,8 +140,8 @@ def parse(data, path: str = "tenants file") -> list[tuple[Tenant, list[str]]]:
         if not isinstance(entry, dict):
             raise ConfigError(f"{where}: must be an object")
         tid = entry.get("id")
-        if not isinstance(tid, str) or not tid:
-            raise ConfigError(f"{where}: field id must be a non-empty string")
+        if not isinstance(tid, str) or not tid or not _utf8(tid):
+            raise ConfigError(f"{where}: field id must be a non-empty string of text")
         where = f"{path}: tenant {tid!r}"
         if tid in ids:
             raise ConfigError(f"{where}: id is listed twice")
@@ -145,9 +150,12 @@ def parse(data, path: str = "tenants file") -> list[tuple[Tenant, list[str]]]:
         if unknown:
             raise ConfigError(f"{where}: unknown field {sorted(unknown)[0]}")
         api_keys = entry.get("api_keys")
-        if not isinstance(api_keys, list) or not api_keys or not all(isinstance(k, str) and k for k in api_keys):
-            raise ConfigError(f"{where}: field api_keys must be a non-empty array of non-empty strings")
+        if not isinstance(api_keys, list) or not api_keys:
+            raise ConfigError(f"{where}: field api_keys must be a non-empty array of keys")
         for i, k in enumerate(api_keys):
+            # A key travels in an HTTP header: printable ASCII without spaces, or it could never match.
+            if not isinstance(k, str) or not k or not all("!" <= c <= "~" for c in k):
+                raise ConfigError(f"{where}: field api_keys[{i}] must be printable ASCII without spaces")
             if _digest(k) in keys:
                 raise ConfigError(f"{where}: field api_keys[{i}] is a key listed twice")
             keys.add(_digest(k))
@@ -155,21 +163,37 @@ def parse(data, path: str = "tenants file") -> list[tuple[Tenant, list[str]]]:
             priority = Priority.parse(entry.get("priority"))
         except InvalidRequest:
             raise ConfigError(f"{where}: field priority must be high, normal or low") from None
-        weight = _positive(entry.get("weight", 1), f"{where}: field weight")
+        weight = _number(entry.get("weight", 1), f"{where}: field weight", 1e-6, 1e6)
         max_concurrent = entry.get("max_concurrent")
         if max_concurrent is not None and (isinstance(max_concurrent, bool) or not isinstance(max_concurrent, int)
-                                           or max_concurrent < 1):
-            raise ConfigError(f"{where}: field max_concurrent must be an integer >= 1")
-        tenant = Tenant(tid, zlib.crc32(tid.encode("utf-8")) & 0x7FFFFFFF or 1, priority, weight,
+                                           or not 1 <= max_concurrent <= 1_000_000):
+            raise ConfigError(f"{where}: field max_concurrent must be an integer in [1, 1000000]")
+        tenant = Tenant(tid, tenant_index(tid), priority, weight,
                         _rate(entry, "requests_per_second", where), _rate(entry, "tokens_per_second", where),
                         max_concurrent)
         out.append((tenant, list(api_keys)))
     return out
 
 
-def _positive(value, what: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-        raise ConfigError(f"{what} must be a positive number")
+def tenant_index(tenant_id: str) -> int:
+    """A tenant's identity in the engine and the node's shared state: 62 bits of the id's
+    SHA-256, the same in every process and across reloads (0 is the keyless default tenant)."""
+    return int.from_bytes(hashlib.sha256(tenant_id.encode("utf-8")).digest()[:8], "big") >> 2 or 1
+
+
+def _utf8(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+        return True
+    except UnicodeEncodeError:  # a lone surrogate escape
+        return False
+
+
+def _number(value, what: str, lo: float, hi: float) -> float:
+    """``value`` as a float in ``[lo, hi]`` (a huge integer is refused, not overflowed)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or \
+            (isinstance(value, float) and not math.isfinite(value)) or not lo <= value <= hi:
+        raise ConfigError(f"{what} must be a number in [{lo:g}, {hi:g}]")
     return float(value)
 
 
@@ -179,19 +203,17 @@ def _rate(entry: dict, name: str, where: str) -> Rate | None:
         return None
     if not isinstance(value, dict) or set(value) != {"rate", "burst"}:
         raise ConfigError(f"{where}: field {name} must be {{\"rate\": ..., \"burst\": ...}}")
-    rate = _positive(value["rate"], f"{where}: field {name}.rate")
-    burst = _positive(value["burst"], f"{where}: field {name}.burst")
-    if burst < 1:
-        raise ConfigError(f"{where}: field {name}.burst must be >= 1")
-    return Rate(rate, burst)
+    # Bounded so every derived figure (Retry-After, TTLs, headers) stays a sane finite number.
+    return Rate(_number(value["rate"], f"{where}: field {name}.rate", 1e-6, 1e9),
+                _number(value["burst"], f"{where}: field {name}.burst", 1, 1e12))
 
 
 def key_of(authorization: str | None, x_tenant_id: str | None) -> str | None:
     """The API key a request carries: ``Authorization: Bearer <key>`` or ``X-Tenant-ID: <key>``."""
     if authorization:
-        scheme, _, value = authorization.strip().partition(" ")
-        if scheme.lower() == "bearer" and value.strip():
-            return value.strip()
+        scheme, *value = authorization.split(None, 1)
+        if scheme.lower() == "bearer" and value and value[0].strip():
+            return value[0].strip()
     return x_tenant_id.strip() if x_tenant_id and x_tenant_id.strip() else None
 
 
@@ -217,6 +239,9 @@ class TenantRegistry:
             new = self.current.reload()
         except ConfigError as e:
             log.error("tenant file not reloaded, keeping the previous one: %s", e)
+            return False
+        except Exception as e:  # noqa: BLE001 - a reload must never take the process down
+            log.error("tenant file not reloaded, keeping the previous one: %s", type(e).__name__)
             return False
         self.current = new
         log.info("tenant file reloaded: %d tenants", len(new.by_id))

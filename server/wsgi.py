@@ -15,11 +15,12 @@ from server.chat_template import ChatTemplate
 from server.config import ServerConfig
 from server.generation import Generator
 from server.ratelimit import RateLimiter
-from server.tenants import TenantRegistry, Tenants
+from server.gunicorn_conf import accepted_tenants
+from server.tenants import TenantRegistry
 from server.tokenizer import Tokenizer
 
 config = ServerConfig.from_env()
-tenants = TenantRegistry(Tenants.load(config.tenants_file or None))
+tenants = TenantRegistry(accepted_tenants())
 
 
 def build():

@@ -1,8 +1,10 @@
 """Token buckets shared by every process of one node: the local fallback of the rate limiter.
 
-Each entry is ``(key, level, t)``: the bucket's level at ``time.monotonic()`` second ``t``
-(CLOCK_MONOTONIC, the same clock in every process). Key 0 marks a free entry. All access holds
-the transport's lock, so a check-and-take is atomic across processes.
+Each entry is ``(key, level, t, rate, burst)``: the bucket's level at ``time.monotonic()``
+second ``t`` (CLOCK_MONOTONIC, the same clock in every process). Key 0 marks a free entry. All
+access holds the transport's lock, so a check-and-take is atomic across processes. When the
+table is full, a new bucket takes the entry that is full again soonest (a full bucket is the
+same as a new one, so forgetting it changes nothing).
 """
 from __future__ import annotations
 
@@ -10,7 +12,8 @@ import numpy as np
 
 from shm.lock import FlockLock
 
-BUCKET_DTYPE = np.dtype([("key", np.int64), ("level", np.float64), ("t", np.float64)])
+BUCKET_DTYPE = np.dtype([("key", np.int64), ("level", np.float64), ("t", np.float64),
+                         ("rate", np.float64), ("burst", np.float64)])
 
 
 def refill(level: float, t: float, now: float, rate: float, burst: float) -> float:
@@ -44,7 +47,7 @@ class SharedBuckets:
         with self.lock:
             rows, levels = [], []
             for key, rate, burst, _ in buckets:
-                row = self._row(key, burst, now)
+                row = self._row(key, rate, burst, now)
                 rows.append(row)
                 level, t = float(self.entries["level"][row]), float(self.entries["t"][row])
                 levels.append(refill(level, t, now, rate, burst))
@@ -55,13 +58,17 @@ class SharedBuckets:
                 self.entries["level"][row], self.entries["t"][row] = levels[i], now
             return taken, levels
 
-    def _row(self, key: int, burst: float, now: float) -> int:
-        hit = np.flatnonzero(self.entries["key"] == key)
+    def _row(self, key: int, rate: float, burst: float, now: float) -> int:
+        e = self.entries
+        hit = np.flatnonzero(e["key"] == key)
         if hit.size:
-            return int(hit[0])
-        free = np.flatnonzero(self.entries["key"] == 0)
-        # Full table: reuse the entry idle the longest (after enough idle time a bucket is full
-        # again, so forgetting it changes nothing).
-        row = int(free[0]) if free.size else int(np.argmin(self.entries["t"]))
-        self.entries[row] = (key, burst, now)
+            row = int(hit[0])
+            e["rate"][row], e["burst"][row] = rate, burst  # a reloaded tenant file may change them
+            return row
+        free = np.flatnonzero(e["key"] == 0)
+        if free.size:
+            row = int(free[0])
+        else:  # the entry full again soonest (already full: in the past)
+            row = int(np.argmin(e["t"] + (e["burst"] - e["level"]) / e["rate"]))
+        e[row] = (key, burst, now, rate, burst)
         return row

@@ -12,7 +12,7 @@ from shm.buckets import BUCKET_DTYPE
 #: Most alternatives per generated token a mailbox can hold (OpenAI caps top_logprobs at 20).
 MAX_TOP_LOGPROBS = 20
 #: Token buckets the node's processes share (two per rate-limited tenant; see shm.buckets).
-N_BUCKETS = 512
+N_BUCKETS = 4096
 
 
 class MailboxState(IntEnum):
@@ -108,7 +108,7 @@ class Layout:
     def mailbox_dtype(self) -> np.dtype:
         return np.dtype([
             ("state", np.int32), ("lease", np.uint64), ("owner_pid", np.int64),
-            ("tenant", np.int32),  # the lease holder's tenant (per-tenant concurrency limits)
+            ("tenant", np.int64),  # the lease holder's tenant (per-tenant concurrency limits)
             ("cancel", np.int32), ("n_tokens", np.int32), ("finish", np.int32),
             ("error", np.int32), ("n_prompt", np.int32), ("slot", np.int32),
             # time.monotonic() seconds, for queue-wait / TTFT / latency metrics.

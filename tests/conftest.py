@@ -141,6 +141,12 @@ class RunningServer:
             time.sleep(0.1)
         raise AssertionError("server did not become healthy:\n" + open(self.log).read()[-3000:])
 
+    def worker_pids(self) -> list[int]:
+        """The gunicorn workers: the master's children other than the engine."""
+        with open(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children") as f:
+            children = [int(p) for p in f.read().split()]
+        return [p for p in children if p != self.engine.t.control.engine_pid]
+
     def wait_idle(self, timeout: float = 10.0) -> None:
         """Until no mailbox is leased and no slot is held (asserted, not slept on)."""
         end = time.monotonic() + timeout

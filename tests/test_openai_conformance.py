@@ -10,6 +10,7 @@ import copy
 import http.client
 import json
 import pathlib
+import time
 
 import hypothesis
 import openai
@@ -287,7 +288,10 @@ def test_queued_stream_sends_headers_at_once_and_keep_alives():
                         {"Content-Type": "application/json"})
         first = blocker.getresponse()
         first.readline()
-        held = server.engine.slot_mailboxes()[0]
+        end = time.monotonic() + 30  # the slot table is published at the end of the engine's step
+        while (held := server.engine.slot_mailboxes()[0]) == -1:
+            assert time.monotonic() < end
+            time.sleep(0.005)
         queued = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
         queued.request("POST", COMPLETIONS, json.dumps({"prompt": "Hi", "max_tokens": 3, "stream": True, **GREEDY}),
                        {"Content-Type": "application/json"})
