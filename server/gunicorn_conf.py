@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import sys
 
 from engine.config import ConfigError
 from engine.supervisor import EngineSupervisor
@@ -101,16 +102,30 @@ def accepted_tenants() -> Tenants:
     return _state.get("tenants") or Tenants.load(_config.tenants_file or None)
 
 
+def post_fork(server, worker) -> None:
+    """SIGHUP (from the master, see :func:`when_ready`) reloads this worker's tenants. It is
+    handled from the fork on: gunicorn would reset it to the default action (death) while the
+    worker boots, and a HUP that arrives before the app is loaded is carried out once it is."""
+    worker.SIGNALS = [s for s in worker.SIGNALS if s != signal.SIGHUP]  # init_signals keeps ours
+    signal.signal(signal.SIGHUP, _reload_tenants)
+    signal.siginterrupt(signal.SIGHUP, False)
+
+
+def _reload_tenants(*_) -> None:
+    wsgi = sys.modules.get("server.wsgi")
+    if wsgi is None or not hasattr(wsgi, "app"):
+        _state["hup_pending"] = True  # the app is still loading
+    else:
+        wsgi.tenants.reload()
+
+
 def post_worker_init(worker) -> None:
     """Workers ignore SIGINT: Ctrl-C reaches the whole process group, and a gthread worker that
     gets both that SIGINT and the master's SIGQUIT re-enters its quit handler and deadlocks in
-    ``ThreadPoolExecutor.shutdown`` until the master SIGKILLs it. The master's signal suffices.
-    SIGHUP (from the master, see :func:`when_ready`) reloads this worker's tenants."""
-    from server import wsgi
-
+    ``ThreadPoolExecutor.shutdown`` until the master SIGKILLs it. The master's signal suffices."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGHUP, lambda *_: wsgi.tenants.reload())
-    signal.siginterrupt(signal.SIGHUP, False)
+    if _state.pop("hup_pending", False):
+        _reload_tenants()
 
 
 def child_exit(server, worker) -> None:

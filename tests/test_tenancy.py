@@ -462,7 +462,15 @@ def test_sighup_reloads_keys_without_dropping_streams(tmp_path):
         wait_until(lambda: worker not in server.worker_pids() and len(server.worker_pids()) == 2)
         for _ in range(4):
             assert call(server, COMPLETIONS, hi(1), "new-key")[0] == 200
+        # A HUP that reaches a worker still booting is carried out once it has booted.
+        write_tenants(path, [{"id": "a", "api_keys": ["newest-key"]}])
+        worker = server.worker_pids()[0]
+        os.kill(worker, signal.SIGKILL)
+        wait_until(lambda: len(set(server.worker_pids()) - {worker}) == 2)
+        server.proc.send_signal(signal.SIGHUP)
+        wait_until(lambda: all(call(server, COMPLETIONS, hi(1), "newest-key")[0] == 200 for _ in range(4)))
         log = open(server.log).read()
+        assert "was sent SIGHUP" not in log
         assert "old-key" not in log and "new-key" not in log
 
 
