@@ -33,6 +33,10 @@ class ChatTemplate:
         env.globals["raise_exception"] = _raise
         self.template = env.from_string(source)
         self.tokenizer = tokenizer
+        #: Tokens the template adds for each message at least (a cheap lower bound on a prompt).
+        empty = [[{"role": r, "content": ""}] for r in ("system", "user", "assistant")]
+        self.tokens_per_message = max(0, min(len(self.encode(m * 2, False)) - len(self.encode(m, False))
+                                             for m in empty))
 
     def encode(self, messages: list[dict], add_generation_prompt: bool = True,
                continue_final_message: bool = False) -> list[int]:

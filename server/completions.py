@@ -62,8 +62,8 @@ class _Completions:
         gunicorn send them), and an SSE comment every ``--sse-keepalive-s`` while nothing is due
         (queued, or a long prefill), so proxies do not cut a silent stream."""
         chunk = {**meta, "object": self.object_name + ".chunk" if self.chat else self.object_name}
-        if greq.include_usage:
-            chunk["usage"] = None
+        if greq.include_usage and self.chat:
+            chunk["usage"] = None  # chat chunks carry a null usage; the legacy schema has no null
         yield b""
         try:
             state: dict = {}  # per-choice state a route keeps across chunks (text offsets)
@@ -122,7 +122,7 @@ class Completions(_Completions):
     id_prefix = "cmpl"
 
     def start(self, body: dict, greq: GenerationRequest, **submit) -> Generation:
-        return self.generator.complete(parse_prompt(body), greq, **submit)
+        return self.generator.complete(parse_prompt(body, self.generator.engine.capacity // greq.n), greq, **submit)
 
     def logprobs(self, tokens, greq, offsets: "TextOffsets") -> dict | None:
         """Legacy shape: tokens, token_logprobs, top_logprobs (token -> logprob) and text_offset

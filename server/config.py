@@ -85,7 +85,7 @@ class ServerConfig:
     @property
     def model_ids(self) -> tuple[str, ...]:
         """The served names (``--model-id``, comma-separated), the first being the default."""
-        return tuple(name.strip() for name in self.model_id.split(",") if name.strip())
+        return tuple(dict.fromkeys(name.strip() for name in self.model_id.split(",") if name.strip()))
 
     @property
     def cors_origins(self) -> tuple[str, ...] | str | None:

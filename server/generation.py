@@ -86,7 +86,7 @@ def check_choices(engine: EngineClient, n_prompts: int, n: int, tenant: Tenant) 
     for limit, whose in ((engine.capacity, "this server's capacity"), (tenant.max_concurrent, "this tenant's limit")):
         if limit is not None and choices > limit:
             raise InvalidRequest(f"{choices} choices (n={n} for {n_prompts} prompts) exceed {whose} of {limit} "
-                                 "concurrent sequences", "n")
+                                 "concurrent sequences", "n" if n > 1 or n_prompts == 1 else "prompt")
     return choices
 
 
@@ -248,19 +248,22 @@ class Generator:
         (``render``: :meth:`ChatTemplate.encode`'s options). ``submit``: ``tenant``,
         ``watch_socket``. Raises as :class:`Generation`."""
         render = render or {}
-        self._fits_at_all([m["content"] for m in messages], prompt_param)
+        self._fits_at_all([m["content"] for m in messages], prompt_param,
+                          len(messages) * self.template.tokens_per_message)
         return Generation(self.engine, self.tokenizer.pieces, [self.template.encode(messages, **render)], req,
                           prompt_param, limiter=self.limiter, **submit)
 
-    def _fits_at_all(self, texts: list[str], prompt_param: str) -> None:
+    def _fits_at_all(self, texts: list[str], prompt_param: str, template_tokens: int = 0) -> None:
         """Refuse, before rendering or tokenizing, text that cannot fit one sequence: a token holds
         at most ``max_piece_bytes`` bytes and a character is at least one byte, so C characters
         are at least C / ``max_piece_bytes`` tokens. A body that will be refused costs little CPU.
 
+        ``template_tokens``: tokens the chat template adds for sure (per message).
+
         Raises:
             PromptTooLong: naming ``prompt_param`` and the lower bound.
         """
-        at_least = -(-sum(len(t) for t in texts) // self.tokenizer.max_piece_bytes)
+        at_least = template_tokens + -(-sum(len(t) for t in texts) // self.tokenizer.max_piece_bytes)
         if at_least > self.engine.max_seq_len - 1:
             e = PromptTooLong(at_least, self.engine.max_seq_len, at_least=True)
             e.param = prompt_param
@@ -279,6 +282,10 @@ class Generator:
                 # An empty prompt starts a new document (OpenAI's default, "<|endoftext|>").
                 ids.append(self.tokenizer.encode(prompt, special=False, add_bos=True)
                            or self.tokenizer.encode(DOCUMENT_START, special=True, add_bos=True))
+            elif len(prompt) >= self.engine.max_seq_len:  # refused on length before the O(n) id check
+                e = PromptTooLong(len(prompt), self.engine.max_seq_len)
+                e.param = prompt_param
+                raise e
             elif any(not 0 <= t < self.tokenizer.n_vocab for t in prompt):
                 raise InvalidRequest(f"{prompt_param}[{i}] holds a token id outside 0..{self.tokenizer.n_vocab - 1}",
                                      prompt_param)

@@ -5,8 +5,9 @@
     MODEL_PATH=... PORT=8080 gunicorn -c python:server.gunicorn_conf server.wsgi:app
 
 Settings come from the same environment variables as the CLI flags (``server.config``).
-The master process owns the shared memory and the engine: ``on_starting`` creates the
-transport and starts the engine supervisor before any worker forks; ``child_exit`` reclaims the
+The master process owns the shared memory and the engine: ``on_starting`` validates the
+configuration, ``when_ready`` (the port is bound) creates the transport and starts the engine
+supervisor before any worker forks; ``child_exit`` reclaims the
 mailboxes a dead worker leased; ``on_exit`` stops the engine and unlinks the shared memory;
 ``pre_request`` closes the connection of a request whose body is over the limit; ``when_ready``
 and ``post_worker_init`` make SIGHUP reload the tenant file.
@@ -50,6 +51,10 @@ def on_starting(server) -> None:
         _state["tenants"] = Tenants.load(_config.tenants_file or None)
     except ConfigError as e:
         raise SystemExit(f"inference-server: {e}") from None
+
+
+def _start_engine(server) -> None:
+    """Shared memory and the engine, once the port is bound (a failed bind leaves nothing)."""
     engine = _config.engine_config()
     # INFERENCE_SHM may name the segment in advance (tests attach to it to inspect the engine).
     supervisor = EngineSupervisor.create(engine, name=os.environ.get("INFERENCE_SHM") or None)
@@ -77,10 +82,13 @@ def pre_request(worker, req) -> None:
 
 
 def when_ready(server) -> None:
-    """SIGHUP to the master reloads the tenant file in every worker, in place: gunicorn's own
+    """The port is bound: start the engine (before any worker forks). Then: SIGHUP to the master
+    reloads the tenant file in every worker, in place: gunicorn's own
     HUP would replace the workers and cut their streams after ``graceful_timeout``. The master
     reads the file first: a bad one is logged and nothing changes; a good one becomes the
     master's (the tenants a restarted worker boots with) and every worker reloads it."""
+    _start_engine(server)
+
     def handle_hup():
         try:
             _state["tenants"] = Tenants.load(_config.tenants_file or None)

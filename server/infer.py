@@ -16,8 +16,10 @@ from engine.request import DEADLINE_MS_BOUNDS, Priority, SamplingParams
 from server.completions import dumps
 from server.config import ServerConfig
 from server.generation import GenerationRequest, Generator
-from server.params import number, read_json, sampling_field
+from server.params import check_fields, number, read_json, sampling_field
 from server.tenants import TenantRegistry
+
+INFER_FIELDS = {"tenant_id", "payload", "priority", "deadline_ms", "max_new_tokens"}
 
 
 class Infer:
@@ -30,6 +32,7 @@ class Infer:
     def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
         started = time.monotonic()
         body = read_json(req, self.config.max_body_bytes)
+        check_fields(body, INFER_FIELDS)
         tenant = req.context.tenant
         tenant_id = body.get("tenant_id", tenant.id)
         if not isinstance(tenant_id, str):

@@ -139,6 +139,11 @@ _DEFAULT_ONLY = {
 }
 
 
+# Accepted fields with no effect here still get OpenAI's types, so a client's mistake is seen.
+_INFORMATIONAL = {"user": str, "safety_identifier": str, "service_tier": str, "prompt_cache_key": str,
+                  "prompt_cache_retention": str, "prompt_cache_options": dict, "parallel_tool_calls": bool}
+
+
 def check_fields(body: dict, fields: set[str]) -> None:
     """Every field must be one this route takes (an unknown one, or the other route's, is never
     silently ignored), and a field this server does not implement must be at its default."""
@@ -149,6 +154,16 @@ def check_fields(body: dict, fields: set[str]) -> None:
         value = body.get(name)
         if value is not None and name in fields and not any(_same(value, v) for v in served):
             raise InvalidRequest(why, name)
+    for name, kind in _INFORMATIONAL.items():
+        value = body.get(name)
+        if value is not None and not isinstance(value, kind):
+            raise InvalidRequest(f"{name} must be a {kind.__name__.replace('str', 'string')}", name)
+    metadata = body.get("metadata")
+    if metadata is not None and not (isinstance(metadata, dict) and len(metadata) <= 16 and all(
+            isinstance(k, str) and len(k) <= 64 and isinstance(v, str) and len(v) <= 512
+            for k, v in metadata.items())):
+        raise InvalidRequest("metadata must be an object of at most 16 string pairs (keys <= 64, values <= 512 "
+                             "characters)", "metadata")
 
 
 def _same(a, b) -> bool:
@@ -184,7 +199,10 @@ def parse_generation(body: dict, *, chat: bool) -> GenerationRequest:
         unknown = sorted(set(options) - {"include_usage", "include_obfuscation"})
         if unknown:
             raise InvalidRequest(f"Unrecognized stream option: {unknown[0]}", f"stream_options.{unknown[0]}")
-        r.include_usage = boolean(options, "include_usage") and r.stream
+        if not r.stream:
+            raise InvalidRequest("stream_options is only allowed when stream is true", "stream_options")
+        boolean(options, "include_obfuscation")  # nothing to obfuscate; still a boolean
+        r.include_usage = boolean(options, "include_usage")
     r.priority = Priority.parse(body.get("priority"))
     r.deadline_ms = number(body, "deadline_ms", **DEADLINE_MS_BOUNDS)
     return r
@@ -288,7 +306,7 @@ def _content(content, where: str, role: str) -> str:
     return "".join(texts)
 
 
-def parse_prompt(body: dict) -> list[str | list[int]]:
+def parse_prompt(body: dict, max_prompts: int) -> list[str | list[int]]:
     """``prompt`` of /v1/completions in any of OpenAI's four forms: a string, an array of
     strings, an array of token ids, or an array of token-id arrays. Returns one entry per
     prompt: text, or token ids (range-checked against the vocabulary later). Absent or null is
@@ -298,6 +316,10 @@ def parse_prompt(body: dict) -> list[str | list[int]]:
         prompt = ""  # the generator starts an empty prompt as a new document
     if isinstance(prompt, str):
         return [prompt]
+    if isinstance(prompt, list) and prompt and not _is_token(prompt[0]) and len(prompt) > max_prompts:
+        # Counted before any element is looked at, so a huge array is refused cheaply.
+        raise InvalidRequest(f"prompt holds {len(prompt)} prompts; with n={body.get('n') or 1} this server "
+                             f"can run at most {max_prompts}", "prompt")
     if isinstance(prompt, list) and prompt:
         if all(isinstance(p, str) for p in prompt):
             return list(prompt)

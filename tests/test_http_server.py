@@ -477,3 +477,19 @@ def test_chunked_request_body_within_the_limit(server):
     conn.close()
     assert resp.status == 200, reply
     assert reply["usage"]["completion_tokens"] <= 3
+
+
+def test_a_failed_bind_leaves_no_shared_memory():
+    """The engine and its segment start only once gunicorn has bound the port."""
+    import os
+    import secrets
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        name = f"infer-test-{secrets.token_hex(4)}"
+        r = subprocess.run([sys.executable, "-m", "server.cli", "--port", str(taken.getsockname()[1]),
+                            "--workers", "1"], env={**os.environ, "INFERENCE_SHM": name},
+                           capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0
+    assert not os.path.exists(f"/dev/shm/{name}") and not os.path.exists(f"/dev/shm/{name}.d")

@@ -138,6 +138,15 @@ def test_top_p_zero_is_greedy(app):
 
 
 # -- 2. every accepted field takes effect, or is refused ----------------------------------------------
+def test_accepted_fields_keep_their_types(app):
+    base = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+    for field, value in (("metadata", "x"), ("metadata", {"k": {"deep": 1}}), ("user", 5), ("service_tier", 5),
+                         ("parallel_tool_calls", "yes")):
+        error(post(app, CHAT, {**base, field: value}), 400, param=field)
+    error(post(app, CHAT, {**base, "stream_options": {"include_usage": True}}), 400, param="stream_options")
+    error(post(app, "/infer", {"payload": "Hi", "max_tokens": 3}), 400, param="max_tokens")
+
+
 def test_other_routes_and_unknown_fields_are_refused(app):
     error(post(app, COMPLETIONS, {"prompt": "Hi", "max_completion_tokens": 3}), 400, param="max_completion_tokens")
     error(post(app, COMPLETIONS, {"prompt": "Hi", "messages": []}), 400, param="messages")
@@ -226,7 +235,7 @@ def cors_app(app, tokenizer, chat):
     from dataclasses import replace
 
     from server.generation import Generator
-    config = replace(app.config, cors_allow_origins="*", model_id=f"{MODEL},gpt-4o-mini")
+    config = replace(app.config, cors_allow_origins="*", model_id=f"{MODEL},gpt-4o-mini,org/model-x,gpt-4o-mini")
     return AppServer(config, Generator(app.engine, tokenizer, chat))
 
 
@@ -258,7 +267,8 @@ def test_head_on_every_get_route_and_empty_model_is_no_route(app):
 # -- 9. model names -------------------------------------------------------------------------------------
 def test_model_aliases(cors_app):
     listed = json.loads(request(cors_app, "GET", "/v1/models").body)
-    assert [m["id"] for m in listed["data"]] == [MODEL, "gpt-4o-mini"]
+    assert [m["id"] for m in listed["data"]] == [MODEL, "gpt-4o-mini", "org/model-x"]  # duplicates dropped
+    conforms("Model", json.loads(request(cors_app, "GET", "/v1/models/org/model-x").body))
     r = ok(post(cors_app, CHAT, {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "Hi"}],
                                  "max_tokens": 2}))
     assert r["model"] == "gpt-4o-mini"
@@ -276,6 +286,10 @@ def test_huge_bodies_are_refused_before_rendering(app):
     err = error(post(app, CHAT, huge), 400, param="messages", code="context_length_exceeded")
     assert "at least" in err["message"]
     error(post(app, COMPLETIONS, {"prompt": "x" * 60_000}), 400, param="prompt", code="context_length_exceeded")
+    short = {"messages": [{"role": "user", "content": "ab " * 13}] * 500}  # ~5 template tokens each
+    assert "at least" in error(post(app, CHAT, short), 400, param="messages")["message"]
+    assert "prompts" in error(post(app, COMPLETIONS, {"prompt": [[1]] * 5000}), 400, param="prompt")["message"]
+    error(post(app, COMPLETIONS, {"prompt": [1] * 5000}), 400, param="prompt", code="context_length_exceeded")
 
 
 # -- 8. streams are never silent (a real gunicorn server: status line timing is on the wire) ----------------
