@@ -7,6 +7,7 @@ over a real transport with no engine behind it (a refusal never reaches one), dr
 """
 from __future__ import annotations
 
+import gc
 import json
 import time
 
@@ -28,6 +29,10 @@ BODIES = {
     "1 MB completion prompt": {"prompt": "x " * (MB // 2 - 50)},
     "100,000 one-word prompts": {"prompt": ["hi"] * 100_000},
     "300,000 token ids": {"prompt": [1] * 300_000},
+    "200,000 one-token prompts": {"prompt": [[1]] * 200_000},
+    # Written out: Python's json module cannot nest this deep; ujson, which the server uses, can.
+    "metadata nested 1,000 deep, 480 times": ('{"messages": [{"role": "user", "content": "Hi"}], "metadata": {"k": ['
+                                              + ",".join(["[" * 1000 + "]" * 1000] * 480) + "]}}").encode(),
     # Just under the character bound (2048 tokens x 81 bytes): tokenized in full, then refused.
     "160 KB message, tokenized": {"messages": [{"role": "user", "content": "ab " * 54_000}]},
     "40,000 text parts": {"messages": [{"role": "user", "content": [{"type": "text", "text": "x "}] * 40_000}]},
@@ -39,14 +44,16 @@ def client(model_path, tokenizer, chat):
     config = ServerConfig(model_path=model_path, max_body_bytes=2 * MB)
     transport = Transport.create(EngineConfig(model_path=model_path).layout())
     app = create_app(config, Generator(EngineClient(transport), tokenizer, chat))
+    gc.freeze()  # as a gunicorn worker does once its app is loaded (server/gunicorn_conf.py)
     yield falcon.testing.TestClient(app)
+    gc.unfreeze()
     transport.close()
 
 
 @pytest.mark.parametrize("name", list(BODIES))
 def test_refusal_cpu_time(benchmark, client, name):
-    body = json.dumps(BODIES[name]).encode()
-    path = "/v1/chat/completions" if "messages" in BODIES[name] else "/v1/completions"
+    body = BODIES[name] if isinstance(BODIES[name], bytes) else json.dumps(BODIES[name]).encode()
+    path = "/v1/completions" if b'"prompt"' in body[:20] else "/v1/chat/completions"
     seconds, reasons = [], []
 
     def refuse():
