@@ -64,3 +64,33 @@ class Batch:
     def as_struct(self) -> llama_cpp.llama_batch:
         self.struct.n_tokens = self.n
         return self.struct
+
+
+def lone_tokens(tokens_per_seq: dict[int, int], n_ubatch: int) -> list[int]:
+    """Sequences that llama.cpp will decode as a micro-batch of their one token alone.
+
+    Mirrors ``llama_batch_allocr::split_equal(n_ubatch, sequential=true)`` (llama-batch.cpp),
+    which a non-unified KV cache uses: each micro-batch takes the run of consecutive sequence
+    ids starting at the lowest one with tokens left, and the same number of tokens from each,
+    as many as the shortest has and ``n_ubatch`` allows.
+
+    Args:
+        tokens_per_seq: tokens each sequence (``seq_id``) has in the batch.
+        n_ubatch: llama.cpp's micro-batch size.
+    Returns:
+        the ``seq_id`` of every single-sequence, single-token micro-batch.
+    """
+    left = {s: n for s, n in tokens_per_seq.items() if n > 0}
+    lone = []
+    while left:
+        run = [min(left)]
+        while run[-1] + 1 in left:
+            run.append(run[-1] + 1)
+        n = min(min(left[s] for s in run), max(1, n_ubatch // len(run)))
+        if len(run) == 1 and n == 1:
+            lone.append(run[0])
+        for s in run:
+            left[s] -= n
+            if not left[s]:
+                del left[s]
+    return lone

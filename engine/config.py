@@ -61,6 +61,8 @@ class EngineConfig:
         n_threads: llama.cpp compute threads; 0 picks :func:`default_threads`.
         policy: ``continuous`` | ``static`` | ``fifo``.
         aging_s: seconds of waiting that raise a request by one priority class (no starvation).
+        prefix_cache_tokens: most tokens the prefix cache keeps (0: no prefix cache); see
+            :attr:`cache_streams` for the KV memory it takes.
     """
 
     model_path: str = field(default_factory=default_model_path)
@@ -71,18 +73,27 @@ class EngineConfig:
     n_threads: int = 0
     policy: str = "continuous"
     aging_s: float = 10.0
+    prefix_cache_tokens: int = 16384
 
     def __post_init__(self):
         if self.policy not in POLICIES:
             raise ConfigError(f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
         for name, low in (("max_slots", 1), ("max_seq_len", 8), ("max_queued", 0),
-                          ("n_batch", 1), ("n_threads", 0)):
+                          ("n_batch", 1), ("n_threads", 0), ("prefix_cache_tokens", 0)):
             if getattr(self, name) < low:
                 raise ConfigError(f"{name} must be >= {low}, got {getattr(self, name)}")
         if self.max_slots > 256:
             raise ConfigError(f"max_slots must be <= 256 (llama.cpp's LLAMA_MAX_SEQ), got {self.max_slots}")
         if self.aging_s <= 0:
             raise ConfigError(f"aging_s must be > 0, got {self.aging_s}")
+
+    @property
+    def cache_streams(self) -> int:
+        """KV streams of the prefix cache: ``ceil(prefix_cache_tokens / max_seq_len)``, within
+        llama.cpp's 256 sequences. Each takes ``max_seq_len`` cells, so the cache costs about
+        ``prefix_cache_tokens`` cells of KV memory (SmolLM2-135M, f16: 22.5 KiB per cell)."""
+        wanted = -(-self.prefix_cache_tokens // self.max_seq_len)
+        return min(wanted, 256 - self.max_slots)
 
     @property
     def threads(self) -> int:
@@ -94,7 +105,8 @@ class EngineConfig:
 
     def layout(self) -> Layout:
         """The shared-memory layout this engine needs (:class:`shm.layout.Layout`)."""
-        return Layout(self.max_slots, self.n_mailboxes, self.max_seq_len, record_bytes(self.max_seq_len))
+        return Layout(self.max_slots, self.n_mailboxes, self.max_seq_len, record_bytes(self.max_seq_len),
+                      self.cache_streams)
 
 
 def default_threads() -> int:

@@ -3,7 +3,8 @@
 
 One :meth:`EngineCore.step` is the phases of llama.cpp's server loop, in order::
 
-    ingest -> expire -> admit -> compact -> batch -> decode -> sample + publish -> retire
+    ingest -> expire -> admit (+ reuse a cached prefix) -> compact -> batch -> decode
+           -> sample + publish -> retire (+ keep the cells in the prefix cache)
 """
 from __future__ import annotations
 
@@ -12,9 +13,10 @@ import time
 
 import numpy as np
 
-from engine.batch import Batch
+from engine.batch import Batch, lone_tokens
 from engine.config import EngineConfig
 from engine.model import DecodeError, Model
+from engine.prefix_cache import PrefixCache, common_prefix
 from engine.request import EngineRequest
 from engine.sampler import Sampler, logprobs
 from engine.scheduler import Scheduler
@@ -24,6 +26,19 @@ from shm.transport import Transport
 from shm.wakeup import Wakeups
 
 log = logging.getLogger("engine")
+
+#: Shortest prefix worth reusing. Copying a stream costs about as much as prefilling this many
+#: tokens (measured: 5 ms per 2048-cell stream of SmolLM2-135M; docs/architecture.md).
+MIN_REUSE_TOKENS = 8
+#: Prompt tokens one sequence prefills per step. llama.cpp's CPU flash attention takes a tiled
+#: path for 64 or more query rows of one sequence (GGML_FA_TILE_Q, ggml-cpu/ops.cpp), whose
+#: results differ from its row-by-row path: a prompt's KV cells would then depend on how it was
+#: chunked, and a reused prefix would change greedy output (docs/architecture.md, "Prefix cache").
+MAX_CHUNK_TOKENS = 63
+#: A single-token micro-batch of one sequence whose KV view reaches 512 cells takes llama.cpp's
+#: split-KV flash-attention path, which sums in another order unless it runs on one thread.
+#: The view is the used cells rounded up to 256, so it reaches 512 past 256 tokens.
+SPLIT_KV_AFTER_TOKENS = 256
 
 
 class EngineCore:
@@ -40,6 +55,8 @@ class EngineCore:
         self.model = model
         self.sched = Scheduler(config.max_slots, config.policy, config.aging_s)
         self.batch = Batch(config.n_batch)
+        self.cache = PrefixCache(config.max_slots, config.cache_streams, config.prefix_cache_tokens) \
+            if config.cache_streams else None
         self.stopping = False
         self.step_no = transport.control.step
 
@@ -63,14 +80,16 @@ class EngineCore:
         for seq in self.sched.admit(now):
             self.start(seq, now)
         self.compact()
-        rows = self.fill_batch()
-        if self.batch.n and self.decode():
+        rows, one_thread = self.fill_batch()
+        if self.batch.n and self.decode(one_thread):
             self.sample_and_publish(rows, time.monotonic())
         self.publish_control()
 
-    def decode(self) -> bool:
-        """One ``llama_decode``; on failure, the batch's sequences finish with an error."""
+    def decode(self, one_thread: bool = False) -> bool:
+        """One ``llama_decode`` (on one thread if asked); on failure, the batch's sequences
+        finish with an error."""
         try:
+            self.model.set_threads(1 if one_thread else self.config.threads)
             self.model.decode(self.batch)
             return True
         except DecodeError as e:
@@ -115,11 +134,33 @@ class EngineCore:
         return Finish.NONE
 
     def start(self, seq: Sequence, now: float) -> None:
-        """Bind an admitted sequence to its slot and build its sampler."""
+        """Bind an admitted sequence to its slot, reuse a cached prefix, build its sampler."""
         sampling = seq.request.sampling
         banned = self.model.eog if sampling.ignore_eos else frozenset()
         seq.sampler = Sampler(self.model.n_vocab, sampling, banned, seq.prompt)
-        self.boxes.admit(seq.mailbox, seq.slot, self.step_no, now)
+        seq.start_history()
+        if self.cache is not None:
+            self.reuse_prefix(seq)
+        self.boxes.admit(seq.mailbox, seq.slot, self.step_no, now, seq.n_cached)
+
+    def reuse_prefix(self, seq: Sequence) -> None:
+        """Copy the KV cells of the longest prefix of ``seq``'s prompt that its tenant's cache
+        entries or running sequences hold into its slot; only the rest is prefilled. The last
+        prompt token is always decoded: its logits give the first token."""
+        tenant, prompt = seq.request.tenant, seq.prompt
+        entry, n = self.cache.lookup(tenant, prompt)
+        source = entry.stream if entry is not None else -1
+        for other in self.sched.running.values():
+            if other is not seq and other.request.tenant == tenant and other.n_past > n:
+                k = common_prefix(other.kv_tokens(), prompt)
+                if k > n:
+                    source, n = other.slot, k
+        n = min(n, len(prompt) - 1)
+        if n < MIN_REUSE_TOKENS:
+            return
+        self.model.copy_sequence(source, seq.slot, n)
+        seq.n_prefilled = seq.n_past = seq.n_cached = n
+        self.t.control.count_prefix_hit(n)
 
     def compact(self) -> None:
         """Close gaps in the running slots (admissions fill them first) by moving the highest
@@ -131,11 +172,15 @@ class EngineCore:
             self.boxes.move(seq.mailbox, slot)
             self.t.control.count_kv_move()
 
-    def fill_batch(self) -> list[tuple[Sequence, int]]:
-        """One token per decoding sequence, then prompt chunks (chunked prefill) in admission
-        order, within ``n_batch`` tokens; rows are laid out in ascending slot order (see
-        :meth:`compact`). Returns ``(sequence, logits row)`` for every sequence that samples
-        after this decode."""
+    def fill_batch(self) -> tuple[list[tuple[Sequence, int]], bool]:
+        """One token per decoding sequence, then prompt chunks (chunked prefill) of at most
+        :data:`MAX_CHUNK_TOKENS` in admission order, within ``n_batch`` tokens; rows are laid
+        out in ascending slot order (see :meth:`compact`).
+
+        Returns:
+            ``(sequence, logits row)`` for every sequence that samples after this decode, and
+            whether the decode must run on one thread (see :data:`SPLIT_KV_AFTER_TOKENS`).
+        """
         room = self.batch.capacity
         plan = []  # (sequence, tokens, first position, samples after this decode)
         running = sorted(self.sched.running.values(), key=lambda s: s.order)
@@ -145,7 +190,7 @@ class EngineCore:
                 room -= 1
         for seq in running:
             if seq.prefilling and room:
-                k = min(len(seq.prompt) - seq.n_prefilled, room)
+                k = min(len(seq.prompt) - seq.n_prefilled, room, MAX_CHUNK_TOKENS)
                 start, done = seq.n_prefilled, seq.n_prefilled + k == len(seq.prompt)
                 plan.append((seq, seq.prompt[start:start + k], start, done))
                 seq.n_prefilled += k
@@ -155,9 +200,11 @@ class EngineCore:
         rows = []
         for seq, tokens, pos, samples in sorted(plan, key=lambda p: p[0].slot):
             row = self.batch.add(tokens, pos, seq.slot, samples)
+            seq.n_past = pos + len(tokens)
             if samples:
                 rows.append((seq, row))
-        return rows
+        lone = lone_tokens({seq.slot: len(tokens) for seq, tokens, _, _ in plan}, self.batch.capacity)
+        return rows, any(self.sched.running[slot].n_past > SPLIT_KV_AFTER_TOKENS for slot in lone)
 
     def sample_and_publish(self, rows: list[tuple[Sequence, int]], now: float) -> None:
         """Sample one token per row, publish every token to its mailbox (one wake-up each), then
@@ -174,7 +221,7 @@ class EngineCore:
                 continue
             lp = None if sampling.logprobs is None else logprobs(self.model.logits(row), tok, sampling.logprobs)
             published.append(Published(seq.mailbox, k, tok, lp))
-            seq.n_generated, seq.last_token = k + 1, tok
+            seq.generated(tok)
             if seq.n_generated >= sampling.max_new_tokens:
                 finished.append((seq, Finish.LENGTH))
         self.boxes.publish(published, now)
@@ -182,12 +229,25 @@ class EngineCore:
             self.retire(seq, reason)
 
     def retire(self, seq: Sequence, finish: Finish, error: ErrorCode = ErrorCode.NONE) -> None:
-        """Free the sequence's KV cells and slot, and finish its mailbox."""
+        """Keep the sequence's KV cells in the prefix cache (unless its decode failed), free its
+        slot, and finish its mailbox."""
+        if self.cache is not None and finish != Finish.ERROR and seq.n_past:
+            self.keep_prefix(seq)
         self.model.free_sequence(seq.slot)
         self.sched.release(seq)
         if seq.sampler is not None:  # None if admission failed before the sampler was built
             seq.sampler.free()
         self.boxes.finish(seq.mailbox, seq.lease, finish, error, self.step_no)
+
+    def keep_prefix(self, seq: Sequence) -> None:
+        """Copy a retiring sequence's cells (prompt and generated tokens) into a cache stream,
+        as :meth:`PrefixCache.insert` decides; free the streams it evicted."""
+        stream, evicted = self.cache.insert(seq.request.tenant, seq.kv_tokens())
+        for s in evicted:
+            if s != stream:
+                self.model.free_sequence(s)
+        if stream is not None:
+            self.model.copy_sequence(seq.slot, stream)
 
     def publish_control(self) -> None:
         """Refresh the control block: step counter, queue sizes, slot table, KV occupancy."""
@@ -195,7 +255,9 @@ class EngineCore:
         for slot, seq in self.sched.running.items():
             slots[slot] = seq.mailbox
         kv = [self.model.pos_max(s) for s in range(self.config.max_slots)]
-        self.t.control.publish(self.step_no, slots, kv, len(self.sched.waiting), len(self.sched.running))
+        cached = (len(self.cache.entries), self.cache.n_tokens, [self.model.pos_max(s) for s in self.cache.streams]) \
+            if self.cache is not None else (0, 0, [])
+        self.t.control.publish(self.step_no, slots, kv, len(self.sched.waiting), len(self.sched.running), *cached)
 
     def shutdown(self, error: ErrorCode) -> None:
         """Finish every sequence with ``error`` (engine stopping)."""

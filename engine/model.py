@@ -40,27 +40,41 @@ def load_model(path: str, vocab_only: bool = False):
 
 
 class Model:
-    """One llama.cpp context with ``n_seq_max = max_slots`` sequences of ``max_seq_len`` cells.
+    """One llama.cpp context with ``n_seq_max = max_slots + cache_streams`` sequences of
+    ``max_seq_len`` cells each.
 
-    The KV cache is allocated once here: ``n_ctx = max_slots * max_seq_len``; with a non-unified
-    cache every sequence (slot id = ``seq_id``) owns ``max_seq_len`` cells.
+    The KV cache is allocated once here: ``n_ctx = n_seq_max * max_seq_len``; with a non-unified
+    cache every sequence (slot id = ``seq_id``) owns a stream of ``max_seq_len`` cells. Streams
+    ``0 .. max_slots - 1`` hold running sequences, the ``cache_streams`` after them the prefix
+    cache (:mod:`engine.prefix_cache`).
     """
 
-    def __init__(self, path: str, max_slots: int, max_seq_len: int, n_batch: int, n_threads: int):
+    def __init__(self, path: str, max_slots: int, max_seq_len: int, n_batch: int, n_threads: int,
+                 cache_streams: int = 0):
         self.model = load_model(path)
         self.vocab = llama_cpp.llama_model_get_vocab(self.model)
         self.n_vocab = llama_cpp.llama_vocab_n_tokens(self.vocab)
         params = llama_cpp.llama_context_default_params()
-        params.n_ctx = max_slots * max_seq_len
+        params.n_ctx = (max_slots + cache_streams) * max_seq_len
         params.n_batch = params.n_ubatch = n_batch
-        params.n_seq_max = max_slots
-        params.n_threads = params.n_threads_batch = n_threads
+        params.n_seq_max = max_slots + cache_streams
+        params.kv_unified = False  # one stream per sequence (see Scheduler.gap)
+        # Flash attention computes each query row on its own on the paths the engine keeps to
+        # (engine.core.MAX_CHUNK_TOKENS): outputs do not depend on the batch (docs/architecture.md).
+        params.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED
+        params.n_threads = params.n_threads_batch = self.n_threads = n_threads
         params.no_perf = True
         self.ctx = llama_cpp.llama_init_from_model(self.model, params)
         if not self.ctx:
             raise RuntimeError("llama.cpp could not create a context (out of memory?)")
         self.mem = llama_cpp.llama_get_memory(self.ctx)
         self.eog = frozenset(t for t in range(self.n_vocab) if llama_cpp.llama_vocab_is_eog(self.vocab, t))
+
+    def set_threads(self, n_threads: int) -> None:
+        """Compute threads of the next decodes (``llama_set_n_threads``; a no-op if unchanged)."""
+        if n_threads != self.n_threads:
+            llama_cpp.llama_set_n_threads(self.ctx, n_threads, n_threads)
+            self.n_threads = n_threads
 
     def decode(self, batch: Batch) -> None:
         rc = llama_cpp.llama_decode(self.ctx, batch.as_struct())
@@ -76,10 +90,18 @@ class Model:
         """Drop every KV cell of ``seq_id``; other sequences' cells are untouched."""
         llama_cpp.llama_memory_seq_rm(self.mem, seq_id, -1, -1)
 
-    def move_sequence(self, src: int, dst: int) -> None:
-        """Move every KV cell of ``src`` to the empty sequence ``dst``. Across streams of a
-        non-unified cache llama.cpp copies the whole stream, applied at the next decode."""
+    def copy_sequence(self, src: int, dst: int, n_tokens: int = -1) -> None:
+        """Make ``dst`` hold the KV cells of ``src`` at positions ``< n_tokens`` (-1: all),
+        replacing whatever ``dst`` held. Across streams of a non-unified cache llama.cpp copies
+        the whole stream (``llama_kv_cache::seq_cp`` supports no range there), applied at the
+        next decode in the order asked; the cells past ``n_tokens`` are then dropped."""
         llama_cpp.llama_memory_seq_cp(self.mem, src, dst, -1, -1)
+        if n_tokens >= 0:
+            llama_cpp.llama_memory_seq_rm(self.mem, dst, n_tokens, -1)
+
+    def move_sequence(self, src: int, dst: int) -> None:
+        """Move every KV cell of ``src`` to the sequence ``dst`` (see :meth:`copy_sequence`)."""
+        self.copy_sequence(src, dst)
         llama_cpp.llama_memory_seq_rm(self.mem, src, -1, -1)
 
     def pos_max(self, seq_id: int) -> int:

@@ -32,7 +32,8 @@ def main(argv: list[str]) -> int:
     from engine.core import EngineCore
     from engine.model import Model
 
-    model = Model(config.model_path, config.max_slots, config.max_seq_len, config.n_batch, config.threads)
+    model = Model(config.model_path, config.max_slots, config.max_seq_len, config.n_batch, config.threads,
+                  config.cache_streams)
     core = EngineCore(config, transport, model)
     signal.signal(signal.SIGTERM, lambda *_: core.stop())
     # Ctrl-C reaches the whole process group; the supervisor stops the engine (SIGTERM) when

@@ -23,7 +23,12 @@ class Sequence:
         request: what was asked (prompt, sampling settings, priority, deadline, tenant).
         arrival: ``time.monotonic()`` seconds when the engine ingested it.
         slot: KV slot / llama ``seq_id`` while running, -1 otherwise.
-        n_prefilled: prompt tokens already in the KV cache.
+        n_prefilled: prompt tokens already in the KV cache (reused ones included).
+        n_cached: prompt tokens whose KV cells were reused from the prefix cache, not prefilled.
+        n_past: tokens in the slot's KV cells, positions ``0 .. n_past - 1``; they are
+            ``history[:n_past]``.
+        history: int32 ``[len(prompt) + max_new_tokens]``, the prompt then each generated token
+            (made at admission).
         last_token: token to feed at the next decode step.
     """
 
@@ -34,8 +39,11 @@ class Sequence:
     order: int = field(default_factory=lambda: next(_order))
     slot: int = -1
     n_prefilled: int = 0
+    n_cached: int = 0
+    n_past: int = 0
     n_generated: int = 0
     last_token: int = -1
+    history: np.ndarray | None = None
     sampler: object = None
 
     @property
@@ -45,3 +53,19 @@ class Sequence:
     @property
     def prefilling(self) -> bool:
         return self.n_prefilled < len(self.request.prompt)
+
+    def start_history(self) -> None:
+        """Allocate :attr:`history` holding the prompt (at admission)."""
+        n = len(self.request.prompt)
+        self.history = np.empty(n + (self.request.sampling.max_new_tokens or 0), np.int32)
+        self.history[:n] = self.request.prompt
+
+    def generated(self, token: int) -> None:
+        """Record the next generated token (it is fed at the next step)."""
+        self.history[len(self.request.prompt) + self.n_generated] = token
+        self.n_generated += 1
+        self.last_token = token
+
+    def kv_tokens(self) -> np.ndarray:
+        """The tokens whose KV cells the slot holds (a view of :attr:`history`)."""
+        return self.history[:self.n_past]

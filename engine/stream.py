@@ -44,7 +44,8 @@ class Timings:
 class Stream:
     """The tokens of one submitted sequence, in order, as the engine publishes them.
 
-    Iterate it (then read ``finish_reason``: ``stop | length | deadline | cancelled``), or read
+    Iterate it (then read ``finish_reason``: ``stop | length | deadline | cancelled``, and, once
+    closed, ``n_cached``: prompt tokens reused from the prefix cache), or read
     many streams together with :func:`follow`. It must be consumed or closed (``with``):
     closing an unfinished stream cancels the sequence, waits for the engine to finish it (one
     step) and returns the mailbox.
@@ -60,6 +61,7 @@ class Stream:
         self.mailboxes, self.lease = mailboxes, lease
         self.n_prompt, self.n_logprobs, self.watch_socket = n_prompt, n_logprobs, watch_socket
         self.n_generated = 0
+        self.n_cached = 0
         self.finished = False
         self.finish_reason: str | None = None
         self._timings: Timings | None = None
@@ -122,7 +124,9 @@ class Stream:
             end = time.monotonic() + timeout
             while not boxes.read_new(self.lease)[1] and time.monotonic() < end:
                 boxes.wait([self.lease], 0.1)
-        self._timings = self.timings()  # the mailbox may be leased again right after release
+        # Kept before the release: the mailbox may be leased again right after it.
+        self._timings = self.timings()
+        self.n_cached = boxes.outcome(self.lease).n_cached
         boxes.release(self.lease)
 
     def __enter__(self):

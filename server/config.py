@@ -51,6 +51,9 @@ class ServerConfig:
     engine_threads: int = _option("--engine-threads", "ENGINE_THREADS",
                                   "llama.cpp compute threads (0: measured default)", engine="n_threads")
     n_batch: int = _option("--n-batch", "N_BATCH", "token budget of one engine step", engine="n_batch")
+    prefix_cache_tokens: int = _option("--prefix-cache-tokens", "PREFIX_CACHE_TOKENS",
+                                       "most tokens the prefix cache keeps, per tenant-scoped LRU (0 or "
+                                       "--no-prefix-cache: off)", engine="prefix_cache_tokens")
     workers: int = _option("--workers", "WORKERS", "gunicorn worker processes", 2)
     threads: int = _option("--threads", "THREADS", "threads per gunicorn worker (concurrent connections)", 32)
     max_body_bytes: int = _option("--max-body-bytes", "MAX_BODY_BYTES", "largest request body accepted", 1 << 20)
@@ -99,7 +102,8 @@ class ServerConfig:
     def engine_config(self) -> EngineConfig:
         return EngineConfig(model_path=self.resolved_model_path(), max_slots=self.max_slots,
                             max_seq_len=self.max_seq_len, max_queued=self.max_queued,
-                            n_batch=self.n_batch, n_threads=self.engine_threads, policy=self.policy)
+                            n_batch=self.n_batch, n_threads=self.engine_threads, policy=self.policy,
+                            prefix_cache_tokens=self.prefix_cache_tokens)
 
     def check_model(self) -> None:
         """Raise ConfigError (one line) unless the model file is a readable GGUF."""
@@ -184,6 +188,8 @@ def parser() -> argparse.ArgumentParser:
     for o in OPTIONS:
         p.add_argument(o.flag, dest=o.name, type=str, default=None,
                        help=f"{o.help} (env {o.env}; default {o.shown})", metavar=o.type.__name__.upper())
+    p.add_argument("--no-prefix-cache", dest="prefix_cache_tokens", action="store_const", const="0",
+                   help="reuse no KV cells between requests (same as --prefix-cache-tokens 0)")
     return p
 
 

@@ -221,9 +221,16 @@ class Generation:
         self._charge(0, final=True)
 
     def usage(self) -> dict:
+        """OpenAI's ``usage`` (CompletionUsage): prompt tokens counted once per prompt, and in
+        ``prompt_tokens_details.cached_tokens`` those the prefix cache gave every choice of
+        their prompt (the smallest reuse among a prompt's ``n`` choices). Read after
+        :meth:`close`."""
         completion = sum(self.counts)
+        n = self.req.n
+        cached = sum(min(s.n_cached for s in self.streams[i:i + n]) for i in range(0, len(self.streams), n))
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion,
-                "total_tokens": self.prompt_tokens + completion}
+                "total_tokens": self.prompt_tokens + completion,
+                "prompt_tokens_details": {"cached_tokens": cached}}
 
     def timings(self, choice: int = 0) -> Timings:
         return self.streams[choice].timings()

@@ -52,8 +52,9 @@ class Infer:
         timings = gen.timings()
         admitted = timings.admitted or timings.finished
         resp.content_type = falcon.MEDIA_JSON
+        usage = gen.usage()
         resp.text = dumps({
-            "tenant_id": tenant_id, "text": choice.text, "tokens": gen.usage()["completion_tokens"],
-            "finish_reason": choice.finish_reason,
+            "tenant_id": tenant_id, "text": choice.text, "tokens": usage["completion_tokens"],
+            "cached_tokens": usage["prompt_tokens_details"]["cached_tokens"], "finish_reason": choice.finish_reason,
             "queue_wait_ms": round(max(0.0, admitted - timings.queued) * 1000, 3),
             "latency_ms": round((time.monotonic() - started) * 1000, 3)})

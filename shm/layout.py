@@ -67,6 +67,7 @@ class Layout:
         max_seq_len: tokens per sequence, prompt plus generation (the per-slot KV cells).
         record_bytes: payload bytes of one request-ring record. The transport does not know what
             a request is; ``engine.request.EngineRequest`` defines the payload's format.
+        cache_streams: KV streams of the engine's prefix cache (their occupancy is published).
     Raises:
         ValueError: on a non-positive size.
     """
@@ -75,6 +76,7 @@ class Layout:
     n_mailboxes: int
     max_seq_len: int
     record_bytes: int
+    cache_streams: int = 0
 
     def __post_init__(self):
         for field in ("max_slots", "n_mailboxes", "max_seq_len", "record_bytes"):
@@ -82,6 +84,8 @@ class Layout:
                 raise ValueError(f"{field} must be >= 1, got {getattr(self, field)}")
         if self.n_mailboxes < self.max_slots:
             raise ValueError("n_mailboxes must be >= max_slots")
+        if self.cache_streams < 0:
+            raise ValueError(f"cache_streams must be >= 0, got {self.cache_streams}")
 
     def control_dtype(self) -> np.dtype:
         return np.dtype([
@@ -98,6 +102,12 @@ class Layout:
             # refreshed by the engine every step, read by tests and metrics.
             ("slot_mailbox", np.int32, (self.max_slots,)),
             ("slot_kv_pos_max", np.int32, (self.max_slots,)),
+            # The prefix cache: entries, tokens they hold, each cache stream's highest KV
+            # position (one stays -1 when there are none), and counters of sequences that reused
+            # a prefix and of the prompt tokens they did not prefill.
+            ("cache_entries", np.int32), ("cache_tokens", np.int64),
+            ("cache_kv_pos_max", np.int32, (max(self.cache_streams, 1),)),
+            ("prefix_hits", np.uint64), ("prefix_reused_tokens", np.uint64),
         ])
 
     def record_dtype(self) -> np.dtype:
@@ -111,6 +121,7 @@ class Layout:
             ("tenant", np.int64),  # the lease holder's tenant (per-tenant concurrency limits)
             ("cancel", np.int32), ("n_tokens", np.int32), ("finish", np.int32),
             ("error", np.int32), ("n_prompt", np.int32), ("slot", np.int32),
+            ("n_cached", np.int32),  # prompt tokens reused from the prefix cache (at admission)
             # time.monotonic() seconds, for queue-wait / TTFT / latency metrics.
             ("t_queued", np.float64), ("t_admitted", np.float64),
             ("t_first_token", np.float64), ("t_finished", np.float64),

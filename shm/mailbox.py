@@ -61,6 +61,7 @@ class Outcome(NamedTuple):
     finish: Finish
     error: ErrorCode
     n_tokens: int
+    n_cached: int
     t_queued: float
     t_admitted: float
     t_prefill_done: float
@@ -112,7 +113,7 @@ class Mailboxes:
             box["owner_pid"], box["tenant"] = os.getpid(), tenant
             box["cancel"] = box["n_tokens"] = 0
             box["finish"], box["error"] = Finish.NONE, ErrorCode.NONE
-            box["slot"] = -1
+            box["slot"], box["n_cached"] = -1, 0
             box["step_admitted"] = box["step_finished"] = 0
             for name in ("t_queued", "t_admitted", "t_first_token", "t_finished", "t_prefill_done"):
                 box[name] = 0.0
@@ -169,7 +170,7 @@ class Mailboxes:
     def outcome(self, lease: Lease) -> Outcome:
         box = self.boxes[lease.index]
         return Outcome(Finish(int(box["finish"])), ErrorCode(int(box["error"])), int(box["n_tokens"]),
-                       *(float(box[f]) for f in ("t_queued", "t_admitted", "t_prefill_done",
+                       int(box["n_cached"]), *(float(box[f]) for f in ("t_queued", "t_admitted", "t_prefill_done",
                                                  "t_first_token", "t_finished")),
                        int(box["step_admitted"]), int(box["step_finished"]))
 
@@ -194,9 +195,11 @@ class Mailboxes:
         """The holder asked to cancel, or the lease is gone."""
         return bool(self.boxes["cancel"][index]) or int(self.boxes["lease"][index]) != lease
 
-    def admit(self, index: int, slot: int, step: int, now: float) -> None:
+    def admit(self, index: int, slot: int, step: int, now: float, n_cached: int = 0) -> None:
+        """QUEUED -> RUNNING in ``slot``; ``n_cached`` prompt tokens came from the prefix cache."""
         box = self.boxes[index]
         box["slot"], box["t_admitted"], box["step_admitted"] = slot, now, step
+        box["n_cached"] = n_cached
         box["state"] = RUNNING
 
     def move(self, index: int, slot: int) -> None:

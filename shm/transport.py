@@ -19,7 +19,8 @@ from shm.wakeup import Wakeups
 
 _MAGIC = 0x494E4652  # "INFR"
 _META = np.dtype([("magic", np.uint32), ("max_slots", np.int32),
-                  ("n_mailboxes", np.int32), ("max_seq_len", np.int32), ("record_bytes", np.int32)])
+                  ("n_mailboxes", np.int32), ("max_seq_len", np.int32), ("record_bytes", np.int32),
+                  ("cache_streams", np.int32)])
 _META_BYTES = 64
 SHM_DIR = "/dev/shm"
 
@@ -75,7 +76,8 @@ class Transport:
             shutil.rmtree(os.path.join(SHM_DIR, f"{name}.d"), ignore_errors=True)
             raise
         np.ndarray((), _META, buffer=shm.buf)[()] = (_MAGIC, layout.max_slots, layout.n_mailboxes,
-                                                     layout.max_seq_len, layout.record_bytes)
+                                                     layout.max_seq_len, layout.record_bytes,
+                                                     layout.cache_streams)
         transport.mailboxes.boxes["slot"] = -1
         transport.control.publish(0, -1, -1, 0, 0)
         return transport
@@ -95,7 +97,7 @@ class Transport:
             shm.close()
             raise ValueError(f"shared memory segment {name!r} is not an inference transport")
         layout = Layout(int(meta["max_slots"]), int(meta["n_mailboxes"]), int(meta["max_seq_len"]),
-                        int(meta["record_bytes"]))
+                        int(meta["record_bytes"]), int(meta["cache_streams"]))
         return cls(shm, layout, owner=False)
 
     def close(self) -> None:
