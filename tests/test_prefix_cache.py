@@ -166,14 +166,14 @@ def test_cache_is_scoped_per_tenant(tmp_path, model_path, tokenizer, chat):
 
 
 def test_eviction_keeps_the_cache_within_its_budget_and_leaks_nothing(model_path, tokenizer):
-    budget = 600  # three 256-cell streams, and fewer tokens than three full entries
+    budget = 520  # three 256-cell streams, and fewer tokens than three of the longest entries (200)
     config = _config(model_path, max_slots=2, max_seq_len=256, prefix_cache_tokens=budget)
     assert config.cache_streams == 3
     with InprocEngine(config) as engine:
         client = engine.client
         for i in range(24):
             # Distinct from the first token on: no entry is ever a prefix of another.
-            prompt = tokenizer.encode(f"{i} " + "lorem ipsum dolor sit amet " * (5 + 7 * (i % 4)))
+            prompt = tokenizer.encode(f"{i} " + "lorem ipsum dolor sit amet " * (5 + 7 * (i % 3)))  # 52..192 tokens
             with client.submit(prompt, SamplingParams(max_new_tokens=8, temperature=0, ignore_eos=True)) as s:
                 list(s)
             wait_steps(client, 2)
