@@ -28,6 +28,7 @@ bench: install
 	$(PY) -m bench.engine --json bench/results/engine.json
 	$(PY) -m bench.http --json bench/results/http.json
 	$(PY) -m bench.tenancy --json bench/results/tenancy.json
+	$(PY) -m bench.prefix --json bench/results/prefix.json
 	$(PY) -m pytest bench --benchmark-enable --benchmark-json bench/results/delivery.json -s
 
 clean:

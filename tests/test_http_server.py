@@ -415,7 +415,7 @@ def test_infer_returns_text_tokens_and_timings(server):
     status, _, r = post(server, "/infer", {"tenant_id": "acme", "payload": "Write a long story about a dragon.",
                                            "max_new_tokens": 8, "priority": "high"})
     assert status == 200, r
-    assert set(r) == {"tenant_id", "text", "tokens", "finish_reason", "queue_wait_ms", "latency_ms"}
+    assert set(r) == {"tenant_id", "text", "tokens", "cached_tokens", "finish_reason", "queue_wait_ms", "latency_ms"}
     assert r["tenant_id"] == "acme"
     assert isinstance(r["text"], str) and r["text"]
     assert r["tokens"] == 8 and r["finish_reason"] == "length"
