@@ -1,2 +1,1 @@
-"""gRPC API definitions (``inference.proto``) and generated stubs; the gRPC sidecar that serves
-them is its own issue. ``--grpc-port`` is accepted and validated already (``0`` disables)."""
+"""Generated gRPC stubs of proto/inference.proto (see its header for the command)."""

@@ -67,14 +67,15 @@ class ServerConfig:
                                 "", shown="none")
     redis_url: str = _option("--redis-url", "REDIS_URL", "Redis for rate limits shared across replicas", "",
                              shown="none")
-    grpc_port: int = _option("--grpc-port", "GRPC_PORT", "gRPC port (0 disables)", 50051)
+    grpc_port: int = _option("--grpc-port", "GRPC_PORT", "gRPC port of the sidecar (0: no gRPC)", 50051)
+    grpc_threads: int = _option("--grpc-threads", "GRPC_THREADS", "gRPC handler threads (concurrent calls)", 32)
 
     def __post_init__(self):
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"--port must be 0..65535, got {self.port}")
         if not 0 <= self.grpc_port <= 65535:
             raise ConfigError(f"--grpc-port must be 0..65535, got {self.grpc_port}")
-        for name in ("workers", "threads", "max_body_bytes", "max_messages"):
+        for name in ("workers", "threads", "max_body_bytes", "max_messages", "grpc_threads"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if not self.model_ids:

@@ -1,9 +1,11 @@
-"""The HTTP error contract: every error body is OpenAI-shaped,
-``{"error": {"message", "type", "param", "code"}}`` (OpenAI API reference, "Error codes").
+"""The error contract: every HTTP error body is OpenAI-shaped,
+``{"error": {"message", "type", "param", "code"}}`` (OpenAI API reference, "Error codes"), and
+every gRPC error a status code with the same message.
 
 The domain errors of :mod:`engine.errors` are mapped to HTTP here and nowhere else
 (:func:`http_error`), both for Falcon's error handlers and for the error event of a stream that
-has already started. :class:`APIError` is for what only HTTP has (413, 415).
+has already started; :func:`grpc_error` derives the gRPC status from that mapping, so both
+front ends refuse the same requests. :class:`APIError` is for what only HTTP has (413, 415).
 """
 from __future__ import annotations
 
@@ -14,8 +16,8 @@ import ujson
 
 import math
 
-from engine.errors import (ClientDisconnected, EngineUnavailable, ModelNotFound, PermissionDenied, RateLimited,
-                           RequestError, Saturated, Unauthenticated)
+from engine.errors import (ClientDisconnected, DeadlineExceeded, EngineUnavailable, ModelNotFound,
+                           PermissionDenied, RateLimited, RequestError, Saturated, Unauthenticated)
 
 log = logging.getLogger("server")
 CLIENT_CLOSED = "499 Client Closed Request"  # nginx's status for it; never seen by the client
@@ -68,6 +70,30 @@ def http_error(ex: Exception) -> tuple[int, dict, dict]:
 
 
 _STATUS = {ModelNotFound: 404, Unauthenticated: 401, PermissionDenied: 403}
+
+#: gRPC status names (``grpc.StatusCode``) of the HTTP statuses :func:`http_error` gives.
+_GRPC = {400: "INVALID_ARGUMENT", 401: "UNAUTHENTICATED", 403: "PERMISSION_DENIED", 404: "NOT_FOUND",
+         413: "INVALID_ARGUMENT", 415: "INVALID_ARGUMENT", 429: "RESOURCE_EXHAUSTED", 503: "UNAVAILABLE",
+         500: "INTERNAL"}
+
+
+def grpc_error(ex: Exception) -> tuple[str, str, tuple[tuple[str, str], ...]]:
+    """``(grpc.StatusCode name, message, trailing metadata)`` for a domain error: the status of
+    :func:`http_error`'s answer (bad field -> ``INVALID_ARGUMENT``, unknown key ->
+    ``UNAUTHENTICATED``, another tenant's id -> ``PERMISSION_DENIED``, over quota ->
+    ``RESOURCE_EXHAUSTED`` with ``retry-after-ms``, saturated or no engine -> ``UNAVAILABLE``),
+    and ``DEADLINE_EXCEEDED`` for a deadline that passed before any token. The metadata holds
+    the field at fault (``param``) and the OpenAI error ``code`` when there is one."""
+    if isinstance(ex, DeadlineExceeded):
+        return "DEADLINE_EXCEEDED", str(ex), ()
+    status, body, headers = http_error(ex)
+    err = body["error"]
+    trailer = [(k, str(err[k])) for k in ("param", "code") if err[k] is not None]
+    if "retry-after-ms" in headers:
+        trailer.append(("retry-after-ms", headers["retry-after-ms"]))
+    elif status == 503:
+        trailer.append(("retry-after-ms", str(int(headers["Retry-After"]) * 1000)))
+    return _GRPC.get(status, "INTERNAL"), err["message"], tuple(trailer)
 
 
 def _duration(seconds: float) -> str:

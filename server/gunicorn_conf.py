@@ -7,7 +7,8 @@
 Settings come from the same environment variables as the CLI flags (``server.config``).
 The master process owns the shared memory and the engine: ``on_starting`` validates the
 configuration, ``when_ready`` (the port is bound) creates the transport and starts the engine
-supervisor before any worker forks; ``child_exit`` reclaims the
+supervisor and the gRPC sidecar (``server.sidecar``) before any worker forks; ``child_exit``
+reclaims the
 mailboxes a dead worker leased; ``on_exit`` stops the engine and unlinks the shared memory;
 ``pre_request`` closes the connection of a request whose body is over the limit; ``when_ready``
 and ``post_worker_init`` make SIGHUP reload the tenant file.
@@ -23,6 +24,7 @@ import sys
 from engine.config import ConfigError
 from engine.supervisor import EngineSupervisor
 from server.config import ServerConfig
+from server.sidecar import Sidecar
 from server.tenants import Tenants
 
 try:
@@ -64,6 +66,11 @@ def _start_engine(server) -> None:
     supervisor.start()
     server.log.info("engine starting: %d slots x %d tokens, policy %s, %d threads; shared memory %s",
                     engine.max_slots, engine.max_seq_len, engine.policy, engine.threads, supervisor.transport_name)
+    if _config.grpc_port:
+        sidecar = Sidecar(dict(os.environ), on_exit=lambda: _reclaim(server, "gRPC sidecar"))
+        _state["sidecar"] = sidecar
+        sidecar.start()
+        server.log.info("gRPC sidecar starting on port %d (pid %d)", _config.grpc_port, sidecar.pid)
 
 
 def pre_request(worker, req) -> None:
@@ -97,9 +104,11 @@ def when_ready(server) -> None:
             server.log.error("SIGHUP: tenant file not reloaded, keeping the previous one: %s",
                              e if isinstance(e, ConfigError) else type(e).__name__)
             return
-        server.log.info("SIGHUP: reloading the tenant file in every worker")
+        server.log.info("SIGHUP: reloading the tenant file in every worker and the gRPC sidecar")
         for pid in list(server.WORKERS):
             os.kill(pid, signal.SIGHUP)
+        if "sidecar" in _state:
+            _state["sidecar"].signal(signal.SIGHUP)
 
     server.handle_hup = handle_hup  # the arbiter dispatches signals to handle_<name>
 
@@ -142,15 +151,22 @@ def post_worker_init(worker) -> None:
         _reload_tenants()
 
 
-def child_exit(server, worker) -> None:
+def _reclaim(server, who: str) -> None:
     supervisor = _state.get("supervisor")
     if supervisor is not None:
         freed = supervisor.reclaim()
         if freed:
-            server.log.warning("reclaimed %d mailboxes of dead worker %s", len(freed), worker.pid)
+            server.log.warning("reclaimed %d mailboxes of dead %s", len(freed), who)
+
+
+def child_exit(server, worker) -> None:
+    _reclaim(server, f"worker {worker.pid}")
 
 
 def on_exit(server) -> None:
+    sidecar = _state.pop("sidecar", None)
+    if sidecar is not None:
+        sidecar.stop()
     supervisor = _state.pop("supervisor", None)
     if supervisor is not None:
         supervisor.stop()  # also unlinks the shared memory it created

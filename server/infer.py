@@ -2,8 +2,9 @@
 
 Request: ``{"tenant_id", "payload", "priority": "high|normal|low", "deadline_ms",
 "max_new_tokens"}``; ``payload`` is the user's message, rendered with the chat template, decoded
-greedily. Response: ``{"tenant_id", "text", "tokens", "finish_reason": "stop|length|deadline",
-"queue_wait_ms", "latency_ms"}``.
+greedily. Response: ``{"tenant_id", "text", "tokens", "cached_tokens",
+"finish_reason": "stop|length|deadline", "queue_wait_ms", "latency_ms"}``. The gRPC ``Infer``
+method shares :func:`parse_infer` and :func:`infer_result`.
 """
 from __future__ import annotations
 
@@ -15,16 +16,52 @@ from engine.errors import InvalidRequest, PermissionDenied
 from engine.request import DEADLINE_MS_BOUNDS, Priority, SamplingParams
 from server.completions import dumps
 from server.config import ServerConfig
-from server.generation import GenerationRequest, Generator
+from server.generation import Choice, Generation, GenerationRequest, Generator
 from server.params import check_fields, number, read_json, sampling_field
-from server.tenants import TenantRegistry
+from server.tenants import Tenant, TenantRegistry
 
 INFER_FIELDS = {"tenant_id", "payload", "priority", "deadline_ms", "max_new_tokens"}
 
 
+def parse_infer(body: dict, tenant: Tenant, tenants: TenantRegistry) -> tuple[str, GenerationRequest, list[dict]]:
+    """An ``/infer`` body (HTTP or gRPC) -> ``(tenant_id, request, chat messages)``.
+
+    With a tenant file, ``tenant_id`` (if given) must name the key's tenant: a body can never
+    spend another tenant's quota. Without one, it is echoed.
+
+    Raises:
+        InvalidRequest: an unknown or mistyped field. PermissionDenied: another tenant's id.
+    """
+    check_fields(body, INFER_FIELDS)
+    tenant_id = body.get("tenant_id", tenant.id)
+    if not isinstance(tenant_id, str):
+        raise InvalidRequest("tenant_id must be a string", "tenant_id")
+    if not tenants.open and tenant_id != tenant.id:
+        raise PermissionDenied("tenant_id names another tenant than the API key's", "tenant_id")
+    payload = body.get("payload")
+    if not isinstance(payload, str):
+        raise InvalidRequest("payload must be a string", "payload")
+    greq = GenerationRequest(
+        sampling=SamplingParams(max_new_tokens=sampling_field(body, "max_new_tokens"), temperature=0.0),
+        max_tokens_param="max_new_tokens", priority=Priority.parse(body.get("priority")),
+        deadline_ms=number(body, "deadline_ms", **DEADLINE_MS_BOUNDS))
+    return tenant_id, greq, [{"role": "user", "content": payload}]
+
+
+def infer_result(tenant_id: str, choice: Choice, gen: Generation, started: float) -> dict:
+    """The ``/infer`` response of a finished generation; ``started``: ``time.monotonic()`` at
+    the request's arrival."""
+    timings = gen.timings()
+    admitted = timings.admitted or timings.finished
+    usage = gen.usage()
+    return {"tenant_id": tenant_id, "text": choice.text, "tokens": usage["completion_tokens"],
+            "cached_tokens": usage["prompt_tokens_details"]["cached_tokens"], "finish_reason": choice.finish_reason,
+            "queue_wait_ms": round(max(0.0, admitted - timings.queued) * 1000, 3),
+            "latency_ms": round((time.monotonic() - started) * 1000, 3)}
+
+
 class Infer:
-    """With a tenant file, ``tenant_id`` (if given) must name the key's tenant (else 403): a body
-    can never spend another tenant's quota. Without one, it is echoed."""
+    """The HTTP route (:func:`parse_infer`, :func:`infer_result`)."""
 
     def __init__(self, config: ServerConfig, generator: Generator, tenants: TenantRegistry):
         self.config, self.generator, self.tenants = config, generator, tenants
@@ -32,29 +69,9 @@ class Infer:
     def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
         started = time.monotonic()
         body = read_json(req, self.config.max_body_bytes)
-        check_fields(body, INFER_FIELDS)
-        tenant = req.context.tenant
-        tenant_id = body.get("tenant_id", tenant.id)
-        if not isinstance(tenant_id, str):
-            raise InvalidRequest("tenant_id must be a string", "tenant_id")
-        if not self.tenants.open and tenant_id != tenant.id:
-            raise PermissionDenied("tenant_id names another tenant than the API key's", "tenant_id")
-        payload = body.get("payload")
-        if not isinstance(payload, str):
-            raise InvalidRequest("payload must be a string", "payload")
-        greq = GenerationRequest(
-            sampling=SamplingParams(max_new_tokens=sampling_field(body, "max_new_tokens"), temperature=0.0),
-            max_tokens_param="max_new_tokens", priority=Priority.parse(body.get("priority")),
-            deadline_ms=number(body, "deadline_ms", **DEADLINE_MS_BOUNDS))
-        gen = self.generator.chat([{"role": "user", "content": payload}], greq, "payload", tenant=tenant,
+        tenant_id, greq, messages = parse_infer(body, req.context.tenant, self.tenants)
+        gen = self.generator.chat(messages, greq, "payload", tenant=req.context.tenant,
                                   watch_socket=req.env.get("gunicorn.socket"))
         (choice,) = gen.collect()
-        timings = gen.timings()
-        admitted = timings.admitted or timings.finished
         resp.content_type = falcon.MEDIA_JSON
-        usage = gen.usage()
-        resp.text = dumps({
-            "tenant_id": tenant_id, "text": choice.text, "tokens": usage["completion_tokens"],
-            "cached_tokens": usage["prompt_tokens_details"]["cached_tokens"], "finish_reason": choice.finish_reason,
-            "queue_wait_ms": round(max(0.0, admitted - timings.queued) * 1000, 3),
-            "latency_ms": round((time.monotonic() - started) * 1000, 3)})
+        resp.text = dumps(infer_result(tenant_id, choice, gen, started))

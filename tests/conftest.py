@@ -101,16 +101,20 @@ class RunningServer:
     """A real ``inference-server`` (gunicorn + engine) in a subprocess.
 
     Attributes: ``url`` (``http://127.0.0.1:<port>``), ``engine`` (an EngineClient attached to
-    the server's shared memory, to inspect slots), ``log`` (path of its combined output).
+    the server's shared memory, to inspect slots), ``log`` (path of its combined output),
+    ``grpc_port`` (with ``grpc=True``; otherwise the sidecar is off, so servers never compete for
+    the default port).
     """
 
-    def __init__(self, *flags: str, env: dict | None = None):
+    def __init__(self, *flags: str, env: dict | None = None, grpc: bool = False):
         import secrets
         import subprocess
         import sys
         import tempfile
 
         self.port = free_port()
+        self.grpc_port = free_port() if grpc else 0
+        flags = ("--grpc-port", str(self.grpc_port), *flags)
         self.url = f"http://127.0.0.1:{self.port}"
         self.shm = f"infer-test-{secrets.token_hex(4)}"
         self.log = tempfile.NamedTemporaryFile(prefix="server-", suffix=".log", delete=False).name
@@ -141,11 +145,25 @@ class RunningServer:
             time.sleep(0.1)
         raise AssertionError("server did not become healthy:\n" + open(self.log).read()[-3000:])
 
-    def worker_pids(self) -> list[int]:
-        """The gunicorn workers: the master's children other than the engine."""
+    def children(self) -> list[int]:
+        """The master's child processes (workers, engine, gRPC sidecar)."""
         with open(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children") as f:
-            children = [int(p) for p in f.read().split()]
-        return [p for p in children if p != self.engine.t.control.engine_pid]
+            return [int(p) for p in f.read().split()]
+
+    def worker_pids(self) -> list[int]:
+        """The gunicorn workers: the master's children other than the engine and the sidecar."""
+        return [p for p in self.children() if p != self.engine.t.control.engine_pid and p != self.sidecar_pid()]
+
+    def sidecar_pid(self) -> int | None:
+        """The gRPC sidecar's pid (None when there is none)."""
+        for pid in self.children():
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    if b"server.grpc_server" in f.read():
+                        return pid
+            except OSError:
+                continue
+        return None
 
     def wait_idle(self, timeout: float = 10.0) -> None:
         """Until no mailbox is leased and no slot is held (asserted, not slept on)."""
@@ -169,8 +187,8 @@ class RunningServer:
 
 
 @contextlib.contextmanager
-def running_server(*flags: str, env: dict | None = None):
-    server = RunningServer(*flags, env=env)
+def running_server(*flags: str, env: dict | None = None, grpc: bool = False):
+    server = RunningServer(*flags, env=env, grpc=grpc)
     try:
         yield server
     finally:

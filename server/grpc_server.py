@@ -1,0 +1,96 @@
+"""The gRPC sidecar process: ``python -m server.grpc_server``, spawned by the gunicorn master
+(``server.sidecar``) with the same environment a worker gets (the configuration variables and
+``INFERENCE_SHM``).
+
+It serves :class:`server.grpc_service.InferenceService` on ``--grpc-port`` with
+``--grpc-threads`` handler threads, standard health checking (``grpc.health.v1``: ``NOT_SERVING``
+until the engine is ready, and again while it restarts or after SIGTERM) and server reflection.
+SIGTERM drains (health goes ``NOT_SERVING``, calls get ``GRACE_S`` seconds); SIGHUP reloads the
+tenant file; Ctrl-C's SIGINT is left to the master. The process dies with its parent.
+"""
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import sys
+import threading
+from concurrent import futures
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from engine.client import EngineClient
+from proto import inference_pb2_grpc
+from server.chat_template import ChatTemplate
+from server.config import ServerConfig
+from server.generation import Generator
+from server.grpc_service import SERVICE_NAME, InferenceService
+from server.ratelimit import RateLimiter
+from server.tenants import TenantRegistry, Tenants
+from server.tokenizer import Tokenizer
+
+log = logging.getLogger("grpc")
+GRACE_S = 5.0
+#: Seconds between looks at the engine's state for the health service.
+HEALTH_POLL_S = 0.2
+PR_SET_PDEATHSIG = 1
+
+
+def build(config: ServerConfig, engine: EngineClient,
+          tenants: TenantRegistry) -> tuple[grpc.Server, health.HealthServicer]:
+    """The server with its three services, health ``NOT_SERVING`` (set before it starts, so no
+    probe passes during model load), not started. Binding a used port raises RuntimeError."""
+    tokenizer = Tokenizer(config.resolved_model_path())
+    generator = Generator(engine, tokenizer, ChatTemplate(tokenizer), RateLimiter(engine.buckets, config.redis_url))
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=config.grpc_threads),
+                         maximum_concurrent_rpcs=config.grpc_threads)
+    inference_pb2_grpc.add_InferenceServiceServicer_to_server(InferenceService(config, generator, tenants), server)
+    health_servicer = health.HealthServicer()
+    for name in ("", SERVICE_NAME):
+        health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server)
+    server.add_insecure_port(f"{config.host}:{config.grpc_port}")
+    return server, health_servicer
+
+
+def follow_engine(engine: EngineClient, health_servicer: health.HealthServicer, stop: threading.Event) -> None:
+    """Keep health in step with the engine (ready, restarting) until ``stop``; then
+    ``NOT_SERVING`` for good."""
+    serving = None
+    while not stop.is_set():
+        ready = engine.ready()
+        if ready != serving:
+            status = health_pb2.HealthCheckResponse.SERVING if ready else health_pb2.HealthCheckResponse.NOT_SERVING
+            for name in ("", SERVICE_NAME):
+                health_servicer.set(name, status)
+            serving = ready
+        stop.wait(HEALTH_POLL_S)
+    health_servicer.enter_graceful_shutdown()
+
+
+def main() -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    config = ServerConfig.from_env()
+    tenants = TenantRegistry(Tenants.load(config.tenants_file or None))
+    engine = EngineClient.attach(os.environ["INFERENCE_SHM"])
+    server, health_servicer = build(config, engine, tenants)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGHUP, lambda *_: tenants.reload())
+    server.start()
+    log.info("gRPC sidecar serving on %s:%d (pid %d)", config.host, config.grpc_port, os.getpid())
+    follow_engine(engine, health_servicer, stop)
+    server.stop(GRACE_S).wait()
+    engine.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

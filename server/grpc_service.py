@@ -1,0 +1,215 @@
+"""``inference.v1.InferenceService`` (``proto/inference.proto``): the gRPC front end.
+
+A request message becomes the same dict an HTTP body would be (:func:`message_body`) and goes
+through the same parsers (``server.params``, ``server.infer``), the same :class:`Generator`
+(tokenizer, chat template, engine client, detokenizer with stop strings, rate limits) and the same
+error mapping (``server.errors.grpc_error``) as the HTTP routes, so the two front ends accept
+and refuse the same requests.
+
+Metadata: ``authorization: Bearer <key>`` or ``x-tenant-id: <key>`` names the tenant. The call's
+gRPC deadline becomes the request's deadline in the engine, and a cancelled call (or a client
+that went away) cancels its sequences, queued or running.
+"""
+from __future__ import annotations
+
+import functools
+import inspect
+import secrets
+import time
+
+import grpc
+
+from engine.errors import DeadlineExceeded, EngineError, RequestError, Unauthenticated
+from engine.request import DEADLINE_MS_BOUNDS
+from proto import inference_pb2 as pb
+from proto import inference_pb2_grpc
+from server.config import ServerConfig
+from server.errors import grpc_error
+from server.generation import Delta, Generation, Generator
+from server.infer import infer_result, parse_infer
+from server.params import check_model, parse_generation, parse_messages, render_options
+from server.tenants import Tenant, TenantRegistry, key_of
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["InferenceService"].full_name
+
+
+def message_body(message) -> dict:
+    """The fields a client set, as the JSON body of the matching HTTP request: unset optional
+    fields and ``*_UNSPECIFIED`` enums are left out (the default applies), ``Priority`` becomes
+    ``high | normal | low``, nested messages become dicts."""
+    body = {}
+    for field, value in message.ListFields():
+        if field.message_type is not None:
+            value = [message_body(v) for v in value] if field.is_repeated else message_body(value)
+        elif field.enum_type is not None:
+            value = field.enum_type.values_by_number[value].name.removeprefix("PRIORITY_").lower()
+        elif field.is_repeated:
+            value = list(value)
+        body[field.name] = value
+    return body
+
+
+def _aborts_on_errors(method):
+    """Answer a domain error (:mod:`engine.errors`) with its gRPC status; unary and streaming."""
+    def abort(context: grpc.ServicerContext, ex: Exception):
+        code, message, trailer = grpc_error(ex)
+        context.set_trailing_metadata(trailer)
+        context.abort(getattr(grpc.StatusCode, code), message)
+
+    if inspect.isgeneratorfunction(method):
+        @functools.wraps(method)
+        def streaming(self, request, context):
+            try:
+                yield from method(self, request, context)
+            except (RequestError, EngineError) as ex:
+                abort(context, ex)
+        return streaming
+
+    @functools.wraps(method)
+    def unary(self, request, context):
+        try:
+            return method(self, request, context)
+        except (RequestError, EngineError) as ex:
+            abort(context, ex)
+    return unary
+
+
+class InferenceService(inference_pb2_grpc.InferenceServiceServicer):
+    """The four methods over one :class:`Generator`.
+
+    Args:
+        config: the server's settings (model names, message limit). generator: the shared
+            request path. tenants: API keys (reloaded on SIGHUP by the sidecar).
+    """
+
+    def __init__(self, config: ServerConfig, generator: Generator, tenants: TenantRegistry):
+        self.config, self.generator, self.tenants = config, generator, tenants
+
+    # -- methods ----------------------------------------------------------------------------------
+    @_aborts_on_errors
+    def Infer(self, request: pb.InferRequest, context) -> pb.InferResponse:
+        started = time.monotonic()
+        tenant_id, gen = self._infer(request, context)
+        (choice,) = gen.collect()
+        _check_deadline(gen, [choice.tokens])
+        return pb.InferResponse(**infer_result(tenant_id, choice, gen, started))
+
+    @_aborts_on_errors
+    def InferStream(self, request: pb.InferRequest, context):
+        _, gen = self._infer(request, context)
+        for d, usage in _with_usage(gen):
+            yield pb.InferChunk(text=d.text, token_ids=[t.id for t in d.tokens], finish_reason=d.finish_reason or "",
+                                usage=usage)
+
+    @_aborts_on_errors
+    def ChatComplete(self, request: pb.ChatRequest, context) -> pb.ChatResponse:
+        model, gen = self._chat(request, context)
+        choices = gen.collect()
+        _check_deadline(gen, [c.tokens for c in choices])
+        return pb.ChatResponse(
+            id=f"chatcmpl-{secrets.token_hex(12)}", model=model, usage=_usage(gen),
+            choices=[pb.ChatChoice(index=i, text=c.text, token_ids=[t.id for t in c.tokens],
+                                   finish_reason=c.finish_reason or "", logprobs=_logprobs(c.tokens))
+                     for i, c in enumerate(choices)])
+
+    @_aborts_on_errors
+    def ChatCompleteStream(self, request: pb.ChatRequest, context):
+        _, gen = self._chat(request, context)
+        for d, usage in _with_usage(gen):
+            yield pb.ChatChunk(index=d.index, text=d.text, token_ids=[t.id for t in d.tokens],
+                               logprobs=_logprobs(d.tokens), finish_reason=d.finish_reason or "", usage=usage)
+
+    # -- the shared steps ---------------------------------------------------------------------------
+    def _tenant(self, context) -> Tenant:
+        metadata = dict(context.invocation_metadata())
+        key = key_of(metadata.get("authorization"), metadata.get("x-tenant-id"))
+        tenant = self.tenants.authenticate(key)
+        if tenant is None:
+            raise Unauthenticated("missing API key: send metadata authorization: Bearer <key>" if key is None
+                                  else "unknown API key")
+        return tenant
+
+    def _infer(self, request: pb.InferRequest, context) -> tuple[str, Generation]:
+        tenant = self._tenant(context)
+        body = message_body(request)
+        if not body.get("tenant_id"):
+            body.pop("tenant_id", None)  # proto3: empty is unset
+        tenant_id, greq, messages = parse_infer(body, tenant, self.tenants)
+        greq.deadline_ms = _call_deadline_ms(context, greq.deadline_ms)
+        gen = self.generator.chat(messages, greq, "payload", tenant=tenant)
+        _cancel_with_call(gen, context)
+        return tenant_id, gen
+
+    def _chat(self, request: pb.ChatRequest, context) -> tuple[str, Generation]:
+        tenant = self._tenant(context)
+        body = message_body(request)
+        if not body.get("model"):
+            body.pop("model", None)
+        model = check_model(body, self.config.model_ids)
+        greq = parse_generation(body, chat=True)
+        greq.deadline_ms = _call_deadline_ms(context, greq.deadline_ms)
+        messages = parse_messages(body, self.config.max_messages)
+        gen = self.generator.chat(messages, greq, render=render_options(body, messages), tenant=tenant)
+        _cancel_with_call(gen, context)
+        return model, gen
+
+
+def _call_deadline_ms(context, deadline_ms: float | None) -> float | None:
+    """The earlier of the request's ``deadline_ms`` and the call's gRPC deadline.
+
+    Raises:
+        DeadlineExceeded: the call's deadline has already passed.
+    """
+    remaining = context.time_remaining()
+    if remaining is None or remaining * 1000 >= DEADLINE_MS_BOUNDS["hi"]:
+        return deadline_ms
+    if remaining <= 0:
+        raise DeadlineExceeded("the call's deadline passed before the request was queued")
+    return min(deadline_ms or DEADLINE_MS_BOUNDS["hi"], remaining * 1000)
+
+
+def _cancel_with_call(gen: Generation, context) -> None:
+    """A call that ends early (cancelled, deadline, client gone) cancels the sequences; after a
+    normal end the callback finds them finished and does nothing."""
+    def cancel():
+        for stream in gen.streams:
+            stream.cancel()
+
+    if not context.add_callback(cancel):
+        cancel()  # the call had already ended
+
+
+def _check_deadline(gen: Generation, token_lists) -> None:
+    """A deadline that passed before any token is ``DEADLINE_EXCEEDED`` (with tokens, the
+    answer is what was generated, ``finish_reason: deadline``, as over HTTP)."""
+    if any(s.finish_reason == "deadline" for s in gen.streams) and not any(token_lists):
+        raise DeadlineExceeded("deadline passed before the first token")
+
+
+def _usage(gen: Generation) -> pb.Usage:
+    u = gen.usage()
+    return pb.Usage(prompt_tokens=u["prompt_tokens"], completion_tokens=u["completion_tokens"],
+                    total_tokens=u["total_tokens"], cached_tokens=u["prompt_tokens_details"]["cached_tokens"])
+
+
+def _with_usage(gen: Generation):
+    """``(delta, usage or None)`` for every delta; the last one carries the usage (known once
+    every choice finished). Raises DeadlineExceeded when the deadline passed before any token."""
+    pending: Delta | None = None
+    produced = False
+    for d in gen.deltas():
+        if d is None:
+            continue
+        produced = produced or bool(d.tokens)
+        if pending is not None:
+            yield pending, None
+        pending = d
+    _check_deadline(gen, [produced])
+    if pending is not None:
+        yield pending, _usage(gen)
+
+
+def _logprobs(tokens) -> list[pb.TokenLogprob]:
+    return [pb.TokenLogprob(token_id=t.id, logprob=t.logprob,
+                            top_logprobs=[pb.TopLogprob(token_id=i, logprob=lp) for i, lp in t.top])
+            for t in tokens if t.logprob is not None]

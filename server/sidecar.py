@@ -1,0 +1,79 @@
+"""The gunicorn master's keeper of the gRPC sidecar (``python -m server.grpc_server``).
+
+gRPC's core does not survive ``fork`` once it is loaded, so the sidecar is a new interpreter
+(``subprocess``: fork then exec, from the master, which never imports grpc), not a forked
+worker. A sidecar that exits while the server runs is started again after ``RESTART_S``, and
+the mailboxes it leased are reclaimed as a dead worker's are.
+"""
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+import threading
+from typing import Callable
+
+log = logging.getLogger("sidecar")
+RESTART_S = 0.5
+STOP_S = 10.0
+
+
+class Sidecar:
+    """Runs and restarts one child process.
+
+    Args:
+        env: its environment (the server's configuration variables and ``INFERENCE_SHM``).
+        on_exit: called after every exit (the master reclaims the dead process's mailboxes).
+    """
+
+    def __init__(self, env: dict[str, str], on_exit: Callable[[], None]):
+        self.env, self.on_exit = env, on_exit
+        self.proc: subprocess.Popen | None = None
+        self.restarts = 0
+        self._stopping = threading.Event()
+        self._lock = threading.Lock()  # no spawn after stop() began
+        self._thread = threading.Thread(target=self._keep, name="grpc-sidecar", daemon=True)
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc is not None else None
+
+    def start(self) -> None:
+        self._spawn()
+        self._thread.start()
+
+    def _spawn(self) -> None:
+        self.proc = subprocess.Popen([sys.executable, "-m", "server.grpc_server"], env=self.env)
+
+    def _keep(self) -> None:
+        while True:
+            code = self.proc.wait()
+            self.on_exit()
+            if self._stopping.is_set():
+                return
+            log.error("gRPC sidecar (pid %d) exited with %s; restarting in %.1f s", self.proc.pid, code, RESTART_S)
+            if self._stopping.wait(RESTART_S):
+                return
+            with self._lock:
+                if self._stopping.is_set():
+                    return
+                self.restarts += 1
+                self._spawn()
+
+    def signal(self, sig: int) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(sig)
+
+    def stop(self) -> None:
+        """SIGTERM (the sidecar drains its calls), SIGKILL after ``STOP_S`` seconds."""
+        with self._lock:
+            self._stopping.set()
+        if self.proc is None:
+            return
+        self.proc.terminate()
+        try:
+            self.proc.wait(STOP_S)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self._thread.join(STOP_S)
