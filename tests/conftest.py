@@ -146,9 +146,13 @@ class RunningServer:
         raise AssertionError("server did not become healthy:\n" + open(self.log).read()[-3000:])
 
     def children(self) -> list[int]:
-        """The master's child processes (workers, engine, gRPC sidecar)."""
-        with open(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children") as f:
-            return [int(p) for p in f.read().split()]
+        """The master's child processes (workers, engine, gRPC sidecar), of all its threads (a
+        restarted sidecar is a child of the thread that keeps it)."""
+        pids = []
+        for task in os.listdir(f"/proc/{self.proc.pid}/task"):
+            with open(f"/proc/{self.proc.pid}/task/{task}/children") as f:
+                pids += [int(p) for p in f.read().split()]
+        return pids
 
     def worker_pids(self) -> list[int]:
         """The gunicorn workers: the master's children other than the engine and the sidecar."""
