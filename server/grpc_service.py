@@ -193,20 +193,26 @@ def _usage(gen: Generation) -> pb.Usage:
 
 
 def _with_usage(gen: Generation):
-    """``(delta, usage or None)`` for every delta; the last one carries the usage (known once
-    every choice finished). Raises DeadlineExceeded when the deadline passed before any token."""
-    pending: Delta | None = None
+    """``(delta, usage or None)`` for every delta, as soon as it comes, but for a choice's
+    finishing delta: that one waits for the next delta, so the stream's last delta (always a
+    finishing one) can carry the usage, known once every choice finished. Raises
+    DeadlineExceeded when the deadline passed before any token."""
+    held: Delta | None = None
     produced = False
     for d in gen.deltas():
         if d is None:
             continue
         produced = produced or bool(d.tokens)
-        if pending is not None:
-            yield pending, None
-        pending = d
+        if held is not None:
+            yield held, None
+            held = None
+        if d.finish_reason:
+            held = d
+        else:
+            yield d, None
     _check_deadline(gen, [produced])
-    if pending is not None:
-        yield pending, _usage(gen)
+    if held is not None:
+        yield held, _usage(gen)
 
 
 def _logprobs(tokens) -> list[pb.TokenLogprob]:

@@ -289,3 +289,54 @@ def test_16_grpc_and_16_http_streams_together(tenant_server):
     assert all(usage == 16 for _, usage in results.values())
     assert all(n == 16 for (kind, _), (n, _) in results.items() if kind == "grpc")
     server.wait_idle()
+
+
+def test_health_is_not_serving_until_the_engine_is_ready(model_path):
+    """The sidecar's own server over a real transport whose engine state this test sets (as an
+    engine process would): NOT_SERVING from before the server starts, SERVING once ready, and
+    NOT_SERVING again when the engine dies, then for good after the stop."""
+    from engine.client import EngineClient
+    from server.config import ServerConfig
+    from server.grpc_server import build, follow_engine
+    from server.tenants import TenantRegistry, Tenants
+    from shm import EngineState, Transport
+    from tests.conftest import free_port
+
+    config = ServerConfig(model_path=model_path, max_slots=1, max_seq_len=256, grpc_port=free_port())
+    transport = Transport.create(config.engine_config().layout())
+    engine = EngineClient(transport)
+    server, health = build(config, engine, TenantRegistry(Tenants.load(None)))
+    server.start()
+    stop = threading.Event()
+    follower = threading.Thread(target=follow_engine, args=(engine, health, stop))
+    follower.start()
+    try:
+        channel = _channel(config.grpc_port)
+        serving, not_serving = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
+        assert _health(channel) == not_serving and _health(channel, "") == not_serving
+        transport.control.set_state(EngineState.READY, pid=os.getpid())
+        _wait_serving(channel, timeout=5)
+        transport.control.set_state(EngineState.DEAD)
+        end = time.monotonic() + 5
+        while _health(channel) != not_serving:
+            assert time.monotonic() < end
+            time.sleep(0.02)
+    finally:
+        stop.set()
+        follower.join()
+        server.stop(0).wait()
+        engine.close()
+        transport.close()
+
+
+def test_readme_python_client_example(small_server):
+    import re
+
+    readme = (ROOT / "README.md").read_text()
+    (code,) = [c for c in re.findall(r"^```python\n(.*?)^```", readme, re.M | re.S) if "InferenceServiceStub" in c]
+    server, _, _ = small_server
+    out = subprocess.run([sys.executable, "-c", code.replace("127.0.0.1:50051", f"127.0.0.1:{server.grpc_port}")],
+                         capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip()
+    server.wait_idle()
