@@ -312,7 +312,7 @@ def test_health_is_not_serving_until_the_engine_is_ready(model_path):
     follower.start()
     try:
         channel = _channel(config.grpc_port)
-        serving, not_serving = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
+        not_serving = health_pb2.HealthCheckResponse.NOT_SERVING
         assert _health(channel) == not_serving and _health(channel, "") == not_serving
         transport.control.set_state(EngineState.READY, pid=os.getpid())
         _wait_serving(channel, timeout=5)
