@@ -6,6 +6,9 @@ import json
 import subprocess
 import sys
 import tempfile
+import threading
+import time
+from typing import Callable
 
 from engine.client import EngineClient
 from engine.config import EngineConfig
@@ -62,3 +65,15 @@ def report(label: str, tokens_per_s: float, before: dict, after: dict, json_path
         with open(json_path, "w") as f:
             json.dump(result, f, indent=2)
     return result
+
+
+def concurrently(n_clients: int, work: Callable[[int], None]) -> float:
+    """Run ``work(client index)`` in ``n_clients`` threads at once; returns the wall time in
+    seconds from the first start to the last end."""
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(n_clients)]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return time.perf_counter() - t0

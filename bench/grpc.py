@@ -16,7 +16,6 @@ import http.client
 import json
 import statistics
 import sys
-import threading
 import time
 
 
@@ -57,18 +56,14 @@ def grpc_stream(stub, content: str, gen: int) -> tuple[float, int]:
 
 def run(call, prompts: list[str], gen: int) -> dict:
     """Every prompt at once, one client thread each: tokens/s and TTFT p50 (ms)."""
+    from bench.common import concurrently
+
     results = [None] * len(prompts)
 
     def client(i):
         results[i] = call(prompts[i], gen)
 
-    threads = [threading.Thread(target=client, args=(i,)) for i in range(len(prompts))]
-    t0 = time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    wall = time.perf_counter() - t0
+    wall = concurrently(len(prompts), client)
     return {"tokens_per_s": sum(r[1] for r in results) / wall,
             "ttft_p50_ms": statistics.median(r[0] for r in results) * 1000}
 

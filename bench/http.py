@@ -21,7 +21,6 @@ import http.client
 import json
 import statistics
 import sys
-import threading
 import time
 
 
@@ -61,19 +60,16 @@ def prompt_text(tokenizer, n_tokens: int, salt: int) -> str:
 
 def throughput(port: int, prompts: list[str], gen: int, key: str | None = None) -> tuple[float, int]:
     """All prompts streamed at once, one client thread each; returns (tokens/s, tokens)."""
+    from bench.common import concurrently
+
     results = [None] * len(prompts)
 
     def client(i):
         results[i] = stream_completion(port, prompts[i], gen, key)
 
-    threads = [threading.Thread(target=client, args=(i,)) for i in range(len(prompts))]
-    t0 = time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    wall = concurrently(len(prompts), client)
     generated = sum(r[2] for r in results)
-    return generated / (time.perf_counter() - t0), generated
+    return generated / wall, generated
 
 
 def main(argv=None) -> int:

@@ -27,8 +27,9 @@ import json
 import statistics
 import subprocess
 import sys
-import threading
 import time
+
+from bench.common import concurrently
 
 SYSTEM = ("You are the concierge of the Grand Harbour Hotel. Guests ask about rooms, meals, transport "
           "and the town. Answer warmly and briefly, recommend only services listed here, and never "
@@ -70,17 +71,6 @@ def chat_stream(port: int, messages: list[dict], max_tokens: int, extra: dict | 
     return {"ttft": ttft if ttft is not None else done, "done": done, "usage": usage, "text": "".join(text)}
 
 
-def _clients(n_clients: int, work) -> float:
-    """Run ``work(client index)`` in ``n_clients`` threads; returns the wall time in seconds."""
-    threads = [threading.Thread(target=work, args=(i,)) for i in range(n_clients)]
-    t0 = time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return time.perf_counter() - t0
-
-
 def chat_workload(port: int, clients: int, requests: int, extra: dict | None = None) -> dict:
     """The shared-system-prompt chat workload: generated tok/s and TTFT p50 (ms)."""
     results = []
@@ -91,7 +81,7 @@ def chat_workload(port: int, clients: int, requests: int, extra: dict | None = N
                         {"role": "user", "content": f"{QUESTIONS[r % len(QUESTIONS)]} (room {100 + r})"}]
             results.append(chat_stream(port, messages, 128, extra))
 
-    wall = _clients(clients, work)
+    wall = concurrently(clients, work)
     generated = sum(r["usage"]["completion_tokens"] for r in results)
     return {"tokens_per_s": generated / wall, "ttft_p50_ms": statistics.median(r["ttft"] for r in results) * 1000,
             "requests": len(results), "generated": generated}
@@ -109,7 +99,7 @@ def conversation_workload(port: int, clients: int, turns: int = 4) -> dict:
             usages.append(r["usage"])
             messages.append({"role": "assistant", "content": r["text"]})
 
-    _clients(clients, work)
+    concurrently(clients, work)
     prompt = sum(u["prompt_tokens"] for u in usages)
     cached = sum(u.get("prompt_tokens_details", {}).get("cached_tokens", 0) for u in usages)
     return {"prompt_tokens": prompt, "cached_tokens": cached, "prefilled_tokens": prompt - cached}
@@ -126,7 +116,7 @@ def distinct_workload(port: int, clients: int, requests: int, tokenizer) -> dict
         for r in range(i, requests, clients):
             generated.append(stream_completion(port, prompts[r], 128)[2])
 
-    wall = _clients(clients, work)
+    wall = concurrently(clients, work)
     return {"tokens_per_s": sum(generated) / wall}
 
 

@@ -66,6 +66,21 @@ def assert_idle_and_clean(client: EngineClient) -> None:
     assert client.kv_pos_max() == [-1] * client.max_slots
 
 
+def kill_engine_mid_stream(client: EngineClient, supervisor: EngineSupervisor, prompt, params) -> None:
+    """SIGKILL the engine while ``prompt`` streams: the stream fails with EngineUnavailable,
+    no mailbox stays leased, and a new engine becomes ready."""
+    from engine.errors import EngineUnavailable
+
+    stream = client.submit(prompt, params)
+    it = iter(stream)
+    next(it)
+    os.kill(client.t.control.engine_pid, signal.SIGKILL)
+    with pytest.raises(EngineUnavailable):
+        list(it)
+    assert client.mailboxes_in_use() == 0
+    assert supervisor.wait_ready(120)
+
+
 @contextlib.contextmanager
 def redis_server(port: int | None = None):
     """A real ``redis-server`` on a free port (no persistence); yields ``(url, process)``."""

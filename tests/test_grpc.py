@@ -153,28 +153,21 @@ def _blockers(stub, n: int, metadata=ALPHA):
     return calls
 
 
-def test_call_deadline_against_a_busy_server_and_its_sequence_is_gone(tenant_server):
+@pytest.mark.parametrize("deadline", ["call", "request"])
+def test_deadline_against_a_busy_server_is_deadline_exceeded_and_its_sequence_is_gone(tenant_server, deadline):
+    """The call's gRPC deadline (50 ms), or the request's ``deadline_ms``, passes while every
+    slot is busy: DEADLINE_EXCEEDED, and nothing of the request stays in the engine."""
     server, stub, _ = tenant_server
     calls = _blockers(stub, 4)
     try:
         with pytest.raises(grpc.RpcError) as e:
-            stub.ChatComplete(_chat("Are you there?"), metadata=ALPHA, timeout=0.05)
+            if deadline == "call":
+                stub.ChatComplete(_chat("Are you there?"), metadata=ALPHA, timeout=0.05)
+            else:
+                stub.Infer(pb.InferRequest(payload="Hi", deadline_ms=100), metadata=ALPHA, timeout=30)
         assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
         wait_steps(server.engine, 3)
-        assert server.engine.mailboxes_in_use() == 4  # the blockers only: the queued one is gone
-    finally:
-        for call in calls:
-            call.cancel()
-    server.wait_idle()
-
-
-def test_request_deadline_before_any_token_is_deadline_exceeded(tenant_server):
-    server, stub, _ = tenant_server
-    calls = _blockers(stub, 4)
-    try:
-        with pytest.raises(grpc.RpcError) as e:
-            stub.Infer(pb.InferRequest(payload="Hi", deadline_ms=100), metadata=ALPHA, timeout=30)
-        assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert server.engine.mailboxes_in_use() == 4  # the blockers only
     finally:
         for call in calls:
             call.cancel()

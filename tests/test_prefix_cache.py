@@ -5,17 +5,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import signal
 
 import pytest
 
 from engine.config import EngineConfig
 from engine.core import MAX_CHUNK_TOKENS, MIN_REUSE_TOKENS
-from engine.errors import EngineUnavailable
 from engine.inproc import InprocEngine
 from engine.request import SamplingParams
-from tests.conftest import AppServer, assert_idle_and_clean, running_engine, wait_steps
+from tests.conftest import AppServer, assert_idle_and_clean, kill_engine_mid_stream, running_engine, wait_steps
 
 GREEDY = SamplingParams(max_new_tokens=12, temperature=0.0)
 # Long enough (about 300 tokens with the template) that contexts pass 256 cells, where llama.cpp's
@@ -204,14 +201,7 @@ def test_cancel_deadline_and_engine_restart_with_the_cache_on(chat):
         assert_idle_and_clean(client)
         # The engine dies under a sequence that reused a prefix; the new engine process starts
         # with an empty cache and gives the same answers.
-        stream = client.submit(prompts[0], long)
-        it = iter(stream)
-        next(it)
-        os.kill(client.t.control.engine_pid, signal.SIGKILL)
-        with pytest.raises(EngineUnavailable):
-            list(it)
-        assert client.mailboxes_in_use() == 0
-        assert supervisor.wait_ready(120)
+        kill_engine_mid_stream(client, supervisor, prompts[0], long)
         wait_steps(client, 1, timeout=30)
         assert client.snapshot().cache_entries == 0
         with client.submit(prompts[0], GREEDY) as s:

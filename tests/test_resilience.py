@@ -12,20 +12,13 @@ import pytest
 
 from engine.client import EngineUnavailable, SamplingParams
 from shm import MailboxState
-from tests.conftest import assert_idle_and_clean, running_engine, running_server
+from tests.conftest import assert_idle_and_clean, kill_engine_mid_stream, running_engine, running_server
 
 
 def test_engine_crash_fails_in_flight_requests_and_restarts():
     with running_engine(max_slots=2) as (client, supervisor):
         long_params = SamplingParams(max_new_tokens=200, temperature=0, ignore_eos=True)
-        stream = client.submit([40, 41, 42], long_params)
-        it = iter(stream)
-        next(it)
-        os.kill(client.t.control.engine_pid, signal.SIGKILL)
-        with pytest.raises(EngineUnavailable):
-            list(it)
-        assert client.mailboxes_in_use() == 0
-        assert supervisor.wait_ready(120)
+        kill_engine_mid_stream(client, supervisor, [40, 41, 42], long_params)
         assert supervisor.restarts == 1
         with client.submit([40, 41, 42], SamplingParams(max_new_tokens=4, temperature=0, ignore_eos=True)) as s:
             assert len(list(s)) == 4
