@@ -29,7 +29,6 @@ class Sidecar:
     def __init__(self, env: dict[str, str], on_exit: Callable[[], None]):
         self.env, self.on_exit = env, on_exit
         self.proc: subprocess.Popen | None = None
-        self.restarts = 0
         self._stopping = threading.Event()
         self._lock = threading.Lock()  # no spawn after stop() began
         self._thread = threading.Thread(target=self._keep, name="grpc-sidecar", daemon=True)
@@ -57,7 +56,6 @@ class Sidecar:
             with self._lock:
                 if self._stopping.is_set():
                     return
-                self.restarts += 1
                 self._spawn()
 
     def signal(self, sig: int) -> None:
