@@ -68,14 +68,17 @@ class ServerConfig:
     redis_url: str = _option("--redis-url", "REDIS_URL", "Redis for rate limits shared across replicas", "",
                              shown="none")
     grpc_port: int = _option("--grpc-port", "GRPC_PORT", "gRPC port of the sidecar (0: no gRPC)", 50051)
-    grpc_threads: int = _option("--grpc-threads", "GRPC_THREADS", "gRPC handler threads (concurrent calls)", 32)
+    grpc_threads: int = _option("--grpc-threads", "GRPC_THREADS",
+                                "gRPC handler threads (0: one per slot and queue place, plus 8)", 0)
 
     def __post_init__(self):
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"--port must be 0..65535, got {self.port}")
         if not 0 <= self.grpc_port <= 65535:
             raise ConfigError(f"--grpc-port must be 0..65535, got {self.grpc_port}")
-        for name in ("workers", "threads", "max_body_bytes", "max_messages", "grpc_threads"):
+        if self.grpc_threads < 0:
+            raise ConfigError(f"--grpc-threads must be >= 0, got {self.grpc_threads}")
+        for name in ("workers", "threads", "max_body_bytes", "max_messages"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if not self.model_ids:
@@ -90,6 +93,12 @@ class ServerConfig:
     def model_ids(self) -> tuple[str, ...]:
         """The served names (``--model-id``, comma-separated), the first being the default."""
         return tuple(dict.fromkeys(name.strip() for name in self.model_id.split(",") if name.strip()))
+
+    @property
+    def grpc_handler_threads(self) -> int:
+        """``--grpc-threads``, or by default one per request the engine can hold
+        (slots + queue places) plus 8 for health checks and refusals."""
+        return self.grpc_threads or self.max_slots + self.max_queued + 8
 
     @property
     def cors_origins(self) -> tuple[str, ...] | str | None:

@@ -45,8 +45,12 @@ def build(config: ServerConfig, engine: EngineClient,
     probe passes during model load), not started. Binding a used port raises RuntimeError."""
     tokenizer = Tokenizer(config.resolved_model_path())
     generator = Generator(engine, tokenizer, ChatTemplate(tokenizer), RateLimiter(engine.buckets, config.redis_url))
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=config.grpc_threads),
-                         maximum_concurrent_rpcs=config.grpc_threads)
+    # No cap on concurrent calls: gRPC would refuse the excess with RESOURCE_EXHAUSTED (which
+    # means "over quota" here) and count health probes against it. Calls beyond the threads
+    # wait for one; the default has a thread for every mailbox and spare ones, so a saturated
+    # server still answers UNAVAILABLE at once and probes at once.
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=config.grpc_handler_threads),
+                         options=[("grpc.max_receive_message_length", config.max_body_bytes)])
     inference_pb2_grpc.add_InferenceServiceServicer_to_server(InferenceService(config, generator, tenants), server)
     health_servicer = health.HealthServicer()
     for name in ("", SERVICE_NAME):

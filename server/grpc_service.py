@@ -19,7 +19,7 @@ import time
 
 import grpc
 
-from engine.errors import DeadlineExceeded, EngineError, RequestError, Unauthenticated
+from engine.errors import DeadlineExceeded, EngineError, InvalidRequest, RequestError, Unauthenticated
 from engine.request import DEADLINE_MS_BOUNDS
 from proto import inference_pb2 as pb
 from proto import inference_pb2_grpc
@@ -34,17 +34,35 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["InferenceService"].full_name
 
 
 def message_body(message) -> dict:
-    """The fields a client set, as the JSON body of the matching HTTP request: unset optional
-    fields and ``*_UNSPECIFIED`` enums are left out (the default applies), ``Priority`` becomes
-    ``high | normal | low``, nested messages become dicts."""
+    """The message as the JSON body of the matching HTTP request. Unset optional fields,
+    ``*_UNSPECIFIED`` enums and empty repeated fields are left out (the default applies); a
+    plain string is always there (proto3 cannot tell ``""`` from unset, and ``""`` is what HTTP
+    gets for an empty payload or message); ``Priority`` becomes ``high | normal | low``; nested
+    messages become dicts.
+
+    Raises:
+        InvalidRequest: an enum number the proto does not define.
+    """
     body = {}
-    for field, value in message.ListFields():
-        if field.message_type is not None:
-            value = [message_body(v) for v in value] if field.is_repeated else message_body(value)
+    for field in message.DESCRIPTOR.fields:
+        value = getattr(message, field.name)
+        if field.is_repeated:
+            if not value:
+                continue
+            value = [message_body(v) for v in value] if field.message_type is not None else list(value)
+        elif field.has_presence:  # optional scalars and messages
+            if not message.HasField(field.name):
+                continue
+            if field.message_type is not None:
+                value = message_body(value)
         elif field.enum_type is not None:
-            value = field.enum_type.values_by_number[value].name.removeprefix("PRIORITY_").lower()
-        elif field.is_repeated:
-            value = list(value)
+            if value == 0:
+                continue
+            known = field.enum_type.values_by_number.get(value)
+            if known is None:
+                names = ", ".join(v.name for v in field.enum_type.values)
+                raise InvalidRequest(f"{field.name} must be one of {names}, got {value}", field.name)
+            value = known.name.removeprefix(f"{field.enum_type.name.upper()}_").lower()
         body[field.name] = value
     return body
 
@@ -121,8 +139,11 @@ class InferenceService(inference_pb2_grpc.InferenceServiceServicer):
 
     # -- the shared steps ---------------------------------------------------------------------------
     def _tenant(self, context) -> Tenant:
-        metadata = dict(context.invocation_metadata())
-        key = key_of(metadata.get("authorization"), metadata.get("x-tenant-id"))
+        # A key sent twice is joined, as HTTP joins repeated headers: never one of them silently.
+        metadata: dict[str, list[str]] = {}
+        for name, value in context.invocation_metadata():
+            metadata.setdefault(name, []).append(value)
+        key = key_of(*(",".join(metadata[h]) if h in metadata else None for h in ("authorization", "x-tenant-id")))
         tenant = self.tenants.authenticate(key)
         if tenant is None:
             raise Unauthenticated("missing API key: send metadata authorization: Bearer <key>" if key is None

@@ -123,6 +123,11 @@ def test_unary_and_streaming_calls_agree(tenant_server):
     (_chat("Hi"), (("x-tenant-id", "nope"),), grpc.StatusCode.UNAUTHENTICATED, None),
     (pb.InferRequest(payload="Hi", tenant_id="beta"), ALPHA, grpc.StatusCode.PERMISSION_DENIED, "tenant_id"),
     (pb.InferRequest(payload="Hi", max_new_tokens=0), ALPHA, grpc.StatusCode.INVALID_ARGUMENT, "max_new_tokens"),
+    (pb.InferRequest(payload="Hi", priority=7), ALPHA, grpc.StatusCode.INVALID_ARGUMENT, "priority"),
+    (_chat("Hi", priority=-1), ALPHA, grpc.StatusCode.INVALID_ARGUMENT, "priority"),
+    # A key sent twice is refused, as HTTP refuses two Authorization headers.
+    (_chat("Hi"), (("authorization", "Bearer nope"), ("authorization", "Bearer alpha-key")),
+     grpc.StatusCode.UNAUTHENTICATED, None),
 ])
 def test_refusals_match_http(tenant_server, request_, metadata, code, param):
     _, stub, _ = tenant_server
@@ -132,6 +137,15 @@ def test_refusals_match_http(tenant_server, request_, metadata, code, param):
     assert e.value.code() == code, e.value.details()
     assert dict(e.value.trailing_metadata() or ()).get("param") == param
     assert "alpha-key" not in e.value.details()
+
+
+def test_empty_strings_are_accepted_as_over_http(tenant_server):
+    _, stub, _ = tenant_server
+    assert stub.Infer(pb.InferRequest(payload="", max_new_tokens=2), metadata=ALPHA).tokens == 2
+    chat = stub.ChatComplete(pb.ChatRequest(messages=[pb.ChatMessage(role="system", content=""),
+                                                      pb.ChatMessage(role="user", content="Hi")],
+                                            max_tokens=2, ignore_eos=True), metadata=ALPHA)
+    assert chat.usage.completion_tokens == 2
 
 
 def test_over_quota_is_resource_exhausted_with_retry_after(tenant_server):
@@ -197,6 +211,24 @@ def test_saturated_is_unavailable(small_server):
             stub.ChatComplete(_chat("Hi"), timeout=30)
         assert e.value.code() == grpc.StatusCode.UNAVAILABLE
         assert int(dict(e.value.trailing_metadata())["retry-after-ms"]) >= 1000
+    finally:
+        call.cancel()
+    server.wait_idle()
+
+
+def test_overload_is_unavailable_and_health_still_answers(small_server):
+    """Far more calls than handler threads (1 + 8 here) against a full server: every one is
+    UNAVAILABLE with retry-after-ms (never gRPC's own RESOURCE_EXHAUSTED), and health probes
+    keep answering meanwhile."""
+    server, stub, channel = small_server
+    (call,) = _blockers(stub, 1, metadata=())
+    futures = [stub.ChatComplete.future(_chat("Hi"), timeout=60) for _ in range(40)]
+    try:
+        for _ in range(10):
+            assert _health(channel) == health_pb2.HealthCheckResponse.SERVING
+        codes = [f.exception().code() if f.exception() else grpc.StatusCode.OK for f in futures]
+        assert set(codes) == {grpc.StatusCode.UNAVAILABLE}, codes
+        assert all(int(dict(f.exception().trailing_metadata())["retry-after-ms"]) >= 1000 for f in futures)
     finally:
         call.cancel()
     server.wait_idle()
