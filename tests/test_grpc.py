@@ -365,3 +365,23 @@ def test_readme_python_client_example(small_server):
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip()
     server.wait_idle()
+
+
+def test_stopping_the_server_stops_the_sidecar():
+    server = running_server("--max-slots", "1", "--max-seq-len", "256", "--workers", "1", grpc=True)
+    with server as s:
+        pid = s.sidecar_pid()
+        assert pid is not None
+        _wait_serving(_channel(s.grpc_port))
+    end = time.monotonic() + 10
+    while _running(pid):
+        assert time.monotonic() < end, "the sidecar outlived the server"
+        time.sleep(0.05)
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"  # a zombie has exited
+    except FileNotFoundError:
+        return False
