@@ -52,8 +52,9 @@ class ServerConfig:
                                   "llama.cpp compute threads (0: measured default)", engine="n_threads")
     n_batch: int = _option("--n-batch", "N_BATCH", "token budget of one engine step", engine="n_batch")
     prefix_cache_tokens: int = _option("--prefix-cache-tokens", "PREFIX_CACHE_TOKENS",
-                                       "most tokens the prefix cache keeps, per tenant-scoped LRU (0 or "
-                                       "--no-prefix-cache: off)", engine="prefix_cache_tokens")
+                                       "most tokens the prefix cache keeps, all tenants together, least "
+                                       "recently used out first (0 or --no-prefix-cache: off)",
+                                       engine="prefix_cache_tokens")
     workers: int = _option("--workers", "WORKERS", "gunicorn worker processes", 2)
     threads: int = _option("--threads", "THREADS", "threads per gunicorn worker (concurrent connections)", 32)
     max_body_bytes: int = _option("--max-body-bytes", "MAX_BODY_BYTES", "largest request body accepted", 1 << 20)

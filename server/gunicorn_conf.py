@@ -155,8 +155,8 @@ def _reclaim(server, who: str) -> None:
     supervisor = _state.get("supervisor")
     if supervisor is not None:
         freed = supervisor.reclaim()
-        if freed:
-            server.log.warning("reclaimed %d mailboxes of dead %s", len(freed), who)
+        if freed:  # every dead holder's, found when this one exited
+            server.log.warning("reclaimed %d mailboxes of dead processes (%s exited)", len(freed), who)
 
 
 def child_exit(server, worker) -> None:
