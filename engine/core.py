@@ -57,6 +57,9 @@ class EngineCore:
         self.batch = Batch(config.n_batch)
         self.cache = PrefixCache(config.max_slots, config.cache_streams, config.prefix_cache_tokens) \
             if config.cache_streams else None
+        # Waiting for a sibling's prefill (awaits_prefix) suits continuous batching only: static
+        # and fifo would run the sibling alone.
+        self.holds_for_prefixes = self.cache is not None and config.policy == "continuous"
         self.stopping = False
         self.step_no = transport.control.step
 
@@ -77,7 +80,7 @@ class EngineCore:
         now = time.monotonic()
         self.ingest(now)
         self.expire(now)
-        for seq in self.sched.admit(now):
+        for seq in self.sched.admit(now, hold=self.awaits_prefix if self.holds_for_prefixes else lambda seq: False):
             self.start(seq, now)
         self.compact()
         rows, one_thread = self.fill_batch()
@@ -142,6 +145,25 @@ class EngineCore:
         if self.cache is not None:
             self.reuse_prefix(seq)
         self.boxes.admit(seq.mailbox, seq.slot, self.step_no, now, seq.n_cached)
+
+    def awaits_prefix(self, seq: Sequence) -> bool:
+        """Whether ``seq`` should wait a step for a running sequence of its tenant that is
+        prefilling a prefix they share and is already at least as far into it as ``seq``
+        would start (what the cache holds): admitted now, ``seq`` would prefill the same tokens
+        beside it, no sooner (both take :data:`MAX_CHUNK_TOKENS` a step); admitted once they
+        are in the KV cache, it copies them. Sixteen requests with one new system prompt then
+        prefill it once, not sixteen times."""
+        resident = None
+        for other in self.sched.running.values():
+            if other.prefilling and other.request.tenant == seq.request.tenant:
+                shared = common_prefix(other.prompt, seq.prompt)
+                if shared - other.n_past < MIN_REUSE_TOKENS:
+                    continue
+                if resident is None:
+                    resident = self.cache.lookup(seq.request.tenant, seq.prompt, touch=False)[1]
+                if other.n_past >= resident:
+                    return True
+        return False
 
     def reuse_prefix(self, seq: Sequence) -> None:
         """Copy the KV cells of the longest prefix of ``seq``'s prompt that its tenant's cache

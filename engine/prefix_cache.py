@@ -72,16 +72,16 @@ class PrefixCache:
         """Tokens held by every entry together."""
         return sum(len(e.tokens) for e in self.entries.values())
 
-    def lookup(self, tenant: int, prompt: np.ndarray) -> tuple[Entry | None, int]:
+    def lookup(self, tenant: int, prompt: np.ndarray, touch: bool = True) -> tuple[Entry | None, int]:
         """The entry of ``tenant`` sharing the longest prefix with ``prompt``, and that length
-        (``(None, 0)`` when none shares a token). Touches the entry it returns."""
+        (``(None, 0)`` when none shares a token). Touches the entry it returns, if asked."""
         best, best_n = None, 0
         for entry in self.entries.values():
             if entry.tenant == tenant:
                 n = common_prefix(entry.tokens, prompt)
                 if n > best_n:
                     best, best_n = entry, n
-        if best is not None:
+        if best is not None and touch:
             best.used = next(self._clock)
         return best, best_n
 

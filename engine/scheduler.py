@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import bisect
 import math
+from typing import Callable
 
 from engine.sequence import Sequence
 
@@ -68,8 +69,10 @@ class Scheduler:
         r = seq.request
         return (ranks[r.priority], r.deadline or math.inf, self.counters.get(r.tenant, 0.0), seq.order)
 
-    def admit(self, now: float) -> list[Sequence]:
-        """Move waiting sequences into free slots as the policy allows; returns the admitted."""
+    def admit(self, now: float, hold: Callable[[Sequence], bool] = lambda seq: False) -> list[Sequence]:
+        """Move waiting sequences into free slots as the policy allows; returns the admitted.
+        A sequence for which ``hold`` is true (asked in admission order, after the sequences
+        before it were admitted) stays waiting this step and keeps its turn."""
         if not self.waiting or not self.free_slots:
             return []
         if self.policy == "fifo":
@@ -83,11 +86,16 @@ class Scheduler:
             room = len(self.free_slots)
             ranks = self.class_ranks(now)
             order = sorted(self.waiting, key=lambda s: self.key(s, ranks))
-        admitted = order[:room]
-        for seq in admitted:
+        admitted = []
+        for seq in order:
+            if len(admitted) == room:
+                break
+            if hold(seq):  # sees the sequences admitted before it in this loop
+                continue
             self.waiting.remove(seq)
             seq.slot = self.free_slots.pop(0)
             self.running[seq.slot] = seq
+            admitted.append(seq)
         return admitted
 
     def drop_waiting(self, seq: Sequence) -> None:
