@@ -148,8 +148,9 @@ class EngineCore:
 
     def awaits_prefix(self, seq: Sequence) -> bool:
         """Whether ``seq`` should wait a step for a running sequence of its tenant that is
-        prefilling a prefix they share and is already at least as far into it as ``seq``
-        would start (what the cache holds): admitted now, ``seq`` would prefill the same tokens
+        prefilling a prefix they share, at least a chunk of which it has still to prefill, and is
+        already at least as far into it as ``seq`` would start (what the cache holds): admitted
+        now, ``seq`` would prefill the same tokens
         beside it, no sooner (both take :data:`MAX_CHUNK_TOKENS` a step); admitted once they
         are in the KV cache, it copies them. Sixteen requests with one new system prompt then
         prefill it once, not sixteen times."""
@@ -157,8 +158,8 @@ class EngineCore:
         for other in self.sched.running.values():
             if other.prefilling and other.request.tenant == seq.request.tenant:
                 shared = common_prefix(other.prompt, seq.prompt)
-                if shared - other.n_past < MIN_REUSE_TOKENS:
-                    continue
+                if shared - other.n_past < MAX_CHUNK_TOKENS:
+                    continue  # less than a step's chunk to gain: not worth a step's wait
                 if resident is None:
                     resident = self.cache.lookup(seq.request.tenant, seq.prompt, touch=False)[1]
                 if other.n_past >= resident:
