@@ -14,7 +14,8 @@ Starts two real servers (``inference-server`` with its default prefix cache, and
   ``max_tokens`` 32 with ``ignore_eos``); prompt tokens actually prefilled, the sum of
   ``prompt_tokens - cached_tokens`` from the returned usage.
 * distinct: ``bench.http``'s workload (``/v1/completions``, prompts that share no prefix, 32
-  tokens, 128 generated); generated tokens/s.
+  tokens, 128 generated); generated tokens/s. With ``--distinct-repeat N`` it also runs N more
+  times on each server, alternating, with both up, and reports the ratio of the medians.
 
 Reported as ratios, cache on / cache off. With ``--llama-server`` the chat workload also runs
 against ``llama-server -m <model> --port P -np <clients>`` at its defaults (prompt cache on), and
@@ -105,11 +106,12 @@ def conversation_workload(port: int, clients: int, turns: int = 4) -> dict:
     return {"prompt_tokens": prompt, "cached_tokens": cached, "prefilled_tokens": prompt - cached}
 
 
-def distinct_workload(port: int, clients: int, requests: int, tokenizer) -> dict:
-    """``/v1/completions`` prompts that share nothing (``bench.http``): generated tok/s."""
+def distinct_workload(port: int, clients: int, requests: int, tokenizer, salt: int = 0) -> dict:
+    """``/v1/completions`` prompts that share nothing (``bench.http``; ``salt`` makes a new set):
+    generated tok/s."""
     from bench.http import prompt_text, stream_completion
 
-    prompts = [prompt_text(tokenizer, 32, i) for i in range(requests)]
+    prompts = [prompt_text(tokenizer, 32, 10_000 * salt + i) for i in range(requests)]
     generated = []
 
     def work(i):
@@ -148,6 +150,9 @@ def main(argv=None) -> int:
     p.add_argument("--clients", type=int, default=16)
     p.add_argument("--requests", type=int, default=48)
     p.add_argument("--llama-server", default=None, help="path of a llama-server binary to compare with")
+    p.add_argument("--distinct-repeat", type=int, default=0,
+                   help="then run the distinct-prompt workload this many more times on each server, "
+                        "alternating, both servers up (new prompts every run); medians")
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
     tokenizer = Tokenizer(default_model_path())
@@ -181,6 +186,19 @@ def main(argv=None) -> int:
             proc.terminate()
             proc.wait()
         print("llama-server", json.dumps(results["llama_server"]), json.dumps(results["llama_server_no_cache"]))
+    if a.distinct_repeat:
+        runs = {"on": [], "off": []}
+        with running_server(*flags) as on_server, running_server(*flags, "--no-prefix-cache") as off_server:
+            for k in range(a.distinct_repeat):
+                for name, server in (("on", on_server), ("off", off_server)):
+                    runs[name].append(distinct_workload(server.port, a.clients, a.requests, tokenizer,
+                                                        salt=1 + 2 * k + (name == "off"))["tokens_per_s"])
+        results["distinct_alternating"] = runs
+        ratio = statistics.median(runs["on"]) / statistics.median(runs["off"])
+        results["ratios"]["distinct_alternating_median"] = ratio
+        print("distinct prompts, alternating (tok/s): on " + ", ".join(f"{v:.1f}" for v in runs["on"]) + "; off "
+              + ", ".join(f"{v:.1f}" for v in runs["off"])
+              + f"; medians on / off {ratio:.3f}")
     r = results["ratios"]
     print(f"cache on / off: chat {r['chat_tokens_per_s']:.3f}x tok/s ({on['chat']['tokens_per_s']:.1f} vs "
           f"{off['chat']['tokens_per_s']:.1f}), TTFT p50 {r['chat_ttft_p50']:.3f}x ({on['chat']['ttft_p50_ms']:.0f} vs "
