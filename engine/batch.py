@@ -33,9 +33,10 @@ class Batch:
         self.struct.seq_id = ctypes.cast(self._seq_ptrs, ctypes.POINTER(ctypes.POINTER(ctypes.c_int32)))
         self.struct.logits = self.logits.ctypes.data_as(ctypes.POINTER(ctypes.c_int8))
         self.n = 0
+        self.n_seqs = 0  # sequences with tokens in the batch (each adds its tokens at once)
 
     def clear(self) -> None:
-        self.n = 0
+        self.n = self.n_seqs = 0
 
     @property
     def room(self) -> int:
@@ -58,6 +59,7 @@ class Batch:
         self.seq[a:b] = seq_id
         self.logits[a:b] = 0
         self.logits[b - 1] = 1 if want_logits_last else 0
+        self.n_seqs += 1
         self.n = b
         return b - 1
 

@@ -63,6 +63,7 @@ class EngineConfig:
         aging_s: seconds of waiting that raise a request by one priority class (no starvation).
         prefix_cache_tokens: most tokens the prefix cache keeps (0: no prefix cache); see
             :attr:`cache_streams` for the KV memory it takes.
+        metrics: record the step metrics of :mod:`engine.metrics`.
     """
 
     model_path: str = field(default_factory=default_model_path)
@@ -74,6 +75,7 @@ class EngineConfig:
     policy: str = "continuous"
     aging_s: float = 10.0
     prefix_cache_tokens: int = 16384
+    metrics: bool = False
 
     def __post_init__(self):
         if self.policy not in POLICIES:

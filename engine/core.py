@@ -62,6 +62,10 @@ class EngineCore:
         self.holds_for_prefixes = self.cache is not None and config.policy == "continuous"
         self.stopping = False
         self.step_no = transport.control.step
+        self.observe_step = None
+        if config.metrics:  # imported only then: prometheus-client reads its mode at import
+            from engine.metrics import observe_step
+            self.observe_step = observe_step
 
     # -- loop ---------------------------------------------------------------------------------
     def run(self) -> None:
@@ -86,6 +90,8 @@ class EngineCore:
         rows, one_thread = self.fill_batch()
         if self.batch.n and self.decode(one_thread):
             self.sample_and_publish(rows, time.monotonic())
+            if self.observe_step is not None:
+                self.observe_step(self.batch.n_seqs, self.batch.n)
         self.publish_control()
 
     def decode(self, one_thread: bool = False) -> bool:

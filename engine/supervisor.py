@@ -12,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+from typing import Callable
 
 from engine.config import EngineConfig
 from shm import EngineState, ErrorCode
@@ -44,12 +45,17 @@ class EngineSupervisor:
         transport: the shared memory the engine attaches to; :meth:`create` makes one that the
             supervisor owns and unlinks in :meth:`stop`.
         env: extra environment for the engine (e.g. ``OMP_WAIT_POLICY``).
+        on_exit: called from the watching thread with ``(pid, crashed)`` after an engine process
+            exited (``crashed``: not told to stop, so it is restarted; the master counts restarts
+            and retires the process's metric files).
     """
 
     def __init__(self, config: EngineConfig, transport: Transport, env: dict | None = None,
                  sweep_s: float = 0.2, restart_delay_s: float = 0.5, max_restart_delay_s: float = 30.0,
-                 stall_s: float = 30.0, owns_transport: bool = False):
+                 stall_s: float = 30.0, owns_transport: bool = False,
+                 on_exit: Callable[[int, bool], None] | None = None):
         self.config = config
+        self.on_exit = on_exit
         self.t = transport
         self.owns_transport = owns_transport
         self.env = {**engine_environment(), **os.environ, **(env or {})}  # the operator's env wins
@@ -125,6 +131,8 @@ class EngineSupervisor:
             self.t.ring.reset()
             self.t.mailboxes.fail_in_flight(ErrorCode.ENGINE_DIED)
             self.t.control.clear_slots()
+            if self.on_exit is not None:
+                self.on_exit(self.proc.pid, not stopped)
             if stopped:  # it was told to stop (SIGTERM to our process group)
                 log.info("engine stopped")
                 return

@@ -10,6 +10,7 @@ from server.config import ServerConfig
 from server.generation import Generator
 from server.infer import Infer
 from server.status import Health, Models
+from server.telemetry import Telemetry
 from server.tenants import TenantRegistry, Tenants
 
 
@@ -20,17 +21,86 @@ class VaryOrigin:
         resp.append_header("Vary", "Origin")
 
 
-def create_app(config: ServerConfig, generator: Generator, tenants: TenantRegistry | None = None) -> falcon.App:
+class Observe:
+    """Falcon middleware: every response carries ``X-Request-ID`` (the client's, or a new one);
+    every POST to a generation route (a resource with ``observed = True``) is finished in
+    :class:`Telemetry` once its answer is complete: at once, or when a stream's body closes."""
+
+    def __init__(self, telemetry: Telemetry):
+        self.telemetry = telemetry
+
+    def process_request(self, req: falcon.Request, resp: falcon.Response) -> None:
+        req.context.record = self.telemetry.start(None, req.get_header("X-Request-ID"))
+
+    def process_resource(self, req: falcon.Request, resp: falcon.Response, resource, params) -> None:
+        if getattr(resource, "observed", False) and req.method == "POST":
+            req.context.record.route = req.uri_template
+
+    def process_response(self, req: falcon.Request, resp: falcon.Response, resource, req_succeeded) -> None:
+        record = req.context.get("record")
+        if record is None:
+            return
+        resp.set_header("X-Request-ID", record.request_id)
+        if record.route is None:
+            return
+        record.tenant = req.context.get("tenant") or record.tenant
+        if resp.stream is None:
+            self.telemetry.finish(record, resp.status_code, req.context.get("error"))
+            return
+
+        def finish():  # a stream's status is 200 unless its output loop failed (error event)
+            error = record.generation.error if record.generation is not None else None
+            self.telemetry.finish(record, errors.http_status(error) if error else 200, error)
+        resp.stream = ClosingStream(resp.stream, finish)
+
+
+class ClosingStream:
+    """A WSGI response body that calls ``on_close`` after the body's own ``close`` (which the
+    server calls when the body is sent or the client left; PEP 3333)."""
+
+    def __init__(self, body, on_close):
+        self.body, self.on_close = body, on_close
+
+    def __iter__(self):
+        return iter(self.body)
+
+    def close(self) -> None:
+        try:
+            if hasattr(self.body, "close"):
+                self.body.close()
+        finally:
+            self.on_close()
+
+
+class MetricsPort:
+    """With ``--metrics-port``, that listener serves ``/metrics`` only, and the HTTP port does
+    not serve it (gunicorn gives the listener's port as ``SERVER_PORT``)."""
+
+    def __init__(self, port: int):
+        self.port = str(port)
+
+    def process_request(self, req: falcon.Request, resp: falcon.Response) -> None:
+        if (req.env.get("SERVER_PORT") == self.port) != (req.path == "/metrics"):
+            raise falcon.HTTPNotFound()
+
+
+def create_app(config: ServerConfig, generator: Generator, tenants: TenantRegistry | None = None,
+               telemetry: Telemetry | None = None) -> falcon.App:
     """Routes: ``/v1/chat/completions``, ``/v1/completions``, ``/v1/models``,
-    ``/v1/models/{model}``, ``/health``, ``/infer``. Errors follow :mod:`server.errors`.
+    ``/v1/models/{model}``, ``/health``, ``/infer``, and ``/metrics`` with metrics on (on its own
+    port with ``--metrics-port``). Errors follow :mod:`server.errors`.
 
     Args:
         config: validated settings. generator: the request path over an engine client (a real
             engine process under gunicorn; an in-process engine in contract tests).
         tenants: API keys and limits (None: no tenant file, everyone is the default tenant).
+        telemetry: request metrics and logs (None: as ``config`` says).
     """
     tenants = tenants or TenantRegistry(Tenants([]))
-    middleware = [Authenticate(tenants)]
+    telemetry = telemetry or Telemetry(config.metrics, config.log_prompts)
+    middleware = [Observe(telemetry), Authenticate(tenants)]
+    if config.metrics_port:
+        middleware.insert(0, MetricsPort(config.metrics_port))
     if config.cors_origins:
         # Falcon's own CORS: preflight OPTIONS answered with Access-Control-Allow-Methods and
         # -Headers (it echoes the requested headers, Authorization included), and the
@@ -47,4 +117,7 @@ def create_app(config: ServerConfig, generator: Generator, tenants: TenantRegist
     app.add_route("/v1/models/{model:path}", models, suffix="one")  # names may hold "/"
     app.add_route("/health", Health(generator.engine))
     app.add_route("/infer", Infer(config, generator, tenants))
+    if telemetry.metrics is not None:
+        from server.metrics import Scrape
+        app.add_route("/metrics", Scrape(generator.engine))
     return app

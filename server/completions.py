@@ -32,6 +32,7 @@ class _Completions:
     chat = False
     object_name = ""
     id_prefix = ""
+    observed = True  # telemetry (server/app.py, Observe)
 
     def __init__(self, config: ServerConfig, generator: Generator):
         self.config, self.generator, self.tokenizer = config, generator, generator.tokenizer
@@ -41,6 +42,7 @@ class _Completions:
         model = check_model(body, self.config.model_ids)
         greq = parse_generation(body, chat=self.chat)
         gen = self.start(body, greq, tenant=req.context.tenant, watch_socket=req.env.get("gunicorn.socket"))
+        req.context.record.attach(gen, body.get("messages" if self.chat else "prompt"))
         meta = {"id": f"{self.id_prefix}-{secrets.token_hex(12)}", "created": int(time.time()), "model": model}
         if greq.stream:
             resp.content_type = "text/event-stream; charset=utf-8"

@@ -71,12 +71,22 @@ class ServerConfig:
     grpc_port: int = _option("--grpc-port", "GRPC_PORT", "gRPC port of the sidecar (0: no gRPC)", 50051)
     grpc_threads: int = _option("--grpc-threads", "GRPC_THREADS",
                                 "gRPC handler threads (0: one per slot and queue place, plus 8)", 0)
+    metrics: bool = _option("--no-metrics", "METRICS",
+                            "Prometheus metrics from every process at GET /metrics (the flag or 0: none)", True, shown="1")
+    metrics_port: int = _option("--metrics-port", "METRICS_PORT",
+                                "serve /metrics on this port only, not on the HTTP port (0: on the HTTP port)", 0)
+    log_prompts: bool = _option("--log-prompts", "LOG_PROMPTS",
+                                "write each request's prompt into its JSON log line (the flag or 1)", False, shown="0")
 
     def __post_init__(self):
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"--port must be 0..65535, got {self.port}")
         if not 0 <= self.grpc_port <= 65535:
             raise ConfigError(f"--grpc-port must be 0..65535, got {self.grpc_port}")
+        if not 0 <= self.metrics_port <= 65535:
+            raise ConfigError(f"--metrics-port must be 0..65535, got {self.metrics_port}")
+        if self.metrics_port and (self.metrics_port in (self.port, self.grpc_port) or not self.metrics):
+            raise ConfigError("--metrics-port must differ from --port and --grpc-port, with metrics on")
         if self.grpc_threads < 0:
             raise ConfigError(f"--grpc-threads must be >= 0, got {self.grpc_threads}")
         for name in ("workers", "threads", "max_body_bytes", "max_messages"):
@@ -114,7 +124,7 @@ class ServerConfig:
         return EngineConfig(model_path=self.resolved_model_path(), max_slots=self.max_slots,
                             max_seq_len=self.max_seq_len, max_queued=self.max_queued,
                             n_batch=self.n_batch, n_threads=self.engine_threads, policy=self.policy,
-                            prefix_cache_tokens=self.prefix_cache_tokens)
+                            prefix_cache_tokens=self.prefix_cache_tokens, metrics=self.metrics)
 
     def check_model(self) -> None:
         """Raise ConfigError (one line) unless the model file is a readable GGUF."""
@@ -184,7 +194,14 @@ def check_redis_url(url: str) -> None:
         raise ConfigError(f"--redis-url {shown!r}: {e}") from None
 
 
+_BOOLS = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
+
+
 def _convert(typ, raw: str, what: str):
+    if typ is bool:
+        if raw.strip().lower() not in _BOOLS:
+            raise ConfigError(f"{what} must be 1 or 0 (true or false), got {raw!r}")
+        return _BOOLS[raw.strip().lower()]
     try:
         return typ(raw)
     except ValueError:
@@ -197,6 +214,10 @@ def parser() -> argparse.ArgumentParser:
         description="Multi-tenant LLM inference server: continuous batching over llama.cpp, "
                     "OpenAI-compatible HTTP API. Every flag has an environment equivalent.")
     for o in OPTIONS:
+        if o.type is bool:  # a switch: the flag sets the other value than the default
+            p.add_argument(o.flag, dest=o.name, action="store_const", const=str(not o.default), default=None,
+                           help=f"{o.help} (env {o.env}; default {o.shown})")
+            continue
         p.add_argument(o.flag, dest=o.name, type=str, default=None,
                        help=f"{o.help} (env {o.env}; default {o.shown})", metavar=o.type.__name__.upper())
     p.add_argument("--no-prefix-cache", dest="prefix_cache_tokens", action="store_const", const="0",

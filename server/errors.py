@@ -20,7 +20,8 @@ from engine.errors import (ClientDisconnected, DeadlineExceeded, EngineUnavailab
                            PermissionDenied, RateLimited, RequestError, Saturated, Unauthenticated)
 
 log = logging.getLogger("server")
-CLIENT_CLOSED = "499 Client Closed Request"  # nginx's status for it; never seen by the client
+CLIENT_CLOSED_STATUS = 499  # nginx's status for a client that left; never seen by the client
+CLIENT_CLOSED = f"{CLIENT_CLOSED_STATUS} Client Closed Request"
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
           404: "invalid_request_error",
@@ -47,25 +48,41 @@ def error_body(message: str, type_: str, param: str | None = None, code: str | N
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
+def http_status(ex: BaseException) -> int:
+    """The HTTP status :func:`http_error` answers ``ex`` with; 499 for a client that left
+    (``ClientDisconnected``, or ``GeneratorExit``: the server stopped reading a stream)."""
+    if isinstance(ex, (ClientDisconnected, GeneratorExit)):
+        return CLIENT_CLOSED_STATUS
+    if isinstance(ex, APIError):
+        return ex.status
+    if isinstance(ex, RateLimited):
+        return 429
+    if isinstance(ex, RequestError):
+        return _STATUS.get(type(ex), 400)
+    if isinstance(ex, (Saturated, EngineUnavailable)):
+        return 503
+    return 500
+
+
 def http_error(ex: Exception) -> tuple[int, dict, dict]:
     """``(status, body, headers)`` for a domain or HTTP error; anything unknown is a 500 (a bug
     in this server), logged, answered without internals."""
+    status, param, code, headers = http_status(ex), None, None, {}
     if isinstance(ex, APIError):
-        status, message, param, code, headers = ex.status, ex.message, ex.param, ex.code, ex.headers
+        message, param, code, headers = ex.message, ex.param, ex.code, ex.headers
     elif isinstance(ex, RateLimited):
-        status, message, param, headers = 429, ex.message, None, rate_limit_headers(ex)
+        message, headers = ex.message, rate_limit_headers(ex)
         code = "concurrency_limit_exceeded" if ex.kind == "concurrency" else ex.code
     elif isinstance(ex, RequestError):
-        status = _STATUS.get(type(ex), 400)
         message, param, code = ex.message, ex.param, ex.code
         headers = {"WWW-Authenticate": "Bearer"} if status == 401 else {}
     elif isinstance(ex, (Saturated, EngineUnavailable)):
-        status, message, param = 503, str(ex) or "engine unavailable", None
+        message = str(ex) or "engine unavailable"
         code = "server_overloaded" if isinstance(ex, Saturated) else "engine_unavailable"
         headers = {"Retry-After": str(ex.retry_after)}
     else:
         log.error("unhandled error: %r", ex, exc_info=ex)
-        status, message, param, code, headers = 500, "internal server error", None, None, {}
+        status, message = 500, "internal server error"
     return status, error_body(message, _TYPES.get(status, "invalid_request_error"), param, code), headers
 
 
@@ -126,7 +143,9 @@ def _write(resp: falcon.Response, status: int, body: dict, headers: dict | None 
 
 
 def handle_error(req, resp, ex: Exception, params) -> None:
-    """Falcon error handler for every error but Falcon's own and a client's hang-up."""
+    """Falcon error handler for every error but Falcon's own and a client's hang-up. The error
+    stays in ``req.context.error`` for telemetry (``server/telemetry.py``)."""
+    req.context.error = ex
     if isinstance(ex, falcon.HTTPError):
         return handle_http_error(req, resp, ex, params)
     _write(resp, *http_error(ex))
@@ -145,6 +164,7 @@ def handle_http_error(req, resp, ex: falcon.HTTPError, params) -> None:
 
 def handle_client_gone(req, resp, ex: Exception, params) -> None:
     """The client closed its connection: its sequences are cancelled; nobody reads an answer."""
+    req.context.error = ex
     resp.status = CLIENT_CLOSED
     resp.text = ""
 

@@ -117,6 +117,14 @@ class Generation:
         self.tenant, self.limiter = tenant, limiter
         self.prompt_tokens = sum(len(p) for p in prompts)
         self.counts = [0] * self.n_choices  # completion tokens per choice
+        # How it went, for telemetry: each choice's finish reason, the exception that ended the
+        # output loop (None: its own end), when the first token reached us, and the gaps
+        # between consecutive tokens of each choice (seconds).
+        self.finish_reasons: list[str | None] = [None] * self.n_choices
+        self.error: BaseException | None = None
+        self.first_token_at: float | None = None
+        self.token_gaps: list[float] = []
+        self._last_token_at: list[float | None] = [None] * self.n_choices
         self.streams: list[Stream] = []
         self._uncharged, self._charged_at = 0, time.monotonic()
         cost = 0 if req.max_tokens == 0 else req.n * self.prompt_tokens  # prefill the engine will do
@@ -157,6 +165,7 @@ class Generation:
             EngineUnavailable: the engine failed meanwhile.
         """
         if self.req.max_tokens == 0:
+            self.finish_reasons = ["length"] * self.n_choices
             yield from (Delta(k, "", [], "length") for k in range(self.n_choices))
             return
         detoks = [Detokenizer(self.pieces, self.req.stop) for _ in self.streams]
@@ -167,6 +176,7 @@ class Generation:
                     yield None
                     continue
                 self._charge(len(tokens))
+                self._arrived(k, len(tokens))
                 if ended[k]:
                     continue  # a stop string ended it; its cancellation is being followed
                 for token in tokens:
@@ -177,14 +187,33 @@ class Generation:
                     if detoks[k].stopped:
                         self.streams[k].cancel()
                         ended[k] = True
+                        self.finish_reasons[k] = "stop"
                         yield Delta(k, "", [], "stop")
                         break
                 else:
                     if self.streams[k].finished:
                         ended[k] = True
+                        self.finish_reasons[k] = self.streams[k].finish_reason
                         yield Delta(k, detoks[k].flush(), [], self.streams[k].finish_reason)
+        except BaseException as e:  # GeneratorExit too: the reader stopped (a stream's client left)
+            self.error = e
+            raise
         finally:
             self.close()
+
+    def _arrived(self, k: int, n_tokens: int) -> None:
+        """Note ``n_tokens`` tokens of choice ``k`` arriving now. Tokens that arrive together
+        (the reader fell behind) share the gap since the previous arrival."""
+        if not n_tokens:
+            return
+        now = time.monotonic()
+        last, self._last_token_at[k] = self._last_token_at[k], now
+        if last is None:
+            if self.first_token_at is None:
+                self.first_token_at = now
+            n_tokens -= 1
+            last = now
+        self.token_gaps.extend([(now - last) / max(1, n_tokens)] * n_tokens)
 
     def collect(self) -> list[Choice]:
         """Run every choice to its end and close. Raises as :meth:`deltas`."""

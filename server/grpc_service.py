@@ -15,7 +15,6 @@ from __future__ import annotations
 import functools
 import inspect
 import secrets
-import time
 
 import grpc
 
@@ -28,6 +27,7 @@ from server.errors import grpc_error
 from server.generation import Delta, Generation, Generator
 from server.infer import infer_result, parse_infer
 from server.params import check_model, parse_generation, parse_messages, render_options
+from server.telemetry import RequestRecord, Telemetry
 from server.tenants import Tenant, TenantRegistry, key_of
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["InferenceService"].full_name
@@ -67,28 +67,58 @@ def message_body(message) -> dict:
     return body
 
 
-def _aborts_on_errors(method):
-    """Answer a domain error (:mod:`engine.errors`) with its gRPC status; unary and streaming."""
-    def abort(context: grpc.ServicerContext, ex: Exception):
-        code, message, trailer = grpc_error(ex)
-        context.set_trailing_metadata(trailer)
-        context.abort(getattr(grpc.StatusCode, code), message)
+def _metadata(context) -> dict[str, list[str]]:
+    metadata: dict[str, list[str]] = {}
+    for name, value in context.invocation_metadata():
+        metadata.setdefault(name, []).append(value)
+    return metadata
+
+
+def _observed(method):
+    """Around a method, unary or streaming: its :class:`RequestRecord` (the id from
+    ``x-request-id`` metadata or a new one, sent back in the initial metadata), a domain error
+    (:mod:`engine.errors`) answered with its gRPC status, and the record finished with the code
+    the call ended with."""
+    route = f"/{SERVICE_NAME}/{method.__name__}"
+
+    def begin(self, context) -> RequestRecord:
+        record = self.telemetry.start(route, (_metadata(context).get("x-request-id") or [None])[-1])
+        context.send_initial_metadata((("x-request-id", record.request_id),))
+        return record
+
+    def fail(self, context, record: RequestRecord, ex: BaseException):
+        if isinstance(ex, (RequestError, EngineError)):
+            code, message, trailer = grpc_error(ex)
+            self.telemetry.finish(record, code, ex)
+            context.set_trailing_metadata(trailer)
+            context.abort(getattr(grpc.StatusCode, code), message)
+        self.telemetry.finish(record, "CANCELLED" if isinstance(ex, GeneratorExit) else "UNKNOWN", ex)
+
+    def succeed(self, context, record: RequestRecord):
+        self.telemetry.finish(record, "OK" if context.is_active() else "CANCELLED")
 
     if inspect.isgeneratorfunction(method):
         @functools.wraps(method)
         def streaming(self, request, context):
+            record = begin(self, context)
             try:
-                yield from method(self, request, context)
-            except (RequestError, EngineError) as ex:
-                abort(context, ex)
+                yield from method(self, request, context, record)
+            except BaseException as ex:  # GeneratorExit too: the call ended while streaming
+                fail(self, context, record, ex)
+                raise
+            succeed(self, context, record)
         return streaming
 
     @functools.wraps(method)
     def unary(self, request, context):
+        record = begin(self, context)
         try:
-            return method(self, request, context)
-        except (RequestError, EngineError) as ex:
-            abort(context, ex)
+            response = method(self, request, context, record)
+        except BaseException as ex:
+            fail(self, context, record, ex)
+            raise
+        succeed(self, context, record)
+        return response
     return unary
 
 
@@ -98,30 +128,32 @@ class InferenceService(inference_pb2_grpc.InferenceServiceServicer):
     Args:
         config: the server's settings (model names, message limit). generator: the shared
             request path. tenants: API keys (reloaded on SIGHUP by the sidecar).
+        telemetry: request metrics and logs (None: as ``config`` says).
     """
 
-    def __init__(self, config: ServerConfig, generator: Generator, tenants: TenantRegistry):
+    def __init__(self, config: ServerConfig, generator: Generator, tenants: TenantRegistry,
+                 telemetry: Telemetry | None = None):
         self.config, self.generator, self.tenants = config, generator, tenants
+        self.telemetry = telemetry or Telemetry(config.metrics, config.log_prompts)
 
     # -- methods ----------------------------------------------------------------------------------
-    @_aborts_on_errors
-    def Infer(self, request: pb.InferRequest, context) -> pb.InferResponse:
-        started = time.monotonic()
-        tenant_id, gen = self._infer(request, context)
+    @_observed
+    def Infer(self, request: pb.InferRequest, context, record: RequestRecord) -> pb.InferResponse:
+        tenant_id, gen = self._infer(request, context, record)
         (choice,) = gen.collect()
         _check_deadline(gen, [choice.tokens])
-        return pb.InferResponse(**infer_result(tenant_id, choice, gen, started))
+        return pb.InferResponse(**infer_result(tenant_id, choice, gen, record.started))
 
-    @_aborts_on_errors
-    def InferStream(self, request: pb.InferRequest, context):
-        _, gen = self._infer(request, context)
+    @_observed
+    def InferStream(self, request: pb.InferRequest, context, record: RequestRecord):
+        _, gen = self._infer(request, context, record)
         for d, usage in _with_usage(gen):
             yield pb.InferChunk(text=d.text, token_ids=[t.id for t in d.tokens], finish_reason=d.finish_reason or "",
                                 usage=usage)
 
-    @_aborts_on_errors
-    def ChatComplete(self, request: pb.ChatRequest, context) -> pb.ChatResponse:
-        model, gen = self._chat(request, context)
+    @_observed
+    def ChatComplete(self, request: pb.ChatRequest, context, record: RequestRecord) -> pb.ChatResponse:
+        model, gen = self._chat(request, context, record)
         choices = gen.collect()
         _check_deadline(gen, [c.tokens for c in choices])
         return pb.ChatResponse(
@@ -130,9 +162,9 @@ class InferenceService(inference_pb2_grpc.InferenceServiceServicer):
                                    finish_reason=c.finish_reason or "", logprobs=_logprobs(c.tokens))
                      for i, c in enumerate(choices)])
 
-    @_aborts_on_errors
-    def ChatCompleteStream(self, request: pb.ChatRequest, context):
-        _, gen = self._chat(request, context)
+    @_observed
+    def ChatCompleteStream(self, request: pb.ChatRequest, context, record: RequestRecord):
+        _, gen = self._chat(request, context, record)
         for d, usage in _with_usage(gen):
             yield pb.ChatChunk(index=d.index, text=d.text, token_ids=[t.id for t in d.tokens],
                                logprobs=_logprobs(d.tokens), finish_reason=d.finish_reason or "", usage=usage)
@@ -140,9 +172,7 @@ class InferenceService(inference_pb2_grpc.InferenceServiceServicer):
     # -- the shared steps ---------------------------------------------------------------------------
     def _tenant(self, context) -> Tenant:
         # A key sent twice is joined, as HTTP joins repeated headers: never one of them silently.
-        metadata: dict[str, list[str]] = {}
-        for name, value in context.invocation_metadata():
-            metadata.setdefault(name, []).append(value)
+        metadata = _metadata(context)
         key = key_of(*(",".join(metadata[h]) if h in metadata else None for h in ("authorization", "x-tenant-id")))
         tenant = self.tenants.authenticate(key)
         if tenant is None:
@@ -150,19 +180,20 @@ class InferenceService(inference_pb2_grpc.InferenceServiceServicer):
                                   else "unknown API key")
         return tenant
 
-    def _infer(self, request: pb.InferRequest, context) -> tuple[str, Generation]:
-        tenant = self._tenant(context)
+    def _infer(self, request: pb.InferRequest, context, record: RequestRecord) -> tuple[str, Generation]:
+        tenant = record.tenant = self._tenant(context)
         body = message_body(request)
         if not body.get("tenant_id"):
             body.pop("tenant_id", None)  # proto3: empty is unset
         tenant_id, greq, messages = parse_infer(body, tenant, self.tenants)
         greq.deadline_ms = _call_deadline_ms(context, greq.deadline_ms)
         gen = self.generator.chat(messages, greq, "payload", tenant=tenant)
+        record.attach(gen, body["payload"])
         _cancel_with_call(gen, context)
         return tenant_id, gen
 
-    def _chat(self, request: pb.ChatRequest, context) -> tuple[str, Generation]:
-        tenant = self._tenant(context)
+    def _chat(self, request: pb.ChatRequest, context, record: RequestRecord) -> tuple[str, Generation]:
+        tenant = record.tenant = self._tenant(context)
         body = message_body(request)
         if not body.get("model"):
             body.pop("model", None)
@@ -171,6 +202,7 @@ class InferenceService(inference_pb2_grpc.InferenceServiceServicer):
         greq.deadline_ms = _call_deadline_ms(context, greq.deadline_ms)
         messages = parse_messages(body, self.config.max_messages)
         gen = self.generator.chat(messages, greq, render=render_options(body, messages), tenant=tenant)
+        record.attach(gen, body.get("messages"))
         _cancel_with_call(gen, context)
         return model, gen
 

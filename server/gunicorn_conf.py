@@ -11,7 +11,9 @@ supervisor and the gRPC sidecar (``server.sidecar``) before any worker forks; ``
 reclaims the
 mailboxes a dead worker leased; ``on_exit`` stops the engine and unlinks the shared memory;
 ``pre_request`` closes the connection of a request whose body is over the limit; ``when_ready``
-and ``post_worker_init`` make SIGHUP reload the tenant file.
+and ``post_worker_init`` make SIGHUP reload the tenant file. With metrics on, ``on_starting``
+prepares prometheus-client's multiprocess directory and every child's exit retires its files
+(``server.metrics_dir``).
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ import sys
 
 from engine.config import ConfigError
 from engine.supervisor import EngineSupervisor
+from server import metrics_dir
 from server.config import ServerConfig
 from server.sidecar import Sidecar
 from server.tenants import Tenants
@@ -32,7 +35,7 @@ try:
 except ConfigError as e:  # gunicorn would print a traceback; one line is enough
     raise SystemExit(f"inference-server: {e}") from None
 
-bind = f"{_config.host}:{_config.port}"
+bind = [f"{_config.host}:{_config.port}"] + ([f"{_config.host}:{_config.metrics_port}"] if _config.metrics_port else [])
 workers = _config.workers
 threads = _config.threads
 worker_class = "gthread"
@@ -48,26 +51,32 @@ _state: dict = {}
 
 
 def on_starting(server) -> None:
+    """Check the files; with metrics on, prepare prometheus-client's multiprocess directory
+    (``server.metrics_dir``: empty, exported to every process started from here on)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         _config.check_files()
         _state["tenants"] = Tenants.load(_config.tenants_file or None)
     except ConfigError as e:
         raise SystemExit(f"inference-server: {e}") from None
+    if _config.metrics:
+        _state["metrics_dir"] = metrics_dir.prepare()
+        server.log.info("metrics: prometheus-client multiprocess directory %s", _state["metrics_dir"][0])
 
 
 def _start_engine(server) -> None:
     """Shared memory and the engine, once the port is bound (a failed bind leaves nothing)."""
     engine = _config.engine_config()
     # INFERENCE_SHM may name the segment in advance (tests attach to it to inspect the engine).
-    supervisor = EngineSupervisor.create(engine, name=os.environ.get("INFERENCE_SHM") or None)
+    supervisor = EngineSupervisor.create(engine, name=os.environ.get("INFERENCE_SHM") or None,
+                                         on_exit=_engine_exited)
     os.environ["INFERENCE_SHM"] = supervisor.transport_name
     _state["supervisor"] = supervisor
     supervisor.start()
     server.log.info("engine starting: %d slots x %d tokens, policy %s, %d threads; shared memory %s",
                     engine.max_slots, engine.max_seq_len, engine.policy, engine.threads, supervisor.transport_name)
     if _config.grpc_port:
-        sidecar = Sidecar(dict(os.environ), on_exit=lambda: _reclaim(server, "gRPC sidecar"))
+        sidecar = Sidecar(dict(os.environ), on_exit=lambda pid: _process_exited(server, pid, "gRPC sidecar"))
         _state["sidecar"] = sidecar
         sidecar.start()
         server.log.info("gRPC sidecar starting on port %d (pid %d)", _config.grpc_port, sidecar.pid)
@@ -159,8 +168,23 @@ def _reclaim(server, who: str) -> None:
             server.log.warning("reclaimed %d mailboxes of dead processes (%s exited)", len(freed), who)
 
 
+def _process_exited(server, pid: int, who: str) -> None:
+    """A child (worker, sidecar) exited: reclaim its mailboxes, retire its metric files."""
+    _reclaim(server, f"{who} {pid}")
+    if _config.metrics:
+        metrics_dir.retire(pid)
+
+
+def _engine_exited(pid: int, crashed: bool) -> None:
+    if _config.metrics:
+        metrics_dir.retire(pid)
+        if crashed:
+            from server.metrics import ENGINE_RESTARTS  # after on_starting prepared the directory
+            ENGINE_RESTARTS.inc()
+
+
 def child_exit(server, worker) -> None:
-    _reclaim(server, f"worker {worker.pid}")
+    _process_exited(server, worker.pid, "worker")
 
 
 def on_exit(server) -> None:
@@ -170,3 +194,6 @@ def on_exit(server) -> None:
     supervisor = _state.pop("supervisor", None)
     if supervisor is not None:
         supervisor.stop()  # also unlinks the shared memory it created
+    path, owned = _state.pop("metrics_dir", (None, False))
+    if owned:
+        metrics_dir.remove(path)

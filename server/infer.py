@@ -63,15 +63,18 @@ def infer_result(tenant_id: str, choice: Choice, gen: Generation, started: float
 class Infer:
     """The HTTP route (:func:`parse_infer`, :func:`infer_result`)."""
 
+    observed = True  # telemetry (server/app.py, Observe)
+
     def __init__(self, config: ServerConfig, generator: Generator, tenants: TenantRegistry):
         self.config, self.generator, self.tenants = config, generator, tenants
 
     def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
-        started = time.monotonic()
+        started = req.context.record.started
         body = read_json(req, self.config.max_body_bytes)
         tenant_id, greq, messages = parse_infer(body, req.context.tenant, self.tenants)
         gen = self.generator.chat(messages, greq, "payload", tenant=req.context.tenant,
                                   watch_socket=req.env.get("gunicorn.socket"))
+        req.context.record.attach(gen, body["payload"])
         (choice,) = gen.collect()
         resp.content_type = falcon.MEDIA_JSON
         resp.text = dumps(infer_result(tenant_id, choice, gen, started))

@@ -23,10 +23,11 @@ class Sidecar:
 
     Args:
         env: its environment (the server's configuration variables and ``INFERENCE_SHM``).
-        on_exit: called after every exit (the master reclaims the dead process's mailboxes).
+        on_exit: called with the pid after every exit (the master reclaims the dead process's
+            mailboxes and retires its metric files).
     """
 
-    def __init__(self, env: dict[str, str], on_exit: Callable[[], None]):
+    def __init__(self, env: dict[str, str], on_exit: Callable[[int], None]):
         self.env, self.on_exit = env, on_exit
         self.proc: subprocess.Popen | None = None
         self._stopping = threading.Event()
@@ -47,7 +48,7 @@ class Sidecar:
     def _keep(self) -> None:
         while True:
             code = self.proc.wait()
-            self.on_exit()
+            self.on_exit(self.proc.pid)
             if self._stopping.is_set():
                 return
             log.error("gRPC sidecar (pid %d) exited with %s; restarting in %.1f s", self.proc.pid, code, RESTART_S)

@@ -1,0 +1,99 @@
+"""Prometheus metrics of the front ends, and the scrape (``GET /metrics``).
+
+The names and bucket boundaries are a contract with dashboards and alerts (README "Metrics"
+lists them; ``docker/grafana`` queries them). The engine's own step histograms are in
+:mod:`engine.metrics`. Under gunicorn every process writes its values to
+``PROMETHEUS_MULTIPROC_DIR`` (:mod:`server.metrics_dir`) and any process can serve the sum.
+
+Three gauges are not recorded by anyone but read at scrape time from the engine's control block
+(:class:`EngineStateCollector`): the slot table and queue as of the engine's last step, and its
+state. They are exact at the moment Prometheus samples them, cost the engine loop nothing, and
+need no multiprocess mode (no process holds a value that could go stale when it dies).
+
+Buckets fit CPU inference of a small model (seconds unless said):
+
+- end-to-end latency: 50 ms to 10 min (a 2,048-token answer at 5 tok/s takes about 7 min);
+- time to first token and queue wait: 5 ms to 5 min (a long prompt behind a full queue);
+- inter-token latency: 1 ms to 5 s (one decode step of a batch, up to a stalled engine).
+"""
+from __future__ import annotations
+
+import os
+
+import falcon
+from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.multiprocess import MultiProcessCollector
+
+from engine.client import EngineClient
+from server import metrics_dir
+
+LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 60, 120, 300, 600)
+WAIT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 60, 120, 300)
+INTER_TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1, 2.5, 5)
+
+REQUESTS = Counter("inference_requests", "Finished requests (HTTP status or gRPC code; finish reason of choice 0)",
+                   ["tenant", "route", "status", "finish_reason"])
+LATENCY = Histogram("inference_latency_seconds", "End to end: request received to answer complete",
+                    ["route", "finish_reason"], buckets=LATENCY_BUCKETS)
+QUEUE_WAIT = Histogram("inference_queue_wait_seconds", "Submitted to admitted into a KV slot (choice 0)",
+                       buckets=WAIT_BUCKETS)
+TIME_TO_FIRST_TOKEN = Histogram("inference_time_to_first_token_seconds",
+                                "Request received to its first generated token reaching the front end",
+                                buckets=WAIT_BUCKETS)
+INTER_TOKEN_LATENCY = Histogram("inference_inter_token_latency_seconds",
+                                "Gap between consecutive tokens of one choice, as the front end receives them",
+                                buckets=INTER_TOKEN_BUCKETS)
+PROMPT_TOKENS = Counter("inference_prompt_tokens", "Prompt tokens of submitted requests (usage.prompt_tokens)",
+                        ["tenant"])
+CACHED_PROMPT_TOKENS = Counter("inference_cached_prompt_tokens",
+                               "Prompt tokens reused from the prefix cache (usage...cached_tokens)", ["tenant"])
+GENERATED_TOKENS = Counter("inference_generated_tokens", "Generated tokens (usage.completion_tokens)", ["tenant"])
+DEADLINE_EXCEEDED = Counter("inference_requests_deadline_exceeded",
+                            "Requests that reached their deadline (finish_reason deadline or DEADLINE_EXCEEDED)",
+                            ["tenant"])
+RATE_LIMITED = Counter("inference_requests_rate_limited", "Requests refused with 429 / RESOURCE_EXHAUSTED",
+                       ["tenant", "kind"])
+ENGINE_RESTARTS = Counter("inference_engine_restarts", "Engine processes started again after a crash or stall")
+
+
+class EngineStateCollector:
+    """Collector of ``inference_kv_slot_utilization`` (busy slots / slots, 0-1),
+    ``inference_queue_depth`` (sequences waiting for a slot) and ``inference_engine_up``
+    (1 when the engine is ready), read from the control block at scrape time."""
+
+    def __init__(self, engine: EngineClient):
+        self.engine = engine
+
+    def collect(self):
+        snap = self.engine.snapshot()
+        busy = sum(1 for m in snap.slot_mailbox if m >= 0)
+        yield GaugeMetricFamily("inference_kv_slot_utilization", "Busy KV slots / slots, as of the last engine step",
+                                value=busy / len(snap.slot_mailbox))
+        yield GaugeMetricFamily("inference_queue_depth", "Sequences waiting for a KV slot, as of the last engine step",
+                                value=snap.n_waiting)
+        yield GaugeMetricFamily("inference_engine_up", "1 when the engine process is ready", value=int(self.engine.ready()))
+
+
+class Scrape:
+    """``GET /metrics``: every process's metrics added up (Prometheus text format 0.0.4). Needs
+    no API key. Outside multiprocess mode (an app in one process), this process's registry."""
+
+    public = True
+
+    def __init__(self, engine: EngineClient):
+        self.path = os.environ.get(metrics_dir.ENV)
+        self.registry = CollectorRegistry()
+        if self.path:
+            MultiProcessCollector(self.registry, self.path)
+        self.registry.register(EngineStateCollector(engine))
+
+    def render(self) -> bytes:
+        if not self.path:
+            return generate_latest(REGISTRY) + generate_latest(self.registry)
+        with metrics_dir.read_lock(self.path):
+            return generate_latest(self.registry)
+
+    def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
+        resp.content_type = CONTENT_TYPE_LATEST
+        resp.data = self.render()

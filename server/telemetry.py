@@ -1,0 +1,170 @@
+"""What every finished request leaves behind: its metrics (``server/metrics.py``) and one JSON
+log line, from one :class:`RequestRecord` filled along the request path, whatever the protocol.
+
+The log line (logger ``inference.requests``, on stdout) holds ``request_id``, ``tenant``,
+``route``, ``status``, ``finish_reason``, ``prompt_tokens``, ``cached_tokens``,
+``completion_tokens``, ``queue_wait_s``, ``time_to_first_token_s``, ``latency_s`` and, with
+``--log-prompts`` only, ``prompt``. It never holds an API key.
+
+Label values stay bounded: ``tenant`` is a tenant of the tenant file or ``default`` (the keyless
+tenant, and requests refused before a key named a tenant); ``route`` one of the routes served;
+``status`` an HTTP status or gRPC code name; ``finish_reason`` choice 0's (``stop``, ``length``,
+``deadline``) or how the request ended otherwise (``cancelled``: the client left; ``error``).
+"""
+from __future__ import annotations
+
+import logging
+import re
+import sys
+import time
+import uuid
+from dataclasses import dataclass, field
+
+import ujson
+
+from engine.errors import ClientDisconnected, DeadlineExceeded, RateLimited
+from server.generation import Generation
+from server.tenants import DEFAULT_TENANT, Tenant
+
+log = logging.getLogger("inference.requests")
+#: A client's ``X-Request-ID`` is kept when it is this short and printable; otherwise a new id
+#: is made (a header must not inject anything into logs or responses).
+_REQUEST_ID = re.compile(r"[\x21-\x7e]{1,128}")
+
+
+def request_id(given: str | None) -> str:
+    """The client's request id if it is 1-128 printable ASCII characters, else a new UUID4 hex."""
+    return given if given is not None and _REQUEST_ID.fullmatch(given) else uuid.uuid4().hex
+
+
+@dataclass
+class RequestRecord:
+    """One request as it goes: filled by the front end, closed once by :meth:`Telemetry.finish`.
+
+    Attributes:
+        request_id: echoed as ``X-Request-ID`` (gRPC: ``x-request-id`` metadata).
+        route: the route or gRPC method. started: ``time.monotonic()`` at arrival.
+        tenant: who asked (set once authenticated). generation: its sequences, once submitted.
+        prompt: the prompt as the client sent it (logged only with ``--log-prompts``).
+    """
+
+    request_id: str
+    route: str
+    started: float = field(default_factory=time.monotonic)
+    tenant: Tenant = DEFAULT_TENANT
+    generation: Generation | None = None
+    prompt: object = None
+    finished: bool = False
+
+    def attach(self, generation: Generation, prompt: object) -> None:
+        self.generation, self.prompt = generation, prompt
+
+
+def finish_reason(gen: Generation | None, error: BaseException | None) -> str:
+    """Choice 0's finish reason, or how the request ended without one (see the module)."""
+    if isinstance(error, (ClientDisconnected, GeneratorExit)):
+        return "cancelled"
+    if isinstance(error, DeadlineExceeded):
+        return "deadline"
+    if error is not None or gen is None or gen.finish_reasons[0] is None:
+        return "error"
+    return gen.finish_reasons[0]
+
+
+def limit_kind(error: RateLimited) -> str:
+    """``requests``, ``tokens`` (the empty token bucket; requests first) or ``concurrency``."""
+    if error.kind == "concurrency":
+        return "concurrency"
+    return next((k for k, (_, remaining, _) in error.buckets.items() if remaining < 1), "requests")
+
+
+class Telemetry:
+    """Starts and finishes :class:`RequestRecord`s.
+
+    Args:
+        metrics: record Prometheus metrics (``--no-metrics``: only the log line).
+        log_prompts: put the prompt into the log line (``--log-prompts``).
+    """
+
+    def __init__(self, metrics: bool = True, log_prompts: bool = False):
+        self.metrics = None
+        if metrics:
+            from server import metrics as m  # imported only then: its mode is fixed at import
+            self.metrics = m
+        self.log_prompts = log_prompts
+        _setup_log()
+
+    def start(self, route: str, given_id: str | None = None) -> RequestRecord:
+        return RequestRecord(request_id(given_id), route)
+
+    def finish(self, record: RequestRecord, status: int | str, error: BaseException | None = None) -> None:
+        """Record the request's metrics and write its log line (once; later calls do nothing).
+        ``status``: the HTTP status or gRPC code name it ended with; ``error``: what ended it,
+        if not its own end. Never raises: a failure here must not touch the answer."""
+        if record.finished:
+            return
+        record.finished = True
+        try:
+            self._finish(record, str(status), error)
+        except Exception:  # noqa: BLE001
+            logging.getLogger("server").exception("request %s: telemetry failed", record.request_id)
+
+    def _finish(self, record: RequestRecord, status: str, error: BaseException | None) -> None:
+        now = time.monotonic()
+        gen = record.generation
+        reason = finish_reason(gen, error)
+        usage = gen.usage() if gen is not None else {"prompt_tokens": 0, "completion_tokens": 0,
+                                                     "prompt_tokens_details": {"cached_tokens": 0}}
+        cached = usage["prompt_tokens_details"]["cached_tokens"]
+        timings = gen.timings() if gen is not None and gen.streams else None
+        queue_wait = timings.admitted - timings.queued if timings is not None and timings.admitted else None
+        ttft = gen.first_token_at - record.started if gen is not None and gen.first_token_at else None
+        latency = now - record.started
+        deadline = reason == "deadline" or (gen is not None and "deadline" in gen.finish_reasons)
+        if self.metrics is not None:
+            self._observe(record, status, reason, error, usage, cached, queue_wait, ttft, latency, deadline)
+        line = {"request_id": record.request_id, "tenant": record.tenant.id, "route": record.route,
+                "status": status, "finish_reason": reason, "prompt_tokens": usage["prompt_tokens"],
+                "cached_tokens": cached, "completion_tokens": usage["completion_tokens"],
+                "queue_wait_s": _round(queue_wait), "time_to_first_token_s": _round(ttft),
+                "latency_s": _round(latency)}
+        if self.log_prompts:
+            line["prompt"] = record.prompt
+        log.info(ujson.dumps(line, ensure_ascii=False, escape_forward_slashes=False))
+
+    def _observe(self, record, status, reason, error, usage, cached, queue_wait, ttft, latency, deadline) -> None:
+        m, tenant = self.metrics, record.tenant.id
+        m.REQUESTS.labels(tenant, record.route, status, reason).inc()
+        m.LATENCY.labels(record.route, reason).observe(latency)
+        if queue_wait is not None:
+            m.QUEUE_WAIT.observe(max(0.0, queue_wait))
+        if ttft is not None:
+            m.TIME_TO_FIRST_TOKEN.observe(ttft)
+        if record.generation is not None:
+            for gap in record.generation.token_gaps:
+                m.INTER_TOKEN_LATENCY.observe(gap)
+        if usage["prompt_tokens"]:
+            m.PROMPT_TOKENS.labels(tenant).inc(usage["prompt_tokens"])
+        if cached:
+            m.CACHED_PROMPT_TOKENS.labels(tenant).inc(cached)
+        if usage["completion_tokens"]:
+            m.GENERATED_TOKENS.labels(tenant).inc(usage["completion_tokens"])
+        if deadline:
+            m.DEADLINE_EXCEEDED.labels(tenant).inc()
+        if isinstance(error, RateLimited):
+            m.RATE_LIMITED.labels(tenant, limit_kind(error)).inc()
+
+
+def _round(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds, 6)
+
+
+def _setup_log() -> None:
+    """The request log goes to stdout, one JSON object per line and nothing else (the server's
+    own log, on stderr, keeps its format)."""
+    if not log.handlers:
+        handler = logging.StreamHandler(sys.stdout)
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        log.addHandler(handler)
+        log.setLevel(logging.INFO)
+        log.propagate = False
