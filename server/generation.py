@@ -176,9 +176,9 @@ class Generation:
                     yield None
                     continue
                 self._charge(len(tokens))
-                self._arrived(k, len(tokens))
                 if ended[k]:
                     continue  # a stop string ended it; its cancellation is being followed
+                self._arrived(k, len(tokens))
                 for token in tokens:
                     self.counts[k] += 1
                     text = detoks[k].push(token.id)

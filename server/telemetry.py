@@ -71,6 +71,9 @@ def finish_reason(gen: Generation | None, error: BaseException | None) -> str:
     return gen.finish_reasons[0]
 
 
+LIMIT_KINDS = ("requests", "tokens", "concurrency")
+
+
 def limit_kind(error: RateLimited) -> str:
     """``requests``, ``tokens`` (the empty token bucket; requests first) or ``concurrency``."""
     if error.kind == "concurrency":
@@ -91,6 +94,10 @@ class Telemetry:
         if metrics:
             from server import metrics as m  # imported only then: its mode is fixed at import
             self.metrics = m
+            # Exported from the start (at 0), so dashboards and alerts see them before any event.
+            m.DEADLINE_EXCEEDED.labels(DEFAULT_TENANT.id)
+            for kind in LIMIT_KINDS:
+                m.RATE_LIMITED.labels(DEFAULT_TENANT.id, kind)
         self.log_prompts = log_prompts
         _setup_log()
 

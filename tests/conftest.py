@@ -170,8 +170,16 @@ class RunningServer:
         return pids
 
     def worker_pids(self) -> list[int]:
-        """The gunicorn workers: the master's children other than the engine and the sidecar."""
-        return [p for p in self.children() if p != self.engine.t.control.engine_pid and p != self.sidecar_pid()]
+        """The gunicorn workers: the master's children forked from it (same command line; the
+        engine, the sidecar and multiprocessing's resource tracker are other programs)."""
+        def cmdline(pid: int) -> bytes | None:
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    return f.read()
+            except OSError:
+                return None
+        master = cmdline(self.proc.pid)
+        return [p for p in self.children() if cmdline(p) == master]
 
     def sidecar_pid(self) -> int | None:
         """The gRPC sidecar's pid (None when there is none)."""
@@ -235,7 +243,7 @@ class AppServer:
 
         from server.app import create_app
 
-        self.config, self.engine = config, generator.engine
+        self.config, self.generator, self.engine = config, generator, generator.engine
         self.client = falcon.testing.TestClient(create_app(config, generator, tenants))
 
     def request(self, method: str, path: str, body: bytes | None = None, headers: dict | None = None):
