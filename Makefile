@@ -30,6 +30,7 @@ bench: install
 	$(PY) -m bench.tenancy --json bench/results/tenancy.json
 	$(PY) -m bench.prefix --json bench/results/prefix.json
 	$(PY) -m bench.grpc --json bench/results/grpc.json
+	$(PY) -m bench.metrics --json bench/results/metrics.json
 	$(PY) -m pytest bench --benchmark-enable --benchmark-json bench/results/delivery.json -s
 
 clean:
