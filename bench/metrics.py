@@ -15,7 +15,8 @@ worker restarts.
 * scrape: a server with ``--scrape-workers`` workers, each having served requests; the median and
   95th percentile of ``--scrapes`` scrapes (client-side, request to last byte); then
   ``--restarts`` times SIGKILL a worker, wait for its replacement and serve a request; scrape
-  again. Also the number of files in the multiprocess directory.
+  again (each replacement booted before the next kill). Also the number of files in the
+  multiprocess directory, and the requests counted against those sent.
 """
 from __future__ import annotations
 
@@ -125,7 +126,11 @@ def main(argv=None) -> int:
         for i in range(a.restarts):
             workers = server.worker_pids()
             os.kill(workers[i % len(workers)], signal.SIGKILL)
-            while len(set(server.worker_pids()) - set(workers)) < 1 or len(server.worker_pids()) < len(workers):
+            while not (new := set(server.worker_pids()) - set(workers)):
+                time.sleep(0.02)
+            # Booted: its app made its first metric values (server/telemetry.py, at start).
+            replacement = new.pop()
+            while not os.path.exists(os.path.join(path, f"counter_{replacement}.db")):
                 time.sleep(0.02)
             concurrently(2, lambda j: post(server.url, f"Restart {i} {j}"))
         restart_s = time.perf_counter() - t0
