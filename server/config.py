@@ -72,7 +72,8 @@ class ServerConfig:
     grpc_threads: int = _option("--grpc-threads", "GRPC_THREADS",
                                 "gRPC handler threads (0: one per slot and queue place, plus 8)", 0)
     metrics: bool = _option("--no-metrics", "METRICS",
-                            "Prometheus metrics from every process at GET /metrics (the flag or 0: none)", True, shown="1")
+                            "Prometheus metrics from every process at GET /metrics (the flag or 0: none)", True,
+                            shown="1")
     metrics_port: int = _option("--metrics-port", "METRICS_PORT",
                                 "serve /metrics on this port only, not on the HTTP port (0: on the HTTP port)", 0)
     log_prompts: bool = _option("--log-prompts", "LOG_PROMPTS",

@@ -60,7 +60,10 @@ def on_starting(server) -> None:
     except ConfigError as e:
         raise SystemExit(f"inference-server: {e}") from None
     if _config.metrics:
-        _state["metrics_dir"] = metrics_dir.prepare()
+        try:
+            _state["metrics_dir"] = metrics_dir.prepare()
+        except OSError as e:
+            raise SystemExit(f"inference-server: {metrics_dir.ENV}: {e}") from None
         server.log.info("metrics: prometheus-client multiprocess directory %s", _state["metrics_dir"][0])
 
 

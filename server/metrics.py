@@ -72,7 +72,8 @@ class EngineStateCollector:
                                 value=busy / len(snap.slot_mailbox))
         yield GaugeMetricFamily("inference_queue_depth", "Sequences waiting for a KV slot, as of the last engine step",
                                 value=snap.n_waiting)
-        yield GaugeMetricFamily("inference_engine_up", "1 when the engine process is ready", value=int(self.engine.ready()))
+        yield GaugeMetricFamily("inference_engine_up", "1 when the engine process is ready",
+                                value=int(self.engine.ready()))
 
 
 class Scrape:

