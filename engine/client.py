@@ -18,7 +18,7 @@ from typing import Sequence as Seq
 
 import numpy as np
 
-from engine.errors import ClientDisconnected, EngineUnavailable, RateLimited, Saturated
+from engine.errors import ClientDisconnected, EngineUnavailable, RateLimited, Saturated, ShuttingDown
 from engine.request import EngineRequest, Priority, SamplingParams
 from engine.stream import Stream
 from shm.buckets import SharedBuckets
@@ -52,6 +52,14 @@ class EngineClient:
         """True when the engine has loaded the model and stepped within ``stall_s`` seconds."""
         return self.t.control.ready(stall_s)
 
+    def draining(self) -> bool:
+        """True once the server started draining (SIGTERM): no new request is taken."""
+        return self.t.control.draining
+
+    def accepting(self) -> bool:
+        """Ready and not draining: a new request would be served (readiness)."""
+        return self.ready() and not self.draining()
+
     @property
     def capacity(self) -> int:
         """Sequences that can be in flight at once (running plus queued): the mailboxes."""
@@ -75,8 +83,8 @@ class EngineClient:
             watch_socket: the client's connection; if it closes, the sequence is cancelled.
         Raises:
             InvalidRequest / PromptTooLong: the request does not fit (checked here, once).
-            ClientDisconnected: ``watch_socket`` is already closed. EngineUnavailable: the
-            engine is not ready. Saturated: no free mailbox. RateLimited (``kind``
+            ClientDisconnected: ``watch_socket`` is already closed. ShuttingDown: the server is
+            draining. EngineUnavailable: the engine is not ready. Saturated: no free mailbox. RateLimited (``kind``
             ``concurrency``): the tenant is at ``max_concurrent``.
         """
         request = EngineRequest(np.asarray(prompt_ids, dtype=np.int32), params, Priority(priority),
@@ -85,6 +93,8 @@ class EngineClient:
         if watch_socket is not None and hung_up(watch_socket):
             # A request read from a pipeline after its client left must not be decoded.
             raise ClientDisconnected("client closed the connection before its request was queued")
+        if self.draining():
+            raise ShuttingDown("the server is shutting down: retry on another replica")
         if not self.ready():
             raise EngineUnavailable("engine is not ready")
         try:

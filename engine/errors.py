@@ -69,6 +69,11 @@ class EngineUnavailable(EngineError):
     retry_after = 1
 
 
+class ShuttingDown(EngineUnavailable):
+    """The server is draining (SIGTERM): it takes no new request, and a request still running at
+    the end of the drain is ended with this."""
+
+
 class DeadlineExceeded(EngineError):
     """The request's deadline passed before it produced any token."""
 

@@ -8,7 +8,7 @@ import time
 from dataclasses import dataclass
 from typing import Iterator
 
-from engine.errors import ClientDisconnected, DeadlineExceeded, EngineUnavailable, InvalidRequest
+from engine.errors import ClientDisconnected, DeadlineExceeded, EngineUnavailable, InvalidRequest, ShuttingDown
 from shm import ErrorCode, Finish, Lease
 from shm.mailbox import Mailboxes
 
@@ -83,6 +83,8 @@ class Stream:
             if outcome.finish == Finish.ERROR:
                 if outcome.error == ErrorCode.BAD_REQUEST:
                     raise InvalidRequest("engine rejected the request")
+                if outcome.error == ErrorCode.SHUTDOWN:
+                    raise ShuttingDown("the server is shutting down")
                 raise EngineUnavailable(_ERROR_MESSAGES.get(outcome.error, "engine stopped"))
             self.finish_reason = outcome.finish.name.lower()
         return tokens

@@ -151,9 +151,25 @@ class EngineSupervisor:
             log.error("engine made no step for %.0f s; killing it", silent)
             self.proc.kill()
 
+    # -- the server's drain -------------------------------------------------------------------------
+    def start_draining(self) -> None:
+        """Front ends take no new request from now on (they answer ``ShuttingDown``)."""
+        self.t.control.start_draining()
+
+    def in_flight(self) -> int:
+        """Requests holding a mailbox (queued, running, or being read by their front end)."""
+        return self.t.mailboxes.in_use()
+
     def stop(self, timeout: float = 10.0) -> None:
-        """Stop the engine (SIGTERM, then SIGKILL after ``timeout``), fail what remains, and
-        unlink the transport if this supervisor created it."""
+        """:meth:`stop_engine`, then unlink the transport if this supervisor created it."""
+        self.stop_engine(timeout)
+        if self.owns_transport:
+            self.t.close()
+
+    def stop_engine(self, timeout: float = 10.0) -> None:
+        """Stop the engine (SIGTERM, then SIGKILL after ``timeout``) for good: it ends every
+        sequence with ``ErrorCode.SHUTDOWN``, and what it left is failed the same way. The
+        transport stays (front ends read those endings). Idempotent."""
         self._stopping.set()
         if self.proc is not None and self.proc.poll() is None:
             self.proc.terminate()
@@ -166,8 +182,6 @@ class EngineSupervisor:
             self._thread.join(timeout)
         if self.t.mailboxes is not None:
             self.t.mailboxes.fail_in_flight(ErrorCode.SHUTDOWN)
-        if self.owns_transport:
-            self.t.close()
 
 
 def engine_environment() -> dict:

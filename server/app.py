@@ -87,8 +87,8 @@ class MetricsPort:
 def create_app(config: ServerConfig, generator: Generator, tenants: TenantRegistry | None = None,
                telemetry: Telemetry | None = None) -> falcon.App:
     """Routes: ``/v1/chat/completions``, ``/v1/completions``, ``/v1/models``,
-    ``/v1/models/{model}``, ``/health``, ``/infer``, and ``/metrics`` with metrics on (on its own
-    port with ``--metrics-port``). Errors follow :mod:`server.errors`.
+    ``/v1/models/{model}``, ``/health`` (= ``/health/ready``), ``/health/live``, ``/infer``, and
+    ``/metrics`` with metrics on (on its own port with ``--metrics-port``). Errors follow :mod:`server.errors`.
 
     Args:
         config: validated settings. generator: the request path over an engine client (a real
@@ -115,7 +115,10 @@ def create_app(config: ServerConfig, generator: Generator, tenants: TenantRegist
     models = Models(config)
     app.add_route("/v1/models", models)
     app.add_route("/v1/models/{model:path}", models, suffix="one")  # names may hold "/"
-    app.add_route("/health", Health(generator.engine))
+    health = Health(generator.engine)
+    app.add_route("/health", health)
+    app.add_route("/health/ready", health)
+    app.add_route("/health/live", health, suffix="live")
     app.add_route("/infer", Infer(config, generator, tenants))
     if telemetry.metrics is not None:
         from server.metrics import Scrape

@@ -76,6 +76,8 @@ class ServerConfig:
                             shown="1")
     metrics_port: int = _option("--metrics-port", "METRICS_PORT",
                                 "serve /metrics on this port only, not on the HTTP port (0: on the HTTP port)", 0)
+    drain_timeout: float = _option("--drain-timeout", "DRAIN_TIMEOUT",
+                                   "seconds running requests get to finish after SIGTERM; then they are ended", 30.0)
     log_prompts: bool = _option("--log-prompts", "LOG_PROMPTS",
                                 "write each request's prompt into its JSON log line (the flag or 1)", False, shown="0")
 
@@ -95,6 +97,8 @@ class ServerConfig:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if not self.model_ids:
             raise ConfigError("--model-id must name at least one model")
+        if not 0 <= self.drain_timeout <= 86400:
+            raise ConfigError(f"--drain-timeout must be 0..86400 seconds, got {self.drain_timeout}")
         if not 0 <= self.sse_keepalive_s <= 3600:
             raise ConfigError(f"--sse-keepalive-s must be 0..3600, got {self.sse_keepalive_s}")
         if self.redis_url:

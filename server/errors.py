@@ -17,7 +17,7 @@ import ujson
 import math
 
 from engine.errors import (ClientDisconnected, DeadlineExceeded, EngineUnavailable, ModelNotFound,
-                           PermissionDenied, RateLimited, RequestError, Saturated, Unauthenticated)
+                           PermissionDenied, RateLimited, RequestError, Saturated, ShuttingDown, Unauthenticated)
 
 log = logging.getLogger("server")
 CLIENT_CLOSED_STATUS = 499  # nginx's status for a client that left; never seen by the client
@@ -78,7 +78,8 @@ def http_error(ex: Exception) -> tuple[int, dict, dict]:
         headers = {"WWW-Authenticate": "Bearer"} if status == 401 else {}
     elif isinstance(ex, (Saturated, EngineUnavailable)):
         message = str(ex) or "engine unavailable"
-        code = "server_overloaded" if isinstance(ex, Saturated) else "engine_unavailable"
+        code = ("server_overloaded" if isinstance(ex, Saturated) else
+                "server_shutting_down" if isinstance(ex, ShuttingDown) else "engine_unavailable")
         headers = {"Retry-After": str(ex.retry_after)}
     else:
         log.error("unhandled error: %r", ex, exc_info=ex)

@@ -63,11 +63,11 @@ def build(config: ServerConfig, engine: EngineClient,
 
 
 def follow_engine(engine: EngineClient, health_servicer: health.HealthServicer, stop: threading.Event) -> None:
-    """Keep health in step with the engine (ready, restarting) until ``stop``; then
-    ``NOT_SERVING`` for good."""
+    """Keep health in step with the engine (ready, restarting, the server draining) until
+    ``stop``; then ``NOT_SERVING`` for good."""
     serving = None
     while not stop.is_set():
-        ready = engine.ready()
+        ready = engine.accepting()
         if ready != serving:
             status = health_pb2.HealthCheckResponse.SERVING if ready else health_pb2.HealthCheckResponse.NOT_SERVING
             for name in ("", SERVICE_NAME):

@@ -10,6 +10,7 @@ configuration, ``when_ready`` (the port is bound) creates the transport and star
 supervisor and the gRPC sidecar (``server.sidecar``) before any worker forks; ``child_exit``
 reclaims the
 mailboxes a dead worker leased; ``on_exit`` stops the engine and unlinks the shared memory;
+SIGTERM drains first (``_drain``);
 ``pre_request`` closes the connection of a request whose body is over the limit; ``when_ready``
 and ``post_worker_init`` make SIGHUP reload the tenant file. With metrics on, ``on_starting``
 prepares prometheus-client's multiprocess directory and every child's exit retires its files
@@ -22,6 +23,8 @@ import logging
 import os
 import signal
 import sys
+import threading
+import time
 
 from engine.config import ConfigError
 from engine.supervisor import EngineSupervisor
@@ -39,6 +42,9 @@ bind = [f"{_config.host}:{_config.port}"] + ([f"{_config.host}:{_config.metrics_
 workers = _config.workers
 threads = _config.threads
 worker_class = "gthread"
+# Seconds a worker gets to finish after the master's SIGTERM. The drain (see ``_drain``) has
+# already ended every request by then, so only final writes remain; a second SIGTERM (stop
+# now) cuts what still runs after this long.
 graceful_timeout = 5
 keepalive = 5
 timeout = 120
@@ -46,6 +52,8 @@ proc_name = "inference-server"
 # gunicorn's control socket lives at one fixed path per user: several servers on one machine
 # (tests, replicas) would fight over it, and nothing here uses it.
 control_socket_disable = True
+# Workers' heartbeat files on tmpfs: no disk writes, and the container's root may be read-only.
+worker_tmp_dir = "/dev/shm" if os.path.isdir("/dev/shm") else None
 
 _state: dict = {}
 
@@ -123,6 +131,44 @@ def when_ready(server) -> None:
             _state["sidecar"].signal(signal.SIGHUP)
 
     server.handle_hup = handle_hup  # the arbiter dispatches signals to handle_<name>
+    server.handle_term = lambda: _drain(server)
+
+
+#: Seconds the front ends get, after the drain ended what still ran, to write those endings.
+END_WRITES_S = 5.0
+
+
+def _drain(server) -> None:
+    """SIGTERM to the master. The first: readiness turns 503 and new requests get 503
+    (``ShuttingDown``; gRPC health ``NOT_SERVING``, calls ``UNAVAILABLE``) at once, while
+    what runs or waits keeps going for up to ``--drain-timeout`` seconds (:func:`_finish_drain`).
+    A second SIGTERM (or SIGINT, gunicorn's quick stop) stops now: gunicorn's own shutdown."""
+    if _state.get("draining"):
+        raise StopIteration  # what the arbiter's own handle_term does: halt
+    _state["draining"] = True
+    _state["supervisor"].start_draining()
+    server.log.info("SIGTERM: draining; running requests get up to %.0f s (a second SIGTERM stops now)",
+                    _config.drain_timeout)
+    threading.Thread(target=_finish_drain, args=(server,), name="drain", daemon=True).start()
+
+
+def _finish_drain(server) -> None:
+    """Wait until no request is in flight or the drain timeout passed; then stop the engine,
+    which ends what still runs with ``server_shutting_down`` (an SSE error event and
+    ``[DONE]``, a 503, gRPC ``UNAVAILABLE``); give the front ends time to write that; then
+    SIGTERM the master again, which halts gunicorn (``on_exit`` cleans up)."""
+    supervisor = _state["supervisor"]
+    deadline = time.monotonic() + _config.drain_timeout
+    while supervisor.in_flight() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if supervisor.in_flight():
+        server.log.warning("drain timeout: ending %d requests still in flight", supervisor.in_flight())
+        supervisor.stop_engine()
+        deadline = time.monotonic() + END_WRITES_S
+        while supervisor.in_flight() and time.monotonic() < deadline:
+            time.sleep(0.05)
+    server.log.info("drained; stopping")
+    os.kill(os.getpid(), signal.SIGTERM)
 
 
 def accepted_tenants() -> Tenants:

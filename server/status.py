@@ -1,31 +1,48 @@
 """``GET /health`` (Kubernetes probes) and ``GET /v1/models`` (OpenAI API reference: Models)."""
 from __future__ import annotations
 
+import os
 import time
 
 import falcon
 
 from engine.client import EngineClient
-from engine.errors import EngineUnavailable, ModelNotFound
+from engine.errors import EngineUnavailable, ModelNotFound, ShuttingDown
 from server.config import ServerConfig
 
 
 class Health:
-    """200 ``{"status": "ok"}`` when the engine is ready; 503 while loading or unavailable.
-    Needs no API key."""
+    """Probes; none needs an API key (README "Stopping and draining", k8s/README.md).
+
+    - ``GET /health/ready`` (and ``/health``, kept for compatibility): 200 ``{"status": "ok"}``
+      when a request would be served; 503 while the model loads, while the engine restarts and
+      from the first moment of a drain. For readiness and startup probes.
+    - ``GET /health/live``: 200 ``{"status": "alive"}`` while this worker answers and its
+      master lives, also while the engine restarts (the server heals that itself). For
+      liveness probes: a pod restart would not help anything this probe passes.
+    """
 
     public = True
 
     def __init__(self, engine: EngineClient):
         self.engine = engine
+        self.master = os.getppid()
 
     def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
+        if self.engine.draining():
+            raise ShuttingDown("the server is shutting down")
         if not self.engine.ready():
             raise EngineUnavailable("engine is loading or unavailable")
         resp.media = {"status": "ok"}
 
-    def on_head(self, req: falcon.Request, resp: falcon.Response) -> None:
-        self.on_get(req, resp)  # some probes and load balancers use HEAD
+    def on_get_live(self, req: falcon.Request, resp: falcon.Response) -> None:
+        if os.getppid() != self.master:  # orphaned: the master died and took the engine with it
+            raise EngineUnavailable("the server's master process is gone")
+        resp.media = {"status": "alive"}
+
+    # some probes and load balancers use HEAD
+    on_head = on_get
+    on_head_live = on_get_live
 
 
 class Models:

@@ -65,6 +65,14 @@ class ControlBlock:
         """The engine is READY and stepped within ``stall_s`` seconds."""
         return self.state == EngineState.READY and self.seconds_since_step() < stall_s
 
+    # -- the server's drain (gunicorn master) ------------------------------------------------------
+    def start_draining(self) -> None:
+        self._c["draining"] = 1
+
+    @property
+    def draining(self) -> bool:
+        return bool(self._c["draining"])
+
     # -- per-step publication (engine) -----------------------------------------------------------
     @property
     def step(self) -> int:

@@ -108,6 +108,8 @@ class Layout:
             ("cache_entries", np.int32), ("cache_tokens", np.int64),
             ("cache_kv_pos_max", np.int32, (max(self.cache_streams, 1),)),
             ("prefix_hits", np.uint64), ("prefix_reused_tokens", np.uint64),
+            # 1 from the server's SIGTERM on: front ends refuse new requests, readiness is 503.
+            ("draining", np.int32),
         ])
 
     def record_dtype(self) -> np.dtype:

