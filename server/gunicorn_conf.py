@@ -12,9 +12,9 @@ reclaims the
 mailboxes a dead worker leased; ``on_exit`` stops the engine and unlinks the shared memory;
 SIGTERM drains first (``_drain``);
 ``pre_request`` closes the connection of a request whose body is over the limit; ``when_ready``
-and ``post_worker_init`` make SIGHUP reload the tenant file. With metrics on, ``on_starting``
-prepares prometheus-client's multiprocess directory and every child's exit retires its files
-(``server.metrics_dir``).
+and ``post_worker_init`` make SIGHUP reload the tenant file. With metrics on, ``when_ready``
+prepares prometheus-client's multiprocess directory first and every child's exit retires its
+files (``server.metrics_dir``).
 """
 from __future__ import annotations
 
@@ -59,24 +59,24 @@ _state: dict = {}
 
 
 def on_starting(server) -> None:
-    """Check the files; with metrics on, prepare prometheus-client's multiprocess directory
-    (``server.metrics_dir``: empty, exported to every process started from here on)."""
+    """Check the files before anything starts."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         _config.check_files()
         _state["tenants"] = Tenants.load(_config.tenants_file or None)
     except ConfigError as e:
         raise SystemExit(f"inference-server: {e}") from None
-    if _config.metrics:
+
+
+def _start_engine(server) -> None:
+    """The metrics directory, shared memory and the engine, once the port is bound (a failed
+    bind leaves nothing)."""
+    if _config.metrics:  # before any process that records metrics exists (server.metrics_dir)
         try:
             _state["metrics_dir"] = metrics_dir.prepare()
         except OSError as e:
             raise SystemExit(f"inference-server: {metrics_dir.ENV}: {e}") from None
         server.log.info("metrics: prometheus-client multiprocess directory %s", _state["metrics_dir"][0])
-
-
-def _start_engine(server) -> None:
-    """Shared memory and the engine, once the port is bound (a failed bind leaves nothing)."""
     engine = _config.engine_config()
     # INFERENCE_SHM may name the segment in advance (tests attach to it to inspect the engine).
     supervisor = EngineSupervisor.create(engine, name=os.environ.get("INFERENCE_SHM") or None,

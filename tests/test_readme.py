@@ -42,6 +42,8 @@ def test_curl_example(server, command):
     assert out.returncode == 0 and status == "200", (command, out.stdout[-500:], out.stderr)
     if '"stream": true' in command:
         assert body.rstrip().endswith("data: [DONE]")
+    elif command.endswith("/metrics"):
+        assert "\ninference_kv_slot_utilization " in body
     else:
         reply = json.loads(body)
         assert "error" not in reply and (reply.get("choices") or reply.get("text") is not None)

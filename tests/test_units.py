@@ -167,3 +167,55 @@ def test_lone_tokens_mirrors_llama_cpp_micro_batch_split():
     assert lone_tokens({0: 1, 1: 2}, 512) == [1]  # one token each, then 1's second alone
     assert lone_tokens({0: 1, 1: 3, 2: 2}, 512) == [1]
     assert lone_tokens({0: 40}, 512) == []
+
+
+def test_metrics_dir_orphans_are_removed_and_live_ones_kept(tmp_path):
+    """A private metrics directory whose master died (its .owner flock is free) goes at the next
+    start; one whose owner holds the lock stays; so does an ownerless one a moment old."""
+    import fcntl
+
+    from server import metrics_dir
+
+    dead, live, young = (tmp_path / f"{metrics_dir.PREFIX}{n}" for n in ("dead", "live", "young"))
+    for d in (dead, live, young):
+        d.mkdir()
+    (dead / ".owner").touch()
+    owner = open(live / ".owner", "w")
+    fcntl.flock(owner, fcntl.LOCK_EX)
+    try:
+        assert metrics_dir.remove_orphans(str(tmp_path)) == [str(dead)]
+        assert live.exists() and young.exists() and not dead.exists()
+    finally:
+        owner.close()
+    assert metrics_dir.remove_orphans(str(tmp_path)) == [str(live)]
+
+
+def test_retire_adds_a_dead_process_counts_into_the_retired_files(tmp_path):
+    """Raw per-key sums: what a scrape would add up, before and after, is the same."""
+    from prometheus_client.mmap_dict import MmapedDict
+    from prometheus_client.multiprocess import MultiProcessCollector
+
+    from server import metrics_dir
+
+    def write(name, values):
+        d = MmapedDict(str(tmp_path / name))
+        for key, v in values.items():
+            d.write_value(key, v, 0.0)
+        d.close()
+
+    key = '["inference_requests", "inference_requests_total", {"route": "/x"}, "h"]'
+    bucket = '["inference_latency_seconds", "inference_latency_seconds_bucket", {"le": "1.0"}, "h"]'
+    write("counter_111.db", {key: 3.0})
+    write("counter_222.db", {key: 4.0})
+    write("histogram_111.db", {bucket: 2.0})
+    write("counter_retired.db", {key: 10.0})
+    (tmp_path / ".lock").touch()
+
+    def totals():
+        return {s.name: s.value for m in MultiProcessCollector(None, str(tmp_path)).collect() for s in m.samples}
+
+    before = totals()
+    metrics_dir.retire(111, str(tmp_path))
+    assert sorted(p.name for p in tmp_path.glob("*.db")) == ["counter_222.db", "counter_retired.db",
+                                                             "histogram_retired.db"]
+    assert totals() == before and before["inference_requests_total"] == 17.0
