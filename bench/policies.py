@@ -11,16 +11,18 @@ model, slots and threads, and the same request list is driven against it twice:
 * ``wrk`` with ``bench/wrk_mix.lua`` (non-streamed, the list in a loop for ``--wrk-seconds``),
   when ``wrk`` is installed.
 
-The ceiling is ``bench.limit`` at B = ``--concurrency`` (the bare ``llama_decode`` loop, prompts
-of the workload's mean length, 128 generated tokens each). With ``LLAMA_SERVER=/path/to/
+The ceiling is ``bench.limit`` at B = ``--concurrency`` (the bare ``llama_decode`` loop over B
+sequences with the workload's mean prompt and mean response length: the same work per request,
+without the mix). With ``LLAMA_SERVER=/path/to/
 llama-server`` set, the same workload also runs against llama.cpp's own server (``-np`` = slots,
 same context per slot and threads, its defaults otherwise; building it: ``bench/README.md``).
 
 Workload (:func:`workload`, fixed ``--seed``): 70 % short prompts (about 16 words), 30 % long
 ones (about 150 words), and ``max_tokens`` drawn from a log-normal (median 48, sigma 1, so a
 heavy tail) clipped to 4..400, with ``ignore_eos`` so every policy generates exactly the same
-tokens. Per policy: requests/s, generated tokens/s, p50/p99 latency and time to first token (ms),
-errors; then each policy ÷ ``fifo``, ``continuous`` ÷ ``static`` and tokens/s ÷ the limit.
+tokens. Per policy: requests/s and generated tokens/s sustained while every connection is busy
+(:func:`summarize`; whole-run rates too), p50/p99 latency and time to first token (ms), errors;
+then each policy ÷ ``fifo``, ``continuous`` ÷ ``static`` and tokens/s ÷ the limit.
 """
 from __future__ import annotations
 
@@ -87,24 +89,41 @@ def percentile(values: list[float], q: float) -> float:
 @dataclass
 class Sample:
     """One request as the driver saw it: start (s since the run began), time to first token and
-    latency (ms; None after an error), generated tokens, and the error if any."""
+    latency (ms; None after an error), generated tokens, the error if any, and when each piece
+    of text arrived (s since the run began; one token each, as both servers stream)."""
 
     start_s: float
     ttft_ms: float | None
     latency_ms: float | None
     tokens: int
     error: str | None = None
+    arrivals: tuple = ()
+
+    @property
+    def end_s(self) -> float:
+        return self.start_s + (self.latency_ms or 0) / 1000
 
 
-def summarize(samples: list[Sample], wall_s: float) -> dict:
-    """The per-policy figures of the JSON (see the module) from one driver run."""
+def summarize(samples: list[Sample], wall_s: float, busy_s: float | None = None) -> dict:
+    """The per-policy figures of the JSON (see the module) from one driver run.
+
+    ``req_per_s`` and ``gen_tok_per_s`` are sustained rates: requests answered and tokens
+    received while every connection was busy (the first ``busy_s`` seconds, until one found the
+    list empty), so the ramp-down of the last few requests, which says nothing about a policy,
+    does not count; ``whole_run`` has the rates over the whole run. Latency and time to first
+    token percentiles are over every answered request.
+    """
     ok = [s for s in samples if s.error is None]
-    return {"req_per_s": len(ok) / wall_s, "gen_tok_per_s": sum(s.tokens for s in ok) / wall_s,
+    busy_s = busy_s or wall_s
+    return {"req_per_s": sum(s.end_s <= busy_s for s in ok) / busy_s,
+            "gen_tok_per_s": sum(sum(t <= busy_s for t in s.arrivals) if s.arrivals else s.tokens * (s.end_s <= busy_s)
+                                 for s in ok) / busy_s,
             "lat_p50_ms": percentile([s.latency_ms for s in ok], 50),
             "lat_p99_ms": percentile([s.latency_ms for s in ok], 99),
             "ttft_p50_ms": percentile([s.ttft_ms for s in ok if s.ttft_ms is not None], 50),
             "ttft_p99_ms": percentile([s.ttft_ms for s in ok if s.ttft_ms is not None], 99),
-            "errors": len(samples) - len(ok), "requests": len(samples), "wall_s": wall_s}
+            "errors": len(samples) - len(ok), "requests": len(samples), "busy_s": busy_s, "wall_s": wall_s,
+            "whole_run": {"req_per_s": len(ok) / wall_s, "gen_tok_per_s": sum(s.tokens for s in ok) / wall_s}}
 
 
 def ratios(policies: dict, limit_tok_per_s: float) -> dict:
@@ -120,7 +139,7 @@ def ratios(policies: dict, limit_tok_per_s: float) -> dict:
 
 def one_stream(port: int, req: Request, t0: float) -> Sample:
     start = time.perf_counter()
-    ttft, tokens, events = None, 0, 0
+    ttft, tokens, arrivals = None, 0, []
     try:
         conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
         conn.request("POST", "/v1/completions", json.dumps(req.body(stream=True)), {"Content-Type": "application/json"})
@@ -136,20 +155,23 @@ def one_stream(port: int, req: Request, t0: float) -> Sample:
             if event.get("usage"):
                 tokens = event["usage"]["completion_tokens"]
             if event.get("choices") and event["choices"][0].get("text"):
-                events += 1
+                now = time.perf_counter()
+                arrivals.append(now - t0)
                 if ttft is None:
-                    ttft = (time.perf_counter() - start) * 1000
+                    ttft = (now - start) * 1000
         conn.close()
     except (OSError, http.client.HTTPException, ValueError) as e:
         return Sample(start - t0, None, None, 0, type(e).__name__)
-    return Sample(start - t0, ttft, (time.perf_counter() - start) * 1000, tokens or events)
+    return Sample(start - t0, ttft, (time.perf_counter() - start) * 1000, tokens or len(arrivals),
+                  arrivals=tuple(arrivals))
 
 
-def drive(port: int, requests: list[Request], concurrency: int) -> tuple[list[Sample], float]:
+def drive(port: int, requests: list[Request], concurrency: int) -> tuple[list[Sample], float, float]:
     """Closed loop: ``concurrency`` connections, each sending the list's next request when its
-    previous one ended. Returns the samples (in list order) and the wall time (s)."""
+    previous one ended. Returns the samples (in list order), the wall time and how long every
+    connection was busy (s: until the first found the list empty)."""
     samples: list[Sample | None] = [None] * len(requests)
-    lock, nxt = threading.Lock(), [0]
+    lock, nxt, idle = threading.Lock(), [0], []
     t0 = time.perf_counter()
 
     def client():
@@ -157,8 +179,9 @@ def drive(port: int, requests: list[Request], concurrency: int) -> tuple[list[Sa
             with lock:
                 i = nxt[0]
                 nxt[0] += 1
-            if i >= len(requests):
-                return
+                if i >= len(requests):
+                    idle.append(time.perf_counter() - t0)
+                    return
             samples[i] = one_stream(port, requests[i], t0)
 
     threads = [threading.Thread(target=client) for _ in range(concurrency)]
@@ -166,7 +189,7 @@ def drive(port: int, requests: list[Request], concurrency: int) -> tuple[list[Sa
         t.start()
     for t in threads:
         t.join()
-    return samples, time.perf_counter() - t0
+    return samples, time.perf_counter() - t0, min(idle)
 
 
 def run_wrk(port: int, requests: list[Request], concurrency: int, seconds: int) -> dict | None:
@@ -225,8 +248,8 @@ def peer(binary: str, requests: list[Request], a, max_seq_len: int, threads: int
                 raise RuntimeError("llama-server did not start")
             time.sleep(0.2)
         one_stream(port, Request("warm up", 4), time.perf_counter())
-        samples, wall = drive(port, requests, a.concurrency)
-        result = summarize(samples, wall)
+        samples, wall, busy = drive(port, requests, a.concurrency)
+        result = summarize(samples, wall, busy)
         result["samples"] = [[s.start_s, s.ttft_ms] for s in samples]
         result["wrk"] = run_wrk(port, requests, a.concurrency, a.wrk_seconds)
         return result
@@ -267,14 +290,14 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true", help="a smaller run (under 3 minutes here)")
     p.add_argument("--concurrency", type=int, default=16)
     p.add_argument("--slots", type=int, default=16)
-    p.add_argument("--requests", type=int, default=None, help="requests per policy (default 64; --quick 24)")
+    p.add_argument("--requests", type=int, default=None, help="requests per policy (default 96; --quick 32)")
     p.add_argument("--wrk-seconds", type=int, default=None, help="default 30; --quick 10")
     p.add_argument("--engine-threads", type=int, default=0)
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--policies", default=",".join(POLICIES))
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
-    a.requests = a.requests or (24 if a.quick else 64)
+    a.requests = a.requests or (32 if a.quick else 96)
     a.wrk_seconds = a.wrk_seconds or (10 if a.quick else 30)
     threads = a.engine_threads or default_threads()
     requests = workload(a.requests, a.seed)
@@ -286,16 +309,17 @@ def main(argv=None) -> int:
                            "max_tokens": [r.max_tokens for r in requests],
                            "prompt_words": [len(r.prompt.split()) for r in requests]},
               "limit": {}, "policies": {}}
-    ceiling = limit(a.concurrency, mean_prompt, 128, a.engine_threads)
+    mean_gen = round(sum(r.max_tokens for r in requests) / len(requests))
+    ceiling = limit(a.concurrency, mean_prompt, mean_gen, a.engine_threads)
     result["limit"] = {"gen_tok_per_s": ceiling["tokens_per_s"], "batch": a.concurrency,
-                       "prompt_tokens": mean_prompt, "gen_tokens": 128}
+                       "prompt_tokens": mean_prompt, "gen_tokens": mean_gen}
     for policy in a.policies.split(","):
         flags = ["--policy", policy, "--max-slots", str(a.slots), "--max-seq-len", str(max_seq_len),
                  "--threads", str(a.concurrency + 4), "--engine-threads", str(a.engine_threads)]
         with running_server(*flags) as server:
             one_stream(server.port, Request("warm up", 4), time.perf_counter())
-            samples, wall = drive(server.port, requests, a.concurrency)
-            figures = summarize(samples, wall)
+            samples, wall, busy = drive(server.port, requests, a.concurrency)
+            figures = summarize(samples, wall, busy)
             figures["samples"] = [[s.start_s, s.ttft_ms] for s in samples]
             server.wait_idle(60)
             figures["wrk"] = run_wrk(server.port, requests, a.concurrency, a.wrk_seconds)

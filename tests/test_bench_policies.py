@@ -57,3 +57,13 @@ def test_run_bench_quick(tmp_path):
     assert set(result["policies"]) == {"continuous", "static", "fifo"} and result["limit"]["gen_tok_per_s"] > 0
     for p in result["policies"].values():
         assert p["errors"] == 0 and p["req_per_s"] > 0
+
+
+def test_sustained_rates_count_only_the_busy_window():
+    samples = [Sample(0.0, 100, 1000, 3, arrivals=(0.1, 0.5, 1.0)),   # done at 1.0 s
+               Sample(0.0, 100, 3000, 4, arrivals=(0.1, 1.5, 2.5, 3.0)),  # done at 3.0 s
+               Sample(1.0, 100, 500, 2, arrivals=(1.2, 1.5))]  # done at 1.5 s
+    s = summarize(samples, wall_s=3.0, busy_s=2.0)
+    assert s["req_per_s"] == 2 / 2.0  # two answered within the first 2 s
+    assert s["gen_tok_per_s"] == (3 + 2 + 2) / 2.0  # tokens that arrived by then
+    assert s["whole_run"] == {"req_per_s": 1.0, "gen_tok_per_s": 3.0}
