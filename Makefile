@@ -24,7 +24,10 @@ test: install
 	$(PY) -m pytest
 
 bench: install
+	$(PY) -m pip install -q -e '.[test,bench]'
 	mkdir -p bench/results
+	bench/run_bench.sh --json bench/results/policies.json
+	$(PY) -m bench.plot bench/results/policies.json bench/results/policies.png
 	$(PY) -m bench.engine --json bench/results/engine.json
 	$(PY) -m bench.http --json bench/results/http.json
 	$(PY) -m bench.tenancy --json bench/results/tenancy.json
