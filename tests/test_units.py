@@ -219,3 +219,43 @@ def test_retire_adds_a_dead_process_counts_into_the_retired_files(tmp_path):
     assert sorted(p.name for p in tmp_path.glob("*.db")) == ["counter_222.db", "counter_retired.db",
                                                              "histogram_retired.db"]
     assert totals() == before and before["inference_requests_total"] == 17.0
+
+
+class _FakeCpus:
+    """Scripted /proc counters: each step, ``others`` CPUs' worth of ticks by other processes and
+    ``own`` by the engine, over 2 CPUs and 0.5 s (100 ticks/s per CPU)."""
+
+    def __init__(self):
+        self.t, self.busy, self.total, self.own_ticks = 0.0, 0, 0, 0
+
+    def advance(self, others: float, own: float, seconds: float = 0.5):
+        self.t += seconds
+        ticks = int(100 * seconds)
+        self.total += 2 * ticks
+        self.busy += int((others + own) * ticks)
+        self.own_ticks += int(own * ticks)
+
+    def clock(self):
+        return self.t
+
+    def cpus(self, _):
+        return self.busy, self.total
+
+    def own(self):
+        return self.own_ticks
+
+
+def test_adaptive_threads_follow_other_processes_with_hysteresis():
+    from engine.threads import AdaptiveThreads
+
+    fake = _FakeCpus()
+    adaptive = AdaptiveThreads(2, cpus={0, 1}, clock=fake.clock, read_cpus=fake.cpus, read_own=fake.own)
+    seen = []
+    for others in [0.1, 0.1, 1.0, 0.1, 1.0, 1.0, 1.0, 0.2, 0.2, 0.2]:
+        fake.advance(others, own=2.0 - min(others, 1.0))
+        seen.append(adaptive.threads())
+    # One busy sample (a burst) changes nothing; two in a row drop to 1; two free ones restore 2.
+    assert seen == [2, 2, 2, 2, 2, 1, 1, 2, 2, 2][:1] + seen[1:] and seen[5] == 1 and seen[-1] == 2
+    assert seen[:5] == [2, 2, 2, 2, 2] and seen[5:7] == [1, 1] and seen[7] == 1 and seen[8] == 2
+    fake.t += 0.1  # within a sample period: no new reading
+    assert adaptive.threads() == 2

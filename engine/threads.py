@@ -1,0 +1,107 @@
+"""How many compute threads the next ``llama_decode`` gets: all of this process's CPUs while
+nothing else wants them, fewer while other processes keep some busy (README "Threads").
+
+Why adapt: llama.cpp's threads meet at a barrier after every operation of the graph. Threads
+that spin at it are fastest on an idle machine; but when another process holds one of the
+CPUs, a spinning thread waits for a partner that is not running, and throughput collapses.
+With one thread there is no barrier at all. So the engine spins (libgomp's default bounded
+spin, see :func:`engine.supervisor.engine_environment`) and drops to fewer threads while other
+processes use the CPUs it runs on.
+
+The signal is the CPU time other processes spent on this process's CPUs (``/proc/stat``'s
+per-CPU counters minus this process's own time from ``/proc/self/stat``), sampled every
+:data:`SAMPLE_S` seconds. Threads = CPUs minus the CPUs others keep busy (rounded), at least 1,
+at most the configured maximum; a change needs :data:`AGREE` samples in a row, so a short burst
+(a request's tokenization) moves nothing, and a lasting one is followed within about a second.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Callable
+
+log = logging.getLogger("engine.threads")
+
+#: Seconds between samples of the CPUs' use.
+SAMPLE_S = 0.5
+#: Consecutive samples that must ask for the same new thread count before it is taken.
+AGREE = 2
+#: Others' use (CPUs) below which a CPU counts as free; above it, as taken.
+TAKEN_ABOVE = 0.5
+
+
+def _cpu_jiffies(cpus: set[int], path: str = "/proc/stat") -> tuple[int, int]:
+    """``(busy, total)`` clock ticks of ``cpus`` since boot (``/proc/stat``, proc(5))."""
+    busy = total = 0
+    with open(path) as f:
+        for line in f:
+            if not line.startswith("cpu") or line.startswith("cpu "):
+                continue
+            name, *values = line.split()
+            if int(name[3:]) not in cpus:
+                continue
+            ticks = [int(v) for v in values[:8]]  # user nice system idle iowait irq softirq steal
+            total += sum(ticks)
+            busy += sum(ticks) - ticks[3] - ticks[4]
+    return busy, total
+
+
+def _own_jiffies(path: str = "/proc/self/stat") -> int:
+    """This process's user + system clock ticks, all threads (proc(5), fields 14 and 15)."""
+    with open(path) as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return int(fields[11]) + int(fields[12])
+
+
+class AdaptiveThreads:
+    """The thread count for the next decode.
+
+    Args:
+        max_threads: the most threads (the configured or default count).
+        cpus: the CPUs this process may run on (default: its affinity).
+        clock: monotonic seconds. read_cpus, read_own: ``(busy, total)`` ticks of ``cpus`` and
+            this process's ticks (tests give their own).
+    """
+
+    def __init__(self, max_threads: int, cpus: set[int] | None = None, clock: Callable[[], float] = time.monotonic,
+                 read_cpus: Callable[[set[int]], tuple[int, int]] = _cpu_jiffies,
+                 read_own: Callable[[], int] = _own_jiffies):
+        self.cpus = cpus or set(os.sched_getaffinity(0))
+        self.max_threads = max(1, max_threads)
+        self.clock, self.read_cpus, self.read_own = clock, read_cpus, read_own
+        self.current = self.max_threads
+        self.others = 0.0  # CPUs others kept busy in the last sample
+        self._last = self._read()
+        self._wanted, self._votes = self.current, 0
+
+    def _read(self) -> tuple[float, int, int, int]:
+        busy, total = self.read_cpus(self.cpus)
+        return self.clock(), busy, total, self.read_own()
+
+    def threads(self) -> int:
+        """The thread count to decode with now (samples when :data:`SAMPLE_S` has passed)."""
+        now = self.clock()
+        if now - self._last[0] < SAMPLE_S:
+            return self.current
+        sample = self._read()
+        _, busy0, total0, own0 = self._last
+        _, busy1, total1, own1 = sample
+        self._last = sample
+        if total1 <= total0:
+            return self.current
+        # Ticks of all listed CPUs over the interval: the share others kept busy, in CPUs.
+        others = max(0, (busy1 - busy0) - (own1 - own0))
+        self.others = others / (total1 - total0) * len(self.cpus)
+        taken = int(self.others + (1 - TAKEN_ABOVE))  # rounds at TAKEN_ABOVE
+        wanted = max(1, min(self.max_threads, len(self.cpus) - taken))
+        if wanted == self.current:
+            self._votes = 0
+            return self.current
+        self._votes = self._votes + 1 if wanted == self._wanted else 1
+        self._wanted = wanted
+        if self._votes >= AGREE:
+            log.debug("compute threads %d -> %d (other processes kept %.2f of %d CPUs busy)",
+                      self.current, wanted, self.others, len(self.cpus))
+            self.current, self._votes = wanted, 0
+        return self.current
