@@ -10,7 +10,6 @@ the engine's thread count and OpenMP environment. Prints generated tokens/s over
 from __future__ import annotations
 
 import json
-import os
 import sys
 import time
 
@@ -61,13 +60,10 @@ def _greedy(logits, eog) -> int:
 def main(argv=None) -> int:
     from bench.common import parser
     from engine.config import EngineConfig, default_model_path
-    from engine.supervisor import engine_environment
 
     p = parser("python -m bench.limit", __doc__, "--batch")
     p.add_argument("--model", default=None)
     a = p.parse_args(argv)
-    for k, v in engine_environment().items():
-        os.environ.setdefault(k, v)
     model = a.model or default_model_path()
     threads = a.engine_threads or EngineConfig(model_path=model).threads
     r = measure(model, a.batch, a.prompt_tokens, a.gen_tokens, threads)

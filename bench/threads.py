@@ -32,12 +32,12 @@ import time
 
 from bench.policies import Request, drive, one_stream, summarize, workload
 
-SETTINGS = {  # name -> (flags, extra environment of the server and the ceiling)
-    "adaptive (default)": ([], {}),
-    "1 thread": (["--engine-threads", "1"], {}),
-    "2 threads, bounded spin": (["--engine-threads", "2"], {}),
-    "2 threads, ACTIVE": (["--engine-threads", "2"], {"OMP_WAIT_POLICY": "ACTIVE"}),
-    "2 threads, PASSIVE": (["--engine-threads", "2"], {"OMP_WAIT_POLICY": "PASSIVE"}),
+SETTINGS = {  # key -> (shown as, flags, extra environment of the server and the ceiling)
+    "adaptive": ("adaptive (default)", [], {}),
+    "1": ("1 thread", ["--engine-threads", "1"], {}),
+    "2-spin": ("2 threads, bounded spin", ["--engine-threads", "2"], {}),
+    "2-active": ("2 threads, OMP_WAIT_POLICY=ACTIVE", ["--engine-threads", "2"], {"OMP_WAIT_POLICY": "ACTIVE"}),
+    "2-passive": ("2 threads, OMP_WAIT_POLICY=PASSIVE", ["--engine-threads", "2"], {"OMP_WAIT_POLICY": "PASSIVE"}),
 }
 CONDITIONS = ("idle", "busy")
 
@@ -124,11 +124,12 @@ def main(argv=None) -> int:
 
     p = argparse.ArgumentParser(prog="python -m bench.threads", description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="a short run (CI checks that it runs)")
-    p.add_argument("--clients", type=int, default=16)
+    p.add_argument("--clients", type=int, default=None, help="default 16; --quick 4")
     p.add_argument("--requests", type=int, default=None, help="per run (default 48; --quick 8)")
-    p.add_argument("--settings", default=",".join(SETTINGS))
+    p.add_argument("--settings", default=",".join(SETTINGS), help="comma-separated: " + ", ".join(SETTINGS))
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
+    a.clients = a.clients or (4 if a.quick else 16)
     n = a.requests or (8 if a.quick else 48)
     gen = 16 if a.quick else 128
     fixed, mix = fixed_workload(n, gen), workload(n, seed=99)
@@ -136,8 +137,8 @@ def main(argv=None) -> int:
         mix = [Request(r.prompt, min(r.max_tokens, 32)) for r in mix]
     names = a.settings.split(",")
     result: dict = {"clients": a.clients, "requests": n, "settings": {}}
-    for name in names:
-        flags, env = SETTINGS[name]
+    for key in names:
+        name, flags, env = SETTINGS[key]
         row = result["settings"][name] = {}
         with running_server("--max-slots", str(a.clients), "--max-seq-len", "1024", "--threads",
                             str(a.clients + 4), *flags, env=env) as server:
@@ -150,9 +151,7 @@ def main(argv=None) -> int:
                     if flags:
                         row[f"{condition} ceiling tok/s"] = ceiling(a.clients, gen, int(flags[1]), env)
         print(f"{name}: " + ", ".join(f"{k} {v:.1f}" for k, v in row.items()), flush=True)
-    columns = [c for c in next(iter(result["settings"].values()))] + \
-        [c for name in names for c in result["settings"][name] if "ceiling" in c]
-    columns = list(dict.fromkeys(columns))
+    columns = list(dict.fromkeys(c for row in result["settings"].values() for c in row))
     best = {c: max((r[c] for k, r in result["settings"].items() if k != "adaptive (default)" and c in r), default=0)
             for c in columns}
     print("| setting | " + " | ".join(columns) + " |")
@@ -161,7 +160,7 @@ def main(argv=None) -> int:
         cells = [f"{row[c]:.1f} ({row[c] / best[c]:.2f})" if c in row and best[c] else "" for c in columns]
         print(f"| {name} | " + " | ".join(cells) + " |")
     result["best_fixed"] = best
-    if "adaptive (default)" in names:
+    if "adaptive" in names:
         with running_server("--max-slots", str(a.clients), "--max-seq-len", "1024", "--threads",
                             str(a.clients + 4)) as server:
             spans = (5, 8, 8) if a.quick else (10, 20, 20)

@@ -58,7 +58,8 @@ class EngineConfig:
         max_seq_len: tokens per sequence (prompt + generation).
         max_queued: requests that may wait beyond the slots (more -> "saturated").
         n_batch: token budget of one ``llama_decode`` (decode tokens + prefill chunks).
-        n_threads: llama.cpp compute threads; 0 picks :func:`default_threads`.
+        n_threads: llama.cpp compute threads; 0 adapts between 1 and :func:`default_threads`
+            to what other processes leave free (``engine/threads.py``).
         policy: ``continuous`` | ``static`` | ``fifo``.
         aging_s: seconds of waiting that raise a request by one priority class (no starvation).
         prefix_cache_tokens: most tokens the prefix cache keeps (0: no prefix cache); see
@@ -112,9 +113,6 @@ class EngineConfig:
 
 
 def default_threads() -> int:
-    """Compute threads when not configured: one per CPU this process may run on.
-
-    Measured on 2 cores with the real server's load (README "Threads"): 2 threads with passive
-    OpenMP waiting beat 1 thread by about 50 %, and the front ends need little CPU.
-    """
+    """The most compute threads when not configured: one per CPU this process may run on
+    (README "Threads": fewer are used while other processes keep CPUs busy)."""
     return len(os.sched_getaffinity(0))

@@ -21,6 +21,7 @@ from engine.request import EngineRequest
 from engine.sampler import Sampler, logprobs
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence
+from engine.threads import AdaptiveThreads
 from shm import ErrorCode, Finish, Published
 from shm.transport import Transport
 from shm.wakeup import Wakeups
@@ -62,6 +63,8 @@ class EngineCore:
         self.holds_for_prefixes = self.cache is not None and config.policy == "continuous"
         self.stopping = False
         self.step_no = transport.control.step
+        # n_threads 0: adapt to what other processes leave free (engine/threads.py).
+        self.adaptive = AdaptiveThreads(config.threads) if config.n_threads == 0 else None
         self.observe_step = None
         if config.metrics:  # imported only then: prometheus-client reads its mode at import
             from engine.metrics import observe_step
@@ -98,7 +101,8 @@ class EngineCore:
         """One ``llama_decode`` (on one thread if asked); on failure, the batch's sequences
         finish with an error."""
         try:
-            self.model.set_threads(1 if one_thread else self.config.threads)
+            self.model.set_threads(1 if one_thread else
+                                   self.adaptive.threads() if self.adaptive else self.config.threads)
             self.model.decode(self.batch)
             return True
         except DecodeError as e:

@@ -44,7 +44,9 @@ class EngineSupervisor:
     Args:
         transport: the shared memory the engine attaches to; :meth:`create` makes one that the
             supervisor owns and unlinks in :meth:`stop`.
-        env: extra environment for the engine (e.g. ``OMP_WAIT_POLICY``).
+        env: extra environment for the engine (e.g. ``OMP_WAIT_POLICY``; by default the
+            engine gets the server's, so libgomp's bounded spin unless the operator says
+            otherwise: README "Threads").
         on_exit: called from the watching thread with ``(pid, crashed)`` after an engine process
             exited (``crashed``: not told to stop, so it is restarted; the master counts restarts
             and retires the process's metric files).
@@ -58,7 +60,7 @@ class EngineSupervisor:
         self.on_exit = on_exit
         self.t = transport
         self.owns_transport = owns_transport
-        self.env = {**engine_environment(), **os.environ, **(env or {})}  # the operator's env wins
+        self.env = {**os.environ, **(env or {})}
         self.sweep_s = sweep_s
         self.restart_delay_s = restart_delay_s
         self.max_restart_delay_s = max_restart_delay_s
@@ -182,8 +184,3 @@ class EngineSupervisor:
             self._thread.join(timeout)
         if self.t.mailboxes is not None:
             self.t.mailboxes.fail_in_flight(ErrorCode.SHUTDOWN)
-
-
-def engine_environment() -> dict:
-    """Environment for llama.cpp's OpenMP threads: see README "Threads" for the measurement."""
-    return {"OMP_WAIT_POLICY": "PASSIVE"}

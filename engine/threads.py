@@ -4,8 +4,8 @@ nothing else wants them, fewer while other processes keep some busy (README "Thr
 Why adapt: llama.cpp's threads meet at a barrier after every operation of the graph. Threads
 that spin at it are fastest on an idle machine; but when another process holds one of the
 CPUs, a spinning thread waits for a partner that is not running, and throughput collapses.
-With one thread there is no barrier at all. So the engine spins (libgomp's default bounded
-spin, see :func:`engine.supervisor.engine_environment`) and drops to fewer threads while other
+With one thread there is no barrier at all. So the engine spins (libgomp's default when no
+``OMP_WAIT_POLICY`` is set: 300,000 spins, then sleep) and drops to fewer threads while other
 processes use the CPUs it runs on.
 
 The signal is the CPU time other processes spent on this process's CPUs (``/proc/stat``'s

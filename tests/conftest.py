@@ -9,10 +9,6 @@ import time
 
 import pytest
 
-# llama.cpp's OpenMP threads in this process (the in-process engine) wait passively, as the
-# engine process's do (engine.supervisor.engine_environment); set before llama.cpp loads.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-
 from engine.client import EngineClient
 from engine.config import EngineConfig, default_model_path
 from engine.supervisor import EngineSupervisor
