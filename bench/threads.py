@@ -14,8 +14,10 @@ loop, ``bench.policies.drive``):
 * mix: ``bench.policies.workload`` (short and long prompts, heavy-tailed lengths; requests/s).
 
 The ceiling (``bench.limit``, B = clients, P = 32, G = 128) runs for every fixed setting under
-both conditions too. The table gives each figure and its ratio to the best fixed setting of its
-column. Then the switch: the adaptive server under steady load while the busy process starts and
+both conditions too (with no server up: an idle server's ACTIVE threads keep spinning). The table
+gives each figure and its ratio to the best fixed setting of its column. The machine is noisy (one
+run's figures move by 10-15 %): ``--repeat R`` alternates the settings R times and reports
+medians. Then the switch: the adaptive server under steady load while the busy process starts and
 later stops; generated tokens per second, and how long after each change throughput stayed
 within 10 % of its new level.
 """
@@ -106,17 +108,13 @@ def switch(port: int, clients: int, before_s: float, busy_s: float, after_s: flo
 
 
 def settle(bins: list[int], change: float, until: float) -> float:
-    """Seconds after ``change`` from which every 1 s bin up to ``until`` stays within 10 % of the
-    level of the last half of that span (the new steady level)."""
+    """Seconds from ``change`` to the first whole 1 s bin within 15 % of the new level (the
+    median of the second half of the span up to ``until``): how soon throughput reaches it."""
     first, last = int(change) + 1, int(until) - 1
     tail = bins[(first + last) // 2:last + 1]
     level = statistics.median(tail) if tail else 0
-    settled = last
-    for b in range(last, first - 1, -1):
-        if abs(bins[b] - level) > 0.1 * level:
-            break
-        settled = b
-    return settled - change
+    reached = next((b for b in range(first, last + 1) if abs(bins[b] - level) <= 0.15 * level), last)
+    return reached + 1 - change  # the end of that bin
 
 
 def main(argv=None) -> int:
@@ -127,6 +125,9 @@ def main(argv=None) -> int:
     p.add_argument("--clients", type=int, default=None, help="default 16; --quick 4")
     p.add_argument("--requests", type=int, default=None, help="per run (default 48; --quick 8)")
     p.add_argument("--settings", default=",".join(SETTINGS), help="comma-separated: " + ", ".join(SETTINGS))
+    p.add_argument("--repeat", type=int, default=1,
+                   help="rounds over the settings, alternating; each cell is the median of its rounds")
+    p.add_argument("--switch-only", action="store_true", help="only the switch measurement")
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
     a.clients = a.clients or (4 if a.quick else 16)
@@ -135,27 +136,35 @@ def main(argv=None) -> int:
     fixed, mix = fixed_workload(n, gen), workload(n, seed=99)
     if a.quick:
         mix = [Request(r.prompt, min(r.max_tokens, 32)) for r in mix]
-    names = a.settings.split(",")
-    result: dict = {"clients": a.clients, "requests": n, "settings": {}}
-    for key in names:
-        name, flags, env = SETTINGS[key]
-        row = result["settings"][name] = {}
-        with running_server("--max-slots", str(a.clients), "--max-seq-len", "1024", "--threads",
-                            str(a.clients + 4), *flags, env=env) as server:
-            for condition in CONDITIONS:
+    names = [] if a.switch_only else a.settings.split(",")
+    result: dict = {"clients": a.clients, "requests": n, "repeat": a.repeat, "settings": {}, "runs": {}}
+    for _ in range(a.repeat):
+        for key in names:
+            name, flags, env = SETTINGS[key]
+            runs = result["runs"].setdefault(name, {})
+            with running_server("--max-slots", str(a.clients), "--max-seq-len", "1024", "--threads",
+                                str(a.clients + 4), *flags, env=env) as server:
+                for condition in CONDITIONS:
+                    with BusyProcess() if condition == "busy" else contextlib.nullcontext():
+                        f = summarize(*_run(server, fixed, a))
+                        runs.setdefault(f"{condition} fixed tok/s", []).append(f["gen_tok_per_s"])
+                        m = summarize(*_run(server, mix, a))
+                        runs.setdefault(f"{condition} mix req/s", []).append(m["req_per_s"])
+            # The ceiling alone: an idle server would still hold CPUs (ACTIVE threads spin on).
+            for condition in CONDITIONS if flags else ():
                 with BusyProcess() if condition == "busy" else contextlib.nullcontext():
-                    f = summarize(*_run(server, fixed, a))
-                    row[f"{condition} fixed tok/s"] = f["gen_tok_per_s"]
-                    m = summarize(*_run(server, mix, a))
-                    row[f"{condition} mix req/s"] = m["req_per_s"]
-                    if flags:
-                        row[f"{condition} ceiling tok/s"] = ceiling(a.clients, gen, int(flags[1]), env)
-        print(f"{name}: " + ", ".join(f"{k} {v:.1f}" for k, v in row.items()), flush=True)
+                    runs.setdefault(f"{condition} ceiling tok/s", []).append(
+                        ceiling(a.clients, gen, int(flags[1]), env))
+            row = result["settings"][name] = {k: statistics.median(v) for k, v in runs.items()}
+            print(f"{name}: " + ", ".join(f"{k} {v:.1f}" for k, v in row.items()), flush=True)
     columns = list(dict.fromkeys(c for row in result["settings"].values() for c in row))
+    if not columns:
+        names = ["adaptive"]
     best = {c: max((r[c] for k, r in result["settings"].items() if k != "adaptive (default)" and c in r), default=0)
             for c in columns}
-    print("| setting | " + " | ".join(columns) + " |")
-    print("|---|" + "---|" * len(columns))
+    if columns:
+        print("| setting | " + " | ".join(columns) + " |")
+        print("|---|" + "---|" * len(columns))
     for name, row in result["settings"].items():
         cells = [f"{row[c]:.1f} ({row[c] / best[c]:.2f})" if c in row and best[c] else "" for c in columns]
         print(f"| {name} | " + " | ".join(cells) + " |")

@@ -11,7 +11,9 @@ processes use the CPUs it runs on.
 The signal is the CPU time other processes spent on this process's CPUs (``/proc/stat``'s
 per-CPU counters minus this process's own time from ``/proc/self/stat``), sampled every
 :data:`SAMPLE_S` seconds. Threads = CPUs minus the CPUs others keep busy (rounded), at least 1,
-at most the configured maximum; a change needs :data:`AGREE` samples in a row, so a short burst
+at most the configured maximum and at most the whole CPUs of the cgroup's CPU quota (a container's
+``cpu.max``: threads beyond it only get the container throttled; re-read every sample, so a
+resized container is followed). A change needs :data:`AGREE` samples in a row, so a short burst
 (a request's tokenization) moves nothing, and a lasting one is followed within about a second.
 """
 from __future__ import annotations
@@ -47,6 +49,39 @@ def _cpu_jiffies(cpus: set[int], path: str = "/proc/stat") -> tuple[int, int]:
     return busy, total
 
 
+def cgroup_cpu_limit(proc_cgroup: str = "/proc/self/cgroup", root: str = "/sys/fs/cgroup") -> float | None:
+    """CPUs per period this process's cgroup may use: cgroup v2 ``cpu.max``, or v1
+    ``cpu.cfs_quota_us / cpu.cfs_period_us`` (kernel docs, "Control Group v2" and "CFS Bandwidth
+    Control"). None when unlimited or unreadable."""
+    try:
+        with open(proc_cgroup) as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        path = path.lstrip("/")
+        try:
+            if controllers == "":  # v2: "max 100000" or "150000 100000"
+                with open(os.path.join(root, path, "cpu.max")) as f:
+                    quota, period = f.read().split()
+                if quota != "max":
+                    return int(quota) / int(period)
+            elif "cpu" in controllers.split(","):
+                for mount in ("cpu", "cpu,cpuacct", "cpuacct,cpu"):
+                    base = os.path.join(root, mount, path)
+                    if os.path.exists(os.path.join(base, "cpu.cfs_quota_us")):
+                        with open(os.path.join(base, "cpu.cfs_quota_us")) as q, \
+                                open(os.path.join(base, "cpu.cfs_period_us")) as p:
+                            quota, period = int(q.read()), int(p.read())
+                        if quota > 0:
+                            return quota / period
+                        break
+        except (OSError, ValueError):
+            continue
+    return None
+
+
 def _own_jiffies(path: str = "/proc/self/stat") -> int:
     """This process's user + system clock ticks, all threads (proc(5), fields 14 and 15)."""
     with open(path) as f:
@@ -61,19 +96,25 @@ class AdaptiveThreads:
         max_threads: the most threads (the configured or default count).
         cpus: the CPUs this process may run on (default: its affinity).
         clock: monotonic seconds. read_cpus, read_own: ``(busy, total)`` ticks of ``cpus`` and
-            this process's ticks (tests give their own).
+            this process's ticks; read_limit: the cgroup's CPU quota in CPUs (tests give their own).
     """
 
     def __init__(self, max_threads: int, cpus: set[int] | None = None, clock: Callable[[], float] = time.monotonic,
                  read_cpus: Callable[[set[int]], tuple[int, int]] = _cpu_jiffies,
-                 read_own: Callable[[], int] = _own_jiffies):
+                 read_own: Callable[[], int] = _own_jiffies,
+                 read_limit: Callable[[], float | None] = cgroup_cpu_limit):
         self.cpus = cpus or set(os.sched_getaffinity(0))
         self.max_threads = max(1, max_threads)
-        self.clock, self.read_cpus, self.read_own = clock, read_cpus, read_own
-        self.current = self.max_threads
+        self.clock, self.read_cpus, self.read_own, self.read_limit = clock, read_cpus, read_own, read_limit
+        self.current = self._cap()
         self.others = 0.0  # CPUs others kept busy in the last sample
         self._last = self._read()
         self._wanted, self._votes = self.current, 0
+
+    def _cap(self) -> int:
+        """The most threads now: the configured maximum within the cgroup's whole CPUs."""
+        limit = self.read_limit()
+        return self.max_threads if limit is None else max(1, min(self.max_threads, int(limit + 0.01)))
 
     def _read(self) -> tuple[float, int, int, int]:
         busy, total = self.read_cpus(self.cpus)
@@ -94,7 +135,7 @@ class AdaptiveThreads:
         others = max(0, (busy1 - busy0) - (own1 - own0))
         self.others = others / (total1 - total0) * len(self.cpus)
         taken = int(self.others + (1 - TAKEN_ABOVE))  # rounds at TAKEN_ABOVE
-        wanted = max(1, min(self.max_threads, len(self.cpus) - taken))
+        wanted = max(1, min(self._cap(), len(self.cpus) - taken))
         if wanted == self.current:
             self._votes = 0
             return self.current

@@ -49,7 +49,7 @@ class ServerConfig:
                               engine="max_queued")
     policy: str = _option("--policy", "POLICY", "scheduling policy: " + " | ".join(POLICIES), engine="policy")
     engine_threads: int = _option("--engine-threads", "ENGINE_THREADS",
-                                  "llama.cpp compute threads (0: measured default)", engine="n_threads")
+                                  "llama.cpp compute threads (0: adaptive, up to one per CPU)", engine="n_threads")
     n_batch: int = _option("--n-batch", "N_BATCH", "token budget of one engine step", engine="n_batch")
     prefix_cache_tokens: int = _option("--prefix-cache-tokens", "PREFIX_CACHE_TOKENS",
                                        "most tokens the prefix cache keeps, all tenants together, least "

@@ -123,3 +123,16 @@ def test_drain_timeout_ends_what_still_runs_with_an_error_and_done():
         (status, _, body), = plain
         assert status == 503 and body["error"]["code"] == "server_shutting_down"
         assert not leftovers(server)
+
+
+def test_a_second_sigterm_stops_now():
+    with running_server("--max-slots", "2", "--max-seq-len", "512", "--drain-timeout", "600") as server:
+        results, threads = start_streams(server.port, 1, 480)
+        server.proc.send_signal(signal.SIGTERM)
+        while get(server.url + "/health/ready")[0] != 503:
+            time.sleep(0.01)
+        assert server.proc.poll() is None  # draining: the stream still runs
+        server.proc.send_signal(signal.SIGTERM)
+        server.proc.wait(30)  # gunicorn's own stop: workers get graceful_timeout (5 s), not 600
+        threads[0].join(30)
+        assert not leftovers(server)

@@ -262,6 +262,14 @@ def test_killing_a_worker_neither_breaks_the_scrape_nor_double_counts(metered):
 def test_engine_restart_is_counted_and_up_returns(metered):
     before = scrape(metered.url)
     os.kill(metered.engine.t.control.engine_pid, signal.SIGKILL)
+    deadline = time.monotonic() + 60
+    while urllib.request.urlopen(metered.url + "/health/live").status == 200:  # live throughout
+        try:
+            urllib.request.urlopen(metered.url + "/health/ready")
+        except urllib.error.HTTPError as e:
+            assert e.code == 503
+            break  # not ready while the engine restarts, yet alive
+        assert time.monotonic() < deadline, "readiness never saw the engine down"
     deadline = time.monotonic() + 120
     while True:
         samples = scrape(metered.url)

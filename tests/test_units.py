@@ -3,6 +3,7 @@ incremental detokenizer."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from engine.request import EngineRequest, Priority, SamplingParams
 from engine.scheduler import Scheduler
@@ -258,4 +259,36 @@ def test_adaptive_threads_follow_other_processes_with_hysteresis():
     assert seen == [2, 2, 2, 2, 2, 1, 1, 2, 2, 2][:1] + seen[1:] and seen[5] == 1 and seen[-1] == 2
     assert seen[:5] == [2, 2, 2, 2, 2] and seen[5:7] == [1, 1] and seen[7] == 1 and seen[8] == 2
     fake.t += 0.1  # within a sample period: no new reading
+    assert adaptive.threads() == 2
+
+
+@pytest.mark.parametrize("files,expected", [
+    ({"cgroup": "0::/pod/c1\n", "pod/c1/cpu.max": "150000 100000\n"}, 1.5),
+    ({"cgroup": "0::/\n", "cpu.max": "max 100000\n"}, None),
+    ({"cgroup": "4:cpu,cpuacct:/inftest\n", "cpu,cpuacct/inftest/cpu.cfs_quota_us": "100000\n",
+      "cpu,cpuacct/inftest/cpu.cfs_period_us": "100000\n"}, 1.0),
+    ({"cgroup": "4:cpu,cpuacct:/x\n", "cpu/x/cpu.cfs_quota_us": "-1\n", "cpu/x/cpu.cfs_period_us": "100000\n"}, None),
+    ({"cgroup": "4:memory:/x\n"}, None),
+])
+def test_cgroup_cpu_limit_reads_v1_and_v2(tmp_path, files, expected):
+    from engine.threads import cgroup_cpu_limit
+
+    for name, text in files.items():
+        path = tmp_path / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    assert cgroup_cpu_limit(str(tmp_path / "cgroup"), str(tmp_path)) == expected
+
+
+def test_adaptive_threads_stay_within_the_cpu_quota():
+    from engine.threads import AdaptiveThreads
+
+    fake, limit = _FakeCpus(), [1.0]
+    adaptive = AdaptiveThreads(2, cpus={0, 1}, clock=fake.clock, read_cpus=fake.cpus, read_own=fake.own,
+                               read_limit=lambda: limit[0])
+    assert adaptive.threads() == 1  # a 1-CPU container: no second thread to be throttled for
+    limit[0] = 2.0  # resized
+    for _ in range(2):
+        fake.advance(0.0, own=1.0)
+        adaptive.threads()
     assert adaptive.threads() == 2

@@ -1,0 +1,24 @@
+"""``python -m bench.threads``: its settling arithmetic, and that ``--quick`` runs (CI checks
+only that; the figures come from full runs, README "Threads")."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from bench.threads import settle
+
+
+def test_settle_is_the_time_to_reach_the_new_level():
+    bins = [200, 200, 200, 60, 90, 120, 118, 122, 120, 121, 119, 120]
+    assert settle(bins, change=2.5, until=11) == 3.5  # bin 5 (120) is the first at the new level
+    assert settle([100] * 10, change=3.0, until=9) == 1.0
+
+
+def test_quick_run(tmp_path):
+    out = tmp_path / "threads.json"
+    subprocess.run([sys.executable, "-m", "bench.threads", "--quick", "--json", str(out)], check=True, timeout=900,
+                   stdout=subprocess.DEVNULL)
+    result = json.loads(out.read_text())
+    assert len(result["settings"]) == 5 and all(v > 0 for row in result["settings"].values() for v in row.values())
+    assert result["switch"]["tokens_per_s_bins"]
