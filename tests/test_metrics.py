@@ -163,8 +163,8 @@ def test_batch_histograms_count_every_decoded_token(metered):
     before = scrape(metered.url)
     expected = 0
     for i in range(4):
-        status, _, body = post(metered.url, "/v1/completions", {"prompt": f"Fruit number {i} is", "max_tokens": 7},
-                               "key-a")
+        status, _, body = post(metered.url, "/v1/completions",
+                               {"prompt": f"Fruit number {i} is", "max_tokens": 7, "ignore_eos": True}, "key-a")
         u = json.loads(body)["usage"]
         expected += u["prompt_tokens"] - u["prompt_tokens_details"]["cached_tokens"] + u["completion_tokens"] - 1
     metered.wait_idle()
