@@ -61,10 +61,15 @@ def report(label: str, tokens_per_s: float, before: dict, after: dict, json_path
               "threads": before["threads"], **extra}
     print(f"{label}: {tokens_per_s:.1f} generated tok/s; limit {ceiling:.1f} tok/s (runs "
           f"{before['tokens_per_s']:.1f}, {after['tokens_per_s']:.1f}); ratio {result['ratio']:.3f}")
+    save(result, json_path)
+    return result
+
+
+def save(result: dict, json_path: str | None) -> None:
+    """Write a benchmark's result as JSON when ``--json`` named a file."""
     if json_path:
         with open(json_path, "w") as f:
             json.dump(result, f, indent=2)
-    return result
 
 
 def concurrently(n_clients: int, work: Callable[[int], None]) -> float:

@@ -73,6 +73,7 @@ def main(argv=None) -> int:
 
     import grpc
 
+    from bench.common import save
     from bench.http import prompt_text
     from engine.config import default_model_path
     from proto import inference_pb2_grpc
@@ -115,9 +116,7 @@ def main(argv=None) -> int:
     print(f"gRPC {result['grpc']['tokens_per_s']:.1f} tok/s, TTFT p50 {result['grpc']['ttft_p50_ms']:.0f} ms; "
           f"HTTP {result['http']['tokens_per_s']:.1f} tok/s, TTFT p50 {result['http']['ttft_p50_ms']:.0f} ms; "
           f"gRPC / HTTP: {result['ratio_tokens_per_s']:.3f} tok/s, {result['ratio_ttft_p50']:.3f} TTFT")
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(result, f, indent=2)
+    save(result, a.json)
     return 0
 
 

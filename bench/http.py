@@ -58,6 +58,21 @@ def prompt_text(tokenizer, n_tokens: int, salt: int) -> str:
     return text.strip()
 
 
+def workload(a) -> tuple[list[str], list[str]]:
+    """This benchmark's prompts (``a.batch`` of about ``a.prompt_tokens`` tokens) and server flags
+    (a slot per client, room for prompt and generation, ``a.workers`` and ``a.engine_threads``),
+    from the parsed flags of :func:`bench.common.parser` plus ``--workers``."""
+    from engine.config import default_model_path
+    from server.tokenizer import Tokenizer
+
+    B, P, G = a.batch, a.prompt_tokens, a.gen_tokens
+    tokenizer = Tokenizer(default_model_path())
+    prompts = [prompt_text(tokenizer, P, i) for i in range(B)]
+    flags = ["--max-slots", str(B), "--max-seq-len", str(max(256, P + G + 8)), "--workers", str(a.workers),
+             "--threads", str(B + 4), "--engine-threads", str(a.engine_threads)]
+    return prompts, flags
+
+
 def throughput(port: int, prompts: list[str], gen: int, key: str | None = None) -> tuple[float, int]:
     """All prompts streamed at once, one client thread each; returns (tokens/s, tokens)."""
     from bench.common import concurrently
@@ -84,10 +99,7 @@ def main(argv=None) -> int:
     p.add_argument("--repeat", type=int, default=3, help="throughput runs, each between two ceiling runs")
     a = p.parse_args(argv)
     B, P, G = a.batch, a.prompt_tokens, a.gen_tokens
-    tokenizer = Tokenizer(default_model_path())
-    prompts = [prompt_text(tokenizer, P, i) for i in range(B)]
-    flags = ["--max-slots", str(B), "--max-seq-len", str(max(256, P + G + 8)), "--workers", str(a.workers),
-             "--threads", str(B + 4), "--engine-threads", str(a.engine_threads)]
+    prompts, flags = workload(a)
     limits, runs = [limit(B, P, G, a.engine_threads)], []
     with running_server(*flags) as server:
         stream_completion(server.port, prompts[0], 4)  # warm-up
@@ -103,7 +115,7 @@ def main(argv=None) -> int:
             # The request's mailbox keeps its engine timestamps until it is leased again.
             i = int(boxes["t_queued"].argmax())
             prefill.append(float(boxes["t_prefill_done"][i] - boxes["t_admitted"][i]))
-        ids = tokenizer.encode(prompts[0], add_bos=True)
+        ids = Tokenizer(default_model_path()).encode(prompts[0], add_bos=True)
     ratios = [tps / ((limits[k]["tokens_per_s"] + limits[k + 1]["tokens_per_s"]) / 2)
               for k, (tps, _) in enumerate(runs)]
     median = sorted(range(len(runs)), key=lambda k: ratios[k])[len(runs) // 2]

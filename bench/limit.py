@@ -9,7 +9,6 @@ the engine's thread count and OpenMP environment. Prints generated tokens/s over
 """
 from __future__ import annotations
 
-import json
 import sys
 import time
 
@@ -58,7 +57,7 @@ def _greedy(logits, eog) -> int:
 
 
 def main(argv=None) -> int:
-    from bench.common import parser
+    from bench.common import parser, save
     from engine.config import EngineConfig, default_model_path
 
     p = parser("python -m bench.limit", __doc__, "--batch")
@@ -69,9 +68,7 @@ def main(argv=None) -> int:
     r = measure(model, a.batch, a.prompt_tokens, a.gen_tokens, threads)
     print(f"limit: B={a.batch} P={a.prompt_tokens} G={a.gen_tokens} threads={threads}: "
           f"{r['tokens_per_s']:.1f} generated tok/s ({r['decode_tokens_per_s']:.1f} in decode steps)")
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(r, f, indent=2)
+    save(r, a.json)
     return 0
 
 

@@ -29,7 +29,7 @@ import sys
 import time
 import urllib.request
 
-from bench.http import prompt_text, throughput
+from bench.http import throughput, workload
 
 
 def scrape_ms(url: str, n: int) -> tuple[float, float, int]:
@@ -73,9 +73,7 @@ def post(url: str, prompt: str) -> None:
 
 
 def main(argv=None) -> int:
-    from bench.common import concurrently, parser
-    from engine.config import default_model_path
-    from server.tokenizer import Tokenizer
+    from bench.common import concurrently, parser, save
     from tests.conftest import running_server
 
     p = parser("python -m bench.metrics", __doc__, "--clients")
@@ -85,11 +83,7 @@ def main(argv=None) -> int:
     p.add_argument("--restarts", type=int, default=100)
     p.add_argument("--scrapes", type=int, default=50)
     a = p.parse_args(argv)
-    B, P, G = a.batch, a.prompt_tokens, a.gen_tokens
-    tokenizer = Tokenizer(default_model_path())
-    prompts = [prompt_text(tokenizer, P, i) for i in range(B)]
-    flags = ["--max-slots", str(B), "--max-seq-len", str(max(256, P + G + 8)), "--workers", str(a.workers),
-             "--threads", str(B + 4), "--engine-threads", str(a.engine_threads)]
+    prompts, flags = workload(a)
     result = {}
 
     on, off, walls = [], [], []
@@ -99,10 +93,10 @@ def main(argv=None) -> int:
         for _ in range(a.repeat):
             steps = sample(metered.url, "inference_batch_size_count")
             t0 = time.perf_counter()
-            on.append(throughput(metered.port, prompts, G)[0])
+            on.append(throughput(metered.port, prompts, a.gen_tokens)[0])
             walls.append((time.perf_counter() - t0, sample(metered.url, "inference_batch_size_count") - steps))
             metered.wait_idle()
-            off.append(throughput(bare.port, prompts, G)[0])
+            off.append(throughput(bare.port, prompts, a.gen_tokens)[0])
             bare.wait_idle()
     step_ms = statistics.median(w / n for w, n in walls) * 1000
     record_us = observe_step_us()
@@ -145,9 +139,7 @@ def main(argv=None) -> int:
     print(f"after {a.restarts} worker restarts ({restart_s:.0f} s): median {after[0]:.1f} ms, p95 {after[1]:.1f} ms, "
           f"{files_after} files, {after[2]} bytes; requests counted {served:.0f} of "
           f"{result['scrape']['requests_sent']} sent")
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(result, f, indent=2)
+    save(result, a.json)
     return 0
 
 

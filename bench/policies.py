@@ -281,7 +281,7 @@ def table(result: dict) -> str:
 
 
 def main(argv=None) -> int:
-    from bench.common import limit
+    from bench.common import limit, save
     from engine.config import default_model_path, default_threads
     from server.tokenizer import Tokenizer
     from tests.conftest import running_server
@@ -332,9 +332,7 @@ def main(argv=None) -> int:
     else:
         result["ratios"] = {}
     print(table(result))
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(result, f, indent=2)
+    save(result, a.json)
     return 0
 
 

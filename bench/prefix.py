@@ -30,7 +30,7 @@ import subprocess
 import sys
 import time
 
-from bench.common import concurrently
+from bench.common import concurrently, save
 
 SYSTEM = ("You are the concierge of the Grand Harbour Hotel. Guests ask about rooms, meals, transport "
           "and the town. Answer warmly and briefly, recommend only services listed here, and never "
@@ -205,9 +205,7 @@ def main(argv=None) -> int:
           f"{off['chat']['ttft_p50_ms']:.0f} ms); conversations prefill {r['conversation_prefilled_tokens']:.3f}x "
           f"({on['conversations']['prefilled_tokens']} vs {off['conversations']['prefilled_tokens']} tokens); "
           f"distinct prompts {r['distinct_tokens_per_s']:.3f}x tok/s")
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(results, f, indent=2)
+    save(results, a.json)
     return 0
 
 

@@ -17,7 +17,7 @@ import tempfile
 
 
 def main(argv=None) -> int:
-    from bench.common import parser
+    from bench.common import parser, save
     from bench.http import prompt_text, stream_completion, throughput
     from engine.config import default_model_path
     from server.tokenizer import Tokenizer
@@ -50,9 +50,7 @@ def main(argv=None) -> int:
     print("off (tok/s): " + ", ".join(f"{x:.1f}" for x in off))
     print("tenants + Redis (tok/s): " + ", ".join(f"{x:.1f}" for x in on))
     print(f"tenants + Redis on / off (medians): {ratio:.3f}")
-    if a.json:
-        with open(a.json, "w") as out:
-            json.dump({"off_tokens_per_s": off, "on_tokens_per_s": on, "ratio": ratio}, out, indent=2)
+    save({"off_tokens_per_s": off, "on_tokens_per_s": on, "ratio": ratio}, a.json)
     return 0
 
 

@@ -118,6 +118,7 @@ def settle(bins: list[int], change: float, until: float) -> float:
 
 
 def main(argv=None) -> int:
+    from bench.common import save
     from tests.conftest import running_server
 
     p = argparse.ArgumentParser(prog="python -m bench.threads", description=__doc__.split("\n")[0])
@@ -178,9 +179,7 @@ def main(argv=None) -> int:
         print(f"switch (adaptive): tokens/s per second {s['tokens_per_s_bins']}")
         print(f"busy process from {s['busy_from_s']:.1f} s to {s['busy_until_s']:.1f} s; settled "
               f"{s['settle_after_start_s']:.1f} s after the start, {s['settle_after_stop_s']:.1f} s after the stop")
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(result, f, indent=2)
+    save(result, a.json)
     return 0
 
 
