@@ -32,6 +32,7 @@ from server import metrics_dir
 from server.config import ServerConfig
 from server.sidecar import Sidecar
 from server.tenants import Tenants
+from shm.segment import SharedMemoryTooSmall
 
 try:
     _config = ServerConfig.from_env()
@@ -79,8 +80,11 @@ def _start_engine(server) -> None:
         server.log.info("metrics: prometheus-client multiprocess directory %s", _state["metrics_dir"][0])
     engine = _config.engine_config()
     # INFERENCE_SHM may name the segment in advance (tests attach to it to inspect the engine).
-    supervisor = EngineSupervisor.create(engine, name=os.environ.get("INFERENCE_SHM") or None,
-                                         on_exit=_engine_exited)
+    try:
+        supervisor = EngineSupervisor.create(engine, name=os.environ.get("INFERENCE_SHM") or None,
+                                             on_exit=_engine_exited)
+    except SharedMemoryTooSmall as e:
+        raise SystemExit(f"inference-server: {e}") from None
     os.environ["INFERENCE_SHM"] = supervisor.transport_name
     _state["supervisor"] = supervisor
     supervisor.start()

@@ -13,6 +13,7 @@ from shm.buckets import SharedBuckets
 from shm.control import ControlBlock
 from shm.layout import Layout
 from shm.lock import FlockLock
+from shm import segment
 from shm.mailbox import Mailboxes
 from shm.ring import RequestRing
 from shm.wakeup import Wakeups
@@ -22,7 +23,7 @@ _META = np.dtype([("magic", np.uint32), ("max_slots", np.int32),
                   ("n_mailboxes", np.int32), ("max_seq_len", np.int32), ("record_bytes", np.int32),
                   ("cache_streams", np.int32)])
 _META_BYTES = 64
-SHM_DIR = "/dev/shm"
+SHM_DIR = segment.SHM_DIR
 
 
 class Transport:
@@ -42,6 +43,7 @@ class Transport:
         self.layout = layout
         self.owner = owner
         self._shm = shm
+        self._owner_lock: segment.OwnerLock | None = None
         self.directory = os.path.join(SHM_DIR, f"{shm.name}.d")
         offsets, _ = layout.offsets()
         views = SimpleNamespace(**{
@@ -56,24 +58,34 @@ class Transport:
 
     @classmethod
     def create(cls, layout: Layout, name: str | None = None) -> "Transport":
-        """Allocate and zero a new segment.
+        """Allocate and zero a new segment, every page reserved (``shm.segment``), after removing
+        the segments of dead owners. This process holds the segment's owner lock until
+        :meth:`close`.
 
         Raises:
             FileExistsError: a segment of that name exists.
+            shm.segment.SharedMemoryTooSmall: ``/dev/shm`` has less room than the segment.
         """
-        name = name or f"infer-{os.getpid()}-{secrets.token_hex(4)}"
-        _, size = layout.offsets()
-        # The creator stays registered with Python's resource tracker, which unlinks the
-        # segment should this process die without closing it.
-        shm = shared_memory.SharedMemory(name=name, create=True, size=_META_BYTES + size)
+        name = name or f"{segment.PREFIX}{os.getpid()}-{secrets.token_hex(4)}"
+        size = _META_BYTES + layout.offsets()[1]
+        segment.remove_orphans(SHM_DIR)
+        directory = os.path.join(SHM_DIR, f"{name}.d")
+        os.mkdir(directory, 0o700)  # first, with the owner lock: no sweep takes a segment being made
+        shm = None
         try:
-            os.mkdir(os.path.join(SHM_DIR, f"{name}.d"), 0o700)
+            owner = segment.OwnerLock(directory)
+            # The creator stays registered with Python's resource tracker, which unlinks the
+            # segment should this process die without closing it.
+            shm = shared_memory.SharedMemory(name=name, create=True, size=size)
+            segment.reserve(name, size, SHM_DIR)
             transport = cls(shm, layout, owner=True)
+            transport._owner_lock = owner
             transport.wakeups.create_all()
         except BaseException:
-            shm.close()
-            shm.unlink()
-            shutil.rmtree(os.path.join(SHM_DIR, f"{name}.d"), ignore_errors=True)
+            if shm is not None:
+                shm.close()
+                shm.unlink()
+            shutil.rmtree(directory, ignore_errors=True)
             raise
         np.ndarray((), _META, buffer=shm.buf)[()] = (_MAGIC, layout.max_slots, layout.n_mailboxes,
                                                      layout.max_seq_len, layout.record_bytes,
@@ -121,6 +133,7 @@ class Transport:
             except FileNotFoundError:
                 pass
             shutil.rmtree(self.directory, ignore_errors=True)
+            self._owner_lock.release()
 
     def __enter__(self):
         return self

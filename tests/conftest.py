@@ -114,10 +114,11 @@ class RunningServer:
     Attributes: ``url`` (``http://127.0.0.1:<port>``), ``engine`` (an EngineClient attached to
     the server's shared memory, to inspect slots), ``log`` (path of its combined output),
     ``grpc_port`` (with ``grpc=True``; otherwise the sidecar is off, so servers never compete for
-    the default port).
+    the default port). ``new_session``: the server gets its own process group (to kill it whole,
+    as a container's end does).
     """
 
-    def __init__(self, *flags: str, env: dict | None = None, grpc: bool = False):
+    def __init__(self, *flags: str, env: dict | None = None, grpc: bool = False, new_session: bool = False):
         import secrets
         import subprocess
         import sys
@@ -133,7 +134,7 @@ class RunningServer:
         with open(self.log, "wb") as out:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "server.cli", "--port", str(self.port), *flags],
-                stdout=out, stderr=subprocess.STDOUT, env=environ)
+                stdout=out, stderr=subprocess.STDOUT, env=environ, start_new_session=new_session)
         self.engine = None
         try:
             self._wait_healthy()
@@ -210,8 +211,8 @@ class RunningServer:
 
 
 @contextlib.contextmanager
-def running_server(*flags: str, env: dict | None = None, grpc: bool = False):
-    server = RunningServer(*flags, env=env, grpc=grpc)
+def running_server(*flags: str, env: dict | None = None, grpc: bool = False, new_session: bool = False):
+    server = RunningServer(*flags, env=env, grpc=grpc, new_session=new_session)
     try:
         yield server
     finally:

@@ -1,0 +1,75 @@
+"""Shared-memory hygiene on ``/dev/shm`` (``shm.segment``): a segment that cannot fit refuses
+to start, with the numbers and the fix, instead of a SIGBUS under load; a crashed server's
+leftovers are removed by the next start.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from engine.config import EngineConfig
+from shm import segment
+from shm.transport import Transport
+from tests.conftest import free_port, running_server
+
+
+def _unshare_works() -> bool:
+    if shutil.which("unshare") is None:
+        return False
+    return subprocess.run(["unshare", "-m", "true"], capture_output=True).returncode == 0
+
+
+def test_every_page_is_reserved_at_creation():
+    """tmpfs allocates lazily; the segment's pages are all allocated before anyone uses it."""
+    with Transport.create(EngineConfig(max_slots=2, max_seq_len=4096, max_queued=2).layout()) as t:
+        st = os.stat(f"/dev/shm/{t.name}")
+        assert st.st_blocks * 512 >= st.st_size > 4096 * 4 * 168
+
+
+def test_a_segment_larger_than_dev_shm_is_refused_with_the_numbers():
+    free = segment.available_bytes()
+    # more tokens per mailbox than the whole file system holds: refused before any page is used
+    config = EngineConfig(max_slots=1, max_queued=0, max_seq_len=8)
+    layout = config.layout().__class__(1, 1, free // 160 + 1, 64)
+    with pytest.raises(segment.SharedMemoryTooSmall) as e:
+        Transport.create(layout, name="infer-test-toolarge")
+    assert e.value.needed > free >= e.value.available - (1 << 20)
+    assert "MiB free" in str(e.value) and "--shm-size" in str(e.value)
+    assert not [n for n in os.listdir("/dev/shm") if n.startswith("infer-test-toolarge")]
+
+
+@pytest.mark.skipif(not _unshare_works(), reason="needs a private mount namespace (unshare -m, as root)")
+def test_server_refuses_to_start_when_dev_shm_is_too_small():
+    """Docker's default: a 64 MB ``/dev/shm``; ``--max-seq-len 8192`` needs about 108 MiB. The
+    server exits at once with one line, instead of starting "healthy" and dying with SIGBUS."""
+    script = ("mount -t tmpfs -o size=64m tmpfs /dev/shm && "
+              f"exec {sys.executable} -m server.cli --port {free_port()} --grpc-port 0 --workers 1 --max-seq-len 8192")
+    r = subprocess.run(["unshare", "-m", "sh", "-c", script], capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0
+    lines = [line for line in (r.stdout + r.stderr).splitlines() if "needs" in line]
+    assert len(lines) == 1, r.stdout + r.stderr
+    assert "/dev/shm has 64.0 MiB free" in lines[0] and "shared memory segment needs 10" in lines[0]
+    assert "--max-seq-len" in lines[0] and "shm_size" in lines[0] and "medium: Memory" in lines[0]
+
+
+def test_a_killed_servers_segment_is_removed_by_the_next_start():
+    """SIGKILL of the whole server (master, workers, engine, Python's resource tracker: a
+    container's end) leaves its segment and FIFO folder; the next start removes them, while a
+    live server's stay."""
+    with running_server("--workers", "1", "--max-slots", "2", "--max-queued", "2") as live:
+        doomed = running_server("--workers", "1", "--max-slots", "2", "--max-queued", "2", new_session=True)
+        with doomed as dead:
+            os.killpg(dead.proc.pid, signal.SIGKILL)
+            dead.proc.wait()
+            time.sleep(0.5)  # the process group's last members die
+            left = [n for n in os.listdir("/dev/shm") if n.startswith(dead.shm)]
+            assert sorted(left) == [dead.shm, dead.shm + ".d"]
+            with running_server("--workers", "1", "--max-slots", "2", "--max-queued", "2"):
+                assert not [n for n in os.listdir("/dev/shm") if n.startswith(dead.shm)]
+                assert os.path.exists(f"/dev/shm/{live.shm}") and os.path.isdir(f"/dev/shm/{live.shm}.d")
