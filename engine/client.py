@@ -132,5 +132,10 @@ class EngineClient:
     def mailboxes_in_use(self) -> int:
         return self.t.mailboxes.in_use()
 
+    def saturated(self) -> bool:
+        """Every mailbox is leased: :meth:`submit` would raise Saturated now. A cheap, lock-free
+        look (microseconds) for refusing before any parsing; :meth:`submit` decides for real."""
+        return self.mailboxes_in_use() >= self.capacity
+
     def close(self) -> None:
         self.t.close()

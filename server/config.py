@@ -56,8 +56,13 @@ class ServerConfig:
                                        "recently used out first (0 or --no-prefix-cache: off)",
                                        engine="prefix_cache_tokens")
     workers: int = _option("--workers", "WORKERS", "gunicorn worker processes", 2)
-    threads: int = _option("--threads", "THREADS", "threads per gunicorn worker (concurrent connections)", 32)
+    threads: int = _option("--threads", "THREADS",
+                           "threads per gunicorn worker: requests it handles at once (0: one per slot and queue "
+                           "place, plus 8)", 0)
     max_body_bytes: int = _option("--max-body-bytes", "MAX_BODY_BYTES", "largest request body accepted", 1 << 20)
+    max_discard_bytes: int = _option("--max-discard-bytes", "MAX_DISCARD_BYTES",
+                                     "most bytes of a refused (413) body read and dropped before the close, so "
+                                     "the client reads the 413 instead of a reset", 32 << 20)
     max_messages: int = _option("--max-messages", "MAX_MESSAGES", "most chat messages in one request", 512)
     sse_keepalive_s: float = _option("--sse-keepalive-s", "SSE_KEEPALIVE_S",
                                      "seconds between SSE keep-alive comments while a stream waits (0: none)", 15.0)
@@ -92,7 +97,10 @@ class ServerConfig:
             raise ConfigError("--metrics-port must differ from --port and --grpc-port, with metrics on")
         if self.grpc_threads < 0:
             raise ConfigError(f"--grpc-threads must be >= 0, got {self.grpc_threads}")
-        for name in ("workers", "threads", "max_body_bytes", "max_messages"):
+        for name in ("threads", "max_discard_bytes"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
+        for name in ("workers", "max_body_bytes", "max_messages"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if not self.model_ids:
@@ -109,6 +117,14 @@ class ServerConfig:
     def model_ids(self) -> tuple[str, ...]:
         """The served names (``--model-id``, comma-separated), the first being the default."""
         return tuple(dict.fromkeys(name.strip() for name in self.model_id.split(",") if name.strip()))
+
+    @property
+    def front_end_threads(self) -> int:
+        """``--threads``, or by default one per request the engine can hold (slots + queue
+        places) plus 8: each worker alone can hold every request the engine admits and still
+        has threads to refuse the rest at once (503) instead of leaving them unseen in its
+        queue. The accept backlog is not a queue anyone can see or bound."""
+        return self.threads or self.max_slots + self.max_queued + 8
 
     @property
     def grpc_handler_threads(self) -> int:

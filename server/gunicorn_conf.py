@@ -32,6 +32,7 @@ from server import metrics_dir
 from server.config import ServerConfig
 from server.sidecar import Sidecar
 from server.tenants import Tenants
+from server.worker import discard_body
 from shm.segment import SharedMemoryTooSmall
 
 try:
@@ -41,8 +42,10 @@ except ConfigError as e:  # gunicorn would print a traceback; one line is enough
 
 bind = [f"{_config.host}:{_config.port}"] + ([f"{_config.host}:{_config.metrics_port}"] if _config.metrics_port else [])
 workers = _config.workers
-threads = _config.threads
-worker_class = "gthread"
+threads = _config.front_end_threads
+# gthread, where no thread waits for a slow client's request head, and a refused body is read
+# before the close (server.worker).
+worker_class = "server.worker.Worker"
 # Seconds a worker gets to finish after the master's SIGTERM. The drain (see ``_drain``) has
 # already ended every request by then, so only final writes remain; a second SIGTERM (stop
 # now) cuts what still runs after this long.
@@ -103,14 +106,24 @@ def pre_request(worker, req) -> None:
     The app answers 413 without reading such a body (``server.params.read_json``). To keep the
     connection alive gunicorn would then read and discard all of it, and it ignores the app's
     ``Connection: close`` (a hop-by-hop header); marking the request makes the 413 say
-    ``Connection: close`` and gunicorn lingers before closing, so the client reads the answer
-    rather than a reset. A chunked body's size is unknown in advance, so it is treated the same.
+    ``Connection: close``, and :func:`post_request` reads what the client still sends before the
+    close, so the client reads the answer rather than a reset. A chunked body's size is unknown
+    in advance, so it is treated the same.
     """
     headers = dict(req.headers)
     length = headers.get("CONTENT-LENGTH")
     if (length is not None and length.isdigit() and int(length) > _config.max_body_bytes) \
             or "chunked" in headers.get("TRANSFER-ENCODING", "").lower():
         req.must_close = True
+        req.discard_body = True
+
+
+def post_request(worker, req, environ, resp) -> None:
+    """After the answer to a request marked by :func:`pre_request`: discard the body the client
+    may still be sending, up to ``--max-discard-bytes`` (``server.worker.discard_body``)."""
+    sock = environ.get("gunicorn.socket") if environ else None
+    if getattr(req, "discard_body", False) and sock is not None:
+        discard_body(sock, _config.max_discard_bytes)
 
 
 def when_ready(server) -> None:

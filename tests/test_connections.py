@@ -1,0 +1,142 @@
+"""Connection-level behaviour under hostile or heavy load (``server.worker``, ``server.app.Admission``,
+the front-end thread sizing): every common client reads its 413, slow request heads hold no
+thread, and overload is refused at once with 503 + ``Retry-After``, nothing lost."""
+from __future__ import annotations
+
+import asyncio
+import http.client
+import json
+import socket
+import time
+
+import pytest
+
+from bench.overload import run as overload
+from server.config import ServerConfig
+from server.worker import HEADER_TIMEOUT_S
+from tests.conftest import running_server
+
+CHAT = "/v1/chat/completions"
+
+
+def _send_whole_body_then_read(port: int, size: int) -> tuple[int, dict]:
+    """What Python's ``http.client`` (and SDK transports built like it) does: write the whole
+    body, then read the answer. Raises ConnectionError if the server reset the connection."""
+    body = b'{"max_tokens":4,"messages":[{"role":"user","content":"' + b"a" * size + b'"}]}'
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    try:
+        conn.request("POST", CHAT, body=body, headers={"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        return resp.status, json.loads(resp.read())
+    finally:
+        conn.close()
+
+
+def test_a_client_that_writes_a_24_mb_body_first_reads_the_413(server):
+    status, body = _send_whole_body_then_read(server.port, 24_000_000)
+    assert status == 413 and body["error"]["code"] == "request_too_large"
+    status, _ = _send_whole_body_then_read(server.port, 1000)
+    assert status == 200
+    server.wait_idle()
+
+
+def test_what_is_discarded_is_bounded():
+    """Beyond ``--max-discard-bytes`` the server stops reading and closes: the client may see
+    a reset, and the worker is not held."""
+    with running_server("--workers", "1", "--max-slots", "2", "--max-queued", "2",
+                        "--max-discard-bytes", str(4 << 20)) as s:
+        assert _send_whole_body_then_read(s.port, 3_000_000)[0] == 413  # within the bound
+        with pytest.raises(ConnectionError):
+            _send_whole_body_then_read(s.port, 24_000_000)
+        assert _send_whole_body_then_read(s.port, 1000)[0] == 200
+
+
+def _open_slow_heads(port: int, n: int) -> list[socket.socket]:
+    socks = []
+    for _ in range(n):
+        s = socket.create_connection(("127.0.0.1", port), timeout=30)
+        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: slow\r\nX-Slow: ")
+        socks.append(s)
+    return socks
+
+
+def _get(port: int, path: str = "/health/live", timeout: float = 30) -> int:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    try:
+        conn.request("GET", path)
+        return conn.getresponse().status
+    finally:
+        conn.close()
+
+
+def test_incomplete_request_heads_hold_no_thread(server):
+    """More slow clients than threads in all workers (2 x 16 here): each sent part of a head
+    and waits. Stock gthread gives each a thread until its head completes, so these would deny
+    service; here requests still get answers, and a slow head that completes is served."""
+    socks = _open_slow_heads(server.port, 3 * 2 * 16)
+    try:
+        time.sleep(0.5)
+        assert _get(server.port) == 200
+        assert _get(server.port, "/v1/models") == 200
+        slow = socks.pop()
+        slow.sendall(b"1\r\nContent-Length: 0\r\n")  # the rest of its head, in two writes
+        time.sleep(0.2)
+        slow.sendall(b"\r\n")
+        assert slow.recv(4096).startswith(b"HTTP/1.1 4")  # an answer (its empty body is a 4xx)
+        slow.close()
+    finally:
+        for s in socks:
+            s.close()
+
+
+def test_a_head_that_never_completes_is_closed_with_408(server):
+    (s,) = _open_slow_heads(server.port, 1)
+    try:
+        end = time.monotonic() + HEADER_TIMEOUT_S + 15
+        answer = b""
+        while time.monotonic() < end:  # a byte every 2 s: never idle long enough for keepalive's 5 s
+            s.settimeout(2)
+            try:
+                answer = s.recv(4096)
+                break
+            except socket.timeout:
+                s.sendall(b"x")
+        assert answer.startswith(b"HTTP/1.1 408"), answer
+    finally:
+        s.close()
+
+
+def test_ten_times_more_requests_than_slots_and_queue():
+    """Every request is answered 200 or 503 with ``Retry-After``; the refusals come before any
+    served request could finish (none waited for another); no served request waited unseen
+    for another to finish; the server is clean and healthy afterwards."""
+    flags = ("--workers", "2", "--max-slots", "2", "--max-queued", "4")
+    config = ServerConfig(workers=2, max_slots=2, max_queued=4)
+    capacity = config.max_slots + config.max_queued
+    with running_server(*flags) as s:
+        result = overload(s, 10 * capacity, max_tokens=48, ramp_s=0.5, slots=config.max_slots)
+        assert _get(s.port, "/health") == 200
+    assert set(result["statuses"]) <= {"200", "503"}, result
+    assert result["statuses"]["200"] >= capacity and result["statuses"]["503"] >= 9 * capacity - capacity
+    assert result["refused_without_retry_after"] == 0 and not result["errors"]
+    assert result["served_logged"] == result["served"]
+    assert result["time_to_503_ms"]["max"] / 1000 < result["shortest_200_s"], result
+    assert result["unseen_wait_ms"]["max"] / 1000 < result["shortest_200_s"], result
+    assert result["mailboxes_in_use_after"] == 0
+    # every worker could hold every request the engine admits at once
+    assert config.front_end_threads >= capacity
+    assert all(w["threads"] <= config.front_end_threads + 4 for w in result["workers_at_peak"])
+
+
+def test_a_burst_of_connections_is_all_answered(server):
+    """A burst from one client: every connection gets a complete answer (no reset, no hang)."""
+    async def probe(i):
+        reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+        writer.write(b"GET /health/live HTTP/1.1\r\nHost: b\r\nConnection: close\r\n\r\n")
+        data = await reader.read()
+        writer.close()
+        return data.split(b" ", 2)[1]
+
+    async def burst():
+        return await asyncio.gather(*(probe(i) for i in range(400)))
+    assert set(asyncio.run(burst())) == {b"200"}
