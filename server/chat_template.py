@@ -12,6 +12,7 @@ import secrets
 
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from engine.errors import InvalidRequest
 from server.tokenizer import Tokenizer
 
 # Roles as the template sees them: OpenAI's "developer" is the system role of older models.
@@ -34,9 +35,16 @@ class ChatTemplate:
         self.template = env.from_string(source)
         self.tokenizer = tokenizer
         #: Tokens the template adds for each message at least (a cheap lower bound on a prompt).
-        empty = [[{"role": r, "content": ""}] for r in ("system", "user", "assistant")]
-        self.tokens_per_message = max(0, min(len(self.encode(m * 2, False)) - len(self.encode(m, False))
-                                             for m in empty))
+        self.tokens_per_message = max(0, min(self._added_tokens(r) for r in ("system", "user", "assistant")))
+
+    def _added_tokens(self, role: str) -> int:
+        """Tokens one more empty ``role`` message adds; 0 (no bound) when the template refuses two
+        such messages in a row (Mistral's and Gemma's: roles must alternate)."""
+        m = [{"role": role, "content": ""}]
+        try:
+            return len(self.encode(m * 2, False)) - len(self.encode(m, False))
+        except InvalidRequest:
+            return 0
 
     def encode(self, messages: list[dict], add_generation_prompt: bool = True,
                continue_final_message: bool = False) -> list[int]:
@@ -48,6 +56,9 @@ class ChatTemplate:
                 message the model continues, as llama.cpp's server and vLLM's
                 ``continue_final_message`` do): whatever the template renders after it (the
                 end of that turn) is dropped. Needs ``add_generation_prompt`` False.
+
+        Raises:
+            InvalidRequest: the template refuses the messages (its ``raise_exception``).
         """
         tag = secrets.token_hex(8)
         marked = [{"role": ROLE_ALIASES.get(m["role"], m["role"]), "content": f"\x00{tag}:{i}\x00"}
@@ -67,4 +78,6 @@ class ChatTemplate:
 
 
 def _raise(message: str):
-    raise ValueError(message)
+    """The template's ``raise_exception``: it refuses these messages (roles out of order, a role
+    it has no rendering for), a client error (400), not a server one."""
+    raise InvalidRequest(message, "messages")

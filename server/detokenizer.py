@@ -16,7 +16,8 @@ class Detokenizer:
 
     Args:
         pieces: ``token id -> bytes`` (``Tokenizer.pieces``).
-        stops: stop strings; the text ends right before the first occurrence of any of them.
+        stops: stop strings; the text ends right before the first of them to be complete (the
+            occurrence that ends first; of those ending at the same place, the longest).
     """
 
     def __init__(self, pieces: list[bytes], stops: list[str]):
@@ -35,10 +36,14 @@ class Detokenizer:
         if not self.stops:
             out, self._held = self._held, ""
             return out
-        cut = min((i for i in (self._held.find(s) for s in self.stops) if i >= 0), default=-1)
-        if cut >= 0:
+        # The stop completed first ends the text (of those ending at the same place, the longest),
+        # however the text was split into tokens: with "lo w" and " ", "Hello world" ends
+        # "Hello" whether " world" arrives as one token or character by character. A stop's first
+        # occurrence is the one that ends first.
+        ends = [(i + len(s), i) for s, i in ((s, self._held.find(s)) for s in self.stops) if i >= 0]
+        if ends:
             self.stopped = True
-            out, self._held = self._held[:cut], ""
+            out, self._held = self._held[:min(ends)[1]], ""
             return out
         keep = self._partial_stop_suffix()
         out, self._held = self._held[:len(self._held) - keep], self._held[len(self._held) - keep:]
