@@ -65,6 +65,7 @@ class EngineConfig:
         prefix_cache_tokens: most tokens the prefix cache keeps (0: no prefix cache); see
             :attr:`cache_streams` for the KV memory it takes.
         metrics: record the step metrics of :mod:`engine.metrics`.
+        step_log: file the engine appends its step records to (:mod:`engine.steplog`); "" none.
     """
 
     model_path: str = field(default_factory=default_model_path)
@@ -77,6 +78,7 @@ class EngineConfig:
     aging_s: float = 10.0
     prefix_cache_tokens: int = 16384
     metrics: bool = False
+    step_log: str = ""
 
     def __post_init__(self):
         if self.policy not in POLICIES:

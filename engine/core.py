@@ -20,6 +20,7 @@ from engine.prefix_cache import PrefixCache, common_prefix
 from engine.request import EngineRequest
 from engine.sampler import Sampler, logprobs
 from engine.scheduler import Scheduler
+from engine.steplog import StepLog
 from engine.sequence import Sequence
 from engine.threads import AdaptiveThreads
 from shm import ErrorCode, Finish, Published
@@ -65,6 +66,8 @@ class EngineCore:
         self.step_no = transport.control.step
         # n_threads 0: adapt to what other processes leave free (engine/threads.py).
         self.adaptive = AdaptiveThreads(config.threads) if config.n_threads == 0 else None
+        self.step_log = StepLog(config.step_log) if config.step_log else None
+        self.cancelled: list[tuple[int, int]] = []  # (mailbox, lease) cancelled this step, for the step log
         self.observe_step = None
         if config.metrics:  # imported only then: prometheus-client reads its mode at import
             from engine.metrics import observe_step
@@ -91,11 +94,16 @@ class EngineCore:
             self.start(seq, now)
         self.compact()
         rows, one_thread = self.fill_batch()
-        if self.batch.n and self.decode(one_thread):
+        sampled = bool(self.batch.n) and self.decode(one_thread)
+        if sampled:
             self.sample_and_publish(rows, time.monotonic())
             if self.observe_step is not None:
                 self.observe_step(self.batch.n_seqs, self.batch.n)
         self.publish_control()
+        if self.step_log is not None:
+            self.step_log.write(self.step_no, now, [(s.mailbox, s.lease) for s, _ in rows] if sampled else [],
+                                self.cancelled)
+        self.cancelled = []
 
     def decode(self, one_thread: bool = False) -> bool:
         """One ``llama_decode`` (on one thread if asked); on failure, the batch's sequences
@@ -134,10 +142,14 @@ class EngineCore:
             if reason:
                 self.sched.drop_waiting(seq)
                 self.boxes.finish(seq.mailbox, seq.lease, reason, step=self.step_no)
+                if reason == Finish.CANCELLED:
+                    self.cancelled.append((seq.mailbox, seq.lease))
         for seq in list(self.sched.running.values()):
             reason = self._expiry(seq, now)
             if reason:
                 self.retire(seq, reason)
+                if reason == Finish.CANCELLED:
+                    self.cancelled.append((seq.mailbox, seq.lease))
 
     def _expiry(self, seq: Sequence, now: float) -> Finish:
         if self.boxes.cancelled(seq.mailbox, seq.lease):

@@ -83,6 +83,9 @@ class ServerConfig:
                                 "serve /metrics on this port only, not on the HTTP port (0: on the HTTP port)", 0)
     drain_timeout: float = _option("--drain-timeout", "DRAIN_TIMEOUT",
                                    "seconds running requests get to finish after SIGTERM; then they are ended", 30.0)
+    step_log: str = _option("--step-log", "STEP_LOG",
+                            "append the engine's step records (JSON lines: the requests each step sampled or "
+                            "cancelled) to this file, for debugging", "", shown="none")
     log_prompts: bool = _option("--log-prompts", "LOG_PROMPTS",
                                 "write each request's prompt into its JSON log line (the flag or 1)", False, shown="0")
 
@@ -145,7 +148,8 @@ class ServerConfig:
         return EngineConfig(model_path=self.resolved_model_path(), max_slots=self.max_slots,
                             max_seq_len=self.max_seq_len, max_queued=self.max_queued,
                             n_batch=self.n_batch, n_threads=self.engine_threads, policy=self.policy,
-                            prefix_cache_tokens=self.prefix_cache_tokens, metrics=self.metrics)
+                            prefix_cache_tokens=self.prefix_cache_tokens, metrics=self.metrics,
+                            step_log=self.step_log)
 
     def check_model(self) -> None:
         """Raise ConfigError (one line) unless the model file is a readable GGUF."""

@@ -81,6 +81,10 @@ def _start_engine(server) -> None:
         except OSError as e:
             raise SystemExit(f"inference-server: {metrics_dir.ENV}: {e}") from None
         server.log.info("metrics: prometheus-client multiprocess directory %s", _state["metrics_dir"][0])
+        # Loaded now rather than at the first child's exit (metrics_dir.retire, ENGINE_RESTARTS),
+        # so the master's memory does not grow later (bench.soak checks every process's RSS).
+        import prometheus_client.multiprocess  # noqa: F401
+        from server import metrics as _metrics  # noqa: F401
     engine = _config.engine_config()
     # INFERENCE_SHM may name the segment in advance (tests attach to it to inspect the engine).
     try:
