@@ -16,6 +16,7 @@ from typing import Callable
 
 from engine.config import EngineConfig
 from shm import EngineState, ErrorCode
+from shm.segment import SharedMemoryTooSmall  # noqa: F401 - raised by create(), caught by the server
 from shm.transport import Transport
 
 log = logging.getLogger("supervisor")
@@ -77,6 +78,7 @@ class EngineSupervisor:
 
         Raises:
             FileExistsError: a segment of that name exists.
+            SharedMemoryTooSmall: ``/dev/shm`` cannot hold the segment (the message says what fixes it).
         """
         return cls(config, Transport.create(config.layout(), name=name), owns_transport=True, **kwargs)
 

@@ -27,13 +27,12 @@ import threading
 import time
 
 from engine.config import ConfigError
-from engine.supervisor import EngineSupervisor
+from engine.supervisor import EngineSupervisor, SharedMemoryTooSmall
 from server import metrics_dir
 from server.config import ServerConfig
 from server.sidecar import Sidecar
 from server.tenants import Tenants
 from server.worker import discard_body
-from shm.segment import SharedMemoryTooSmall
 
 try:
     _config = ServerConfig.from_env()
