@@ -9,6 +9,7 @@ from server.completions import ChatCompletions, Completions
 from server.config import ServerConfig
 from server.generation import Generator
 from server.infer import Infer
+from server.openapi import OpenAPIDocument
 from server.status import Health, Models
 from server.telemetry import Telemetry
 from server.tenants import TenantRegistry, Tenants
@@ -88,7 +89,8 @@ def create_app(config: ServerConfig, generator: Generator, tenants: TenantRegist
                telemetry: Telemetry | None = None) -> falcon.App:
     """Routes: ``/v1/chat/completions``, ``/v1/completions``, ``/v1/models``,
     ``/v1/models/{model}``, ``/health`` (= ``/health/ready``), ``/health/live``, ``/infer``, and
-    ``/metrics`` with metrics on (on its own port with ``--metrics-port``). Errors follow :mod:`server.errors`.
+    ``/metrics`` with metrics on (on its own port with ``--metrics-port``), and ``/openapi.json``
+    (:mod:`server.openapi`). Errors follow :mod:`server.errors`.
 
     Args:
         config: validated settings. generator: the request path over an engine client (a real
@@ -123,4 +125,6 @@ def create_app(config: ServerConfig, generator: Generator, tenants: TenantRegist
     if telemetry.metrics is not None:
         from server.metrics import Scrape
         app.add_route("/metrics", Scrape(generator.engine))
+    metrics_here = telemetry.metrics is not None and not config.metrics_port
+    app.add_route("/openapi.json", OpenAPIDocument(() if metrics_here else ("/metrics",)))
     return app

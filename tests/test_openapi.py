@@ -1,0 +1,410 @@
+"""This server's own OpenAPI document (``GET /openapi.json``, ``server/openapi.json``) is true.
+
+Its routes are the app's routes (read from the Falcon app); it is a valid OpenAPI 3.1 document;
+its request fields and bounds are those the parsers take; each documented status is answered
+as documented (bodies, SSE chunks and headers validated with ``jsonschema``, including 401, 403,
+429 and 503, which need tenants or a full server); and schemathesis generates requests from the
+document a real server serves and sends them to that server.
+"""
+from __future__ import annotations
+
+import configparser
+import copy
+import importlib.metadata
+import json
+import pathlib
+import time
+from dataclasses import replace
+
+import falcon.inspect
+import hypothesis
+import pytest
+import schemathesis
+from jsonschema import Draft202012Validator
+from referencing import Registry, Resource
+from referencing.jsonschema import DRAFT202012
+from schemathesis.checks import not_a_server_error
+from schemathesis.specs.openapi.checks import (content_type_conformance, negative_data_rejection,
+                                               response_headers_conformance, response_schema_conformance,
+                                               status_code_conformance)
+
+from engine.request import DEADLINE_MS_BOUNDS, SamplingParams
+from server import errors, params
+from server.infer import INFER_FIELDS
+from server.openapi import load
+from tests.conftest import AppServer, running_server
+from tests.test_http_contract import Reply, parse_sse, post, request
+
+DOC = load()
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+CHAT, COMPLETIONS, MODEL = "/v1/chat/completions", "/v1/completions", "local-model"
+REGISTRY = Registry().with_resource("urn:doc", Resource.from_contents(DOC, default_specification=DRAFT202012))
+
+
+def schema_of(component: str) -> dict:
+    return DOC["components"]["schemas"][component]
+
+
+def resolve(node: dict) -> dict:
+    """``node`` with its local ``$ref`` (``#/components/...``) followed."""
+    while "$ref" in node:
+        target = DOC
+        for part in node["$ref"].removeprefix("#/").split("/"):
+            target = target[part]
+        node = target
+    return node
+
+
+def _validator(schema: dict) -> Draft202012Validator:
+    # The document's "#/components/..." references resolve against the registered document.
+    return Draft202012Validator(json.loads(json.dumps(schema).replace('"#/components/', '"urn:doc#/components/')),
+                                registry=REGISTRY)
+
+
+def app_routes(app: falcon.App) -> set[tuple[str, str]]:
+    """``(path, method)`` of every responder the app's resources define (not Falcon's defaults:
+    OPTIONS and 405), path templates in OpenAPI's spelling (``{model:path}`` -> ``{model}``)."""
+    out = set()
+    for route in falcon.inspect.inspect_routes(app):
+        path = route.path.replace(":path}", "}")
+        out |= {(path, m.method.lower()) for m in route.methods if not m.internal}
+    return out
+
+
+def document_routes(doc: dict) -> set[tuple[str, str]]:
+    return {(path, method) for path, item in doc["paths"].items() for method in item
+            if method in ("get", "head", "post", "put", "patch", "delete", "options", "trace")}
+
+
+def conforms(path: str, method: str, reply: Reply, status: int | None = None) -> dict:
+    """Check ``reply`` against the document's response for its status (``status`` when given):
+    the status is listed, required headers are present and valid, and the body validates
+    against the listed media type's schema (an event stream event by event: ``[DONE]``, or JSON
+    valid against the event's ``contentSchema``). Returns the response object."""
+    assert status is None or reply.status == status, (reply.status, reply.body[:300])
+    operation = DOC["paths"][path][method.lower()]
+    assert str(reply.status) in operation["responses"], (path, method, reply.status, reply.body[:300])
+    response = resolve(operation["responses"][str(reply.status)])
+    for name, header in response.get("headers", {}).items():
+        header = resolve(header)
+        value = reply.headers.get(name.lower())
+        if value is None:
+            assert not header.get("required"), (path, reply.status, name)
+            continue
+        schema = header["schema"]
+        _validator(schema).validate(int(value) if schema.get("type") == "integer" else value)
+    content = response.get("content", {})
+    if method.upper() == "HEAD" or not content:
+        assert reply.body == b"", reply.body[:200]
+        return response
+    media = reply.headers["content-type"].split(";")[0].strip()
+    assert media in content, (path, reply.status, media)
+    if media == "application/json":
+        _validator(content[media]["schema"]).validate(json.loads(reply.body))
+    elif media == "text/event-stream":
+        done, payload = resolve(content[media]["schema"])["properties"]["data"]["anyOf"]
+        events = parse_sse(reply.body)
+        assert events[-1] == done["const"] and events.count(done["const"]) == 1
+        for event in events[:-1]:
+            _validator(payload["contentSchema"]).validate(event)
+    return response
+
+
+# -- 1. the document's routes are the app's ------------------------------------------------------------
+def test_document_routes_are_the_apps_routes(app):
+    served = json.loads(request(app, "GET", "/openapi.json").body)
+    assert document_routes(served) == app_routes(app.client.app)
+    assert served == DOC  # with metrics on, nothing is left out
+
+
+def test_without_metrics_the_document_has_no_metrics_route(app):
+    for change in ({"metrics": False}, {"metrics_port": 9999}):
+        other = AppServer(replace(app.config, **change), app.generator)
+        served = json.loads(request(other, "GET", "/openapi.json").body)
+        assert "/metrics" not in served["paths"]
+        if change == {"metrics": False}:
+            assert document_routes(served) == app_routes(other.client.app)
+
+
+# -- 2. a valid OpenAPI 3.1 document ---------------------------------------------------------------------
+def _schemas(node, where=""):
+    """Every Schema Object of the document (under ``schema`` keys and ``components.schemas``)."""
+    if isinstance(node, dict):
+        for key, value in node.items():
+            if key == "schema" or where.endswith("/components/schemas"):
+                yield f"{where}/{key}", value
+            else:
+                yield from _schemas(value, f"{where}/{key}")
+    elif isinstance(node, list):
+        for i, value in enumerate(node):
+            yield from _schemas(value, f"{where}/{i}")
+
+
+def _refs(node):
+    if isinstance(node, dict):
+        if isinstance(node.get("$ref"), str):
+            yield node["$ref"]
+        for value in node.values():
+            yield from _refs(value)
+    elif isinstance(node, list):
+        for value in node:
+            yield from _refs(value)
+
+
+def test_document_is_valid_openapi_3_1():
+    schemathesis.openapi.from_dict(copy.deepcopy(DOC)).validate()  # against OpenAPI 3.1's own schema
+    schemas = list(_schemas(DOC))
+    assert len(schemas) > 40
+    for where, schema in schemas:
+        try:
+            Draft202012Validator.check_schema(schema)
+        except Exception as e:
+            raise AssertionError(where) from e
+    for ref in _refs(DOC):
+        assert ref.startswith("#/components/"), ref
+        resolve({"$ref": ref})  # raises KeyError when it points nowhere
+    ids = [op["operationId"] for item in DOC["paths"].values() for op in item.values()]
+    assert len(ids) == len(set(ids))
+    assert DOC["info"]["version"] == importlib.metadata.version("inference-server")
+
+
+def test_document_ships_as_package_data():
+    cfg = configparser.ConfigParser()
+    cfg.read(ROOT / "setup.cfg")
+    assert "openapi.json" in cfg["options.package_data"]["server"].split()
+
+
+# -- 3. request fields and bounds are the parsers' --------------------------------------------------------
+def test_request_fields_are_the_parsers_fields():
+    assert set(schema_of("CreateChatCompletionRequest")["properties"]) == params.CHAT_FIELDS
+    assert set(schema_of("CreateCompletionRequest")["properties"]) == params.COMPLETION_FIELDS
+    assert set(schema_of("InferRequest")["properties"]) == INFER_FIELDS
+    for component in ("CreateChatCompletionRequest", "CreateCompletionRequest", "InferRequest"):
+        assert schema_of(component)["additionalProperties"] is False  # an unknown field is a 400
+
+
+def _bounds(prop: dict) -> tuple:
+    lo = prop.get("minimum", prop.get("exclusiveMinimum"))
+    return lo, prop.get("maximum"), "exclusiveMinimum" in prop, "integer" in prop["type"]
+
+
+@pytest.mark.parametrize("component", ["CreateChatCompletionRequest", "CreateCompletionRequest"])
+def test_numeric_bounds_are_the_parsers_bounds(component):
+    props = schema_of(component)["properties"]
+    for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repeat_penalty"):
+        b = SamplingParams.bounds(name)
+        assert _bounds(props[name]) == (b["lo"], b["hi"], b["lo_open"], b["integer"]), name
+    logprobs = SamplingParams.bounds("logprobs")
+    top = props["top_logprobs" if component.startswith("CreateChat") else "logprobs"]
+    assert (top["minimum"], top["maximum"]) == (logprobs["lo"], logprobs["hi"])
+    assert props["n"]["maximum"] == params.MAX_N and props["stop"]["anyOf"][1]["maxItems"] == params.MAX_STOPS
+    deadline = DEADLINE_MS_BOUNDS
+    assert _bounds(props["deadline_ms"]) == (deadline["lo"], deadline["hi"], deadline["lo_open"], False)
+    # The parser's own tables (not re-stated here): fields served only at their default value.
+    for name, (served, _) in params._DEFAULT_ONLY.items():
+        if name in props and "enum" in props[name]:
+            assert props[name]["enum"] == [*served, None], name
+        elif name in props:
+            assert served == [] and props[name]["type"] == "null", name
+    assert _bounds(schema_of("InferRequest")["properties"]["max_new_tokens"])[:2] == \
+        (SamplingParams.bounds("max_new_tokens")["lo"], SamplingParams.bounds("max_new_tokens")["hi"])
+
+
+def test_error_types_are_the_error_contracts():
+    for name, response in DOC["components"]["responses"].items():
+        if name.startswith("Head"):
+            continue
+        status = next(int(s) for path in DOC["paths"].values() for op in path.values()
+                      for s, r in op["responses"].items() if r.get("$ref", "").endswith(f"/{name}"))
+        schema = resolve(response["content"]["application/json"]["schema"])
+        assert schema["allOf"][1]["properties"]["error"]["properties"]["type"]["const"] == errors._TYPES[status], name
+
+
+# -- 4. every documented status is answered as documented -------------------------------------------------
+def test_answers_conform_in_process(app):
+    """200 on every route (streams included, with logprobs and usage), and the client errors."""
+    hi = [{"role": "user", "content": "Hi"}]
+    for path, body in (
+            (CHAT, {"messages": hi, "max_tokens": 3, "logprobs": True, "top_logprobs": 2}),
+            (CHAT, {"messages": hi, "max_tokens": 3, "n": 2, "stream": True, "stream_options": {"include_usage": True},
+                    "logprobs": True, "top_logprobs": 1}),
+            (COMPLETIONS, {"prompt": ["Hi", "Yo"], "max_tokens": 3, "logprobs": 2}),
+            (COMPLETIONS, {"prompt": [1, 2], "max_tokens": 3, "logprobs": 1, "stream": True,
+                           "stream_options": {"include_usage": True}}),
+            (COMPLETIONS, {"max_tokens": 0, "priority": "high", "deadline_ms": 5000}),
+            ("/infer", {"payload": "Hi", "max_new_tokens": 3, "tenant_id": "x"})):
+        conforms(path, "post", post(app, path, body), 200)
+    for path, template in (("/v1/models", None), (f"/v1/models/{MODEL}", "/v1/models/{model}"), ("/health", None),
+                           ("/health/ready", None), ("/health/live", None), ("/metrics", None),
+                           ("/openapi.json", None)):
+        for method in DOC["paths"][template or path]:
+            conforms(template or path, method, request(app, method.upper(), path), 200)
+    for path, body, status in (
+            (CHAT, {"messages": hi, "top_logprobs": 2}, 400), (CHAT, {"messages": [], "max_tokens": 2}, 400),
+            (CHAT, {"messages": hi, "max_tokens": 600}, 400),  # context_length_exceeded
+            (CHAT, {"messages": hi, "tools": [{"type": "function"}]}, 400), (COMPLETIONS, b"[1]", 400),
+            (COMPLETIONS, {"prompt": "Hi", "model": "nope"}, 404),
+            ("/infer", {"payload": "x" * 70_000}, 413)):  # over --max-body-bytes
+        conforms(path, "post", post(app, path, body), status)
+    conforms("/infer", "post", post(app, "/infer", b"payload=Hi", "application/x-www-form-urlencoded"), 415)
+    for method in ("get", "head"):
+        conforms("/v1/models/{model}", method, request(app, method.upper(), "/v1/models/nope"), 404)
+    conforms("/v1/models/{model}", "get", request(app, "GET", "/v1/models/"), 404)
+    for reply in (request(app, "POST", "/v1/models"), request(app, "GET", "/v2/nothing")):  # 405, 404: any route
+        assert reply.status in (404, 405) and reply.headers["x-request-id"]
+        _validator({"$ref": "#/components/schemas/Error"}).validate(reply.json())
+    app.wait_idle()
+
+
+TENANTS = {"tenants": [
+    {"id": "doc-metered", "api_keys": ["doc-key-metered"], "requests_per_second": {"rate": 0.001, "burst": 1}},
+    {"id": "doc-free", "api_keys": ["doc-key-free"]}]}
+
+
+def test_tenant_errors_conform(app):
+    """401 (no key or an unknown one), 403 (another tenant's id) and 429 (over a rate)."""
+    from server.generation import Generator
+    from server.ratelimit import RateLimiter
+    from server.tenants import TenantRegistry, Tenants, parse
+
+    generator = Generator(app.engine, app.generator.tokenizer, app.generator.template, RateLimiter(app.engine.buckets))
+    tenant_app = AppServer(app.config, generator, TenantRegistry(Tenants(parse(TENANTS))))
+
+    def call(method, path, body=None, key=None):
+        headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
+        return request(tenant_app, method, path, None if body is None else json.dumps(body).encode(), headers)
+
+    for key in (None, "unknown"):
+        conforms("/v1/models", "get", call("GET", "/v1/models", key=key), 401)
+        conforms("/v1/models", "head", call("HEAD", "/v1/models", key=key), 401)
+        conforms(CHAT, "post", call("POST", CHAT, {"messages": []}, key), 401)
+    for path in ("/health", "/health/live", "/metrics", "/openapi.json"):  # no key needed
+        conforms(path, "get", call("GET", path), 200)
+    conforms("/infer", "post", call("POST", "/infer", {"payload": "Hi", "tenant_id": "doc-metered"}, "doc-key-free"),
+             403)
+    body = {"prompt": "Hi", "max_tokens": 1}
+    conforms(COMPLETIONS, "post", call("POST", COMPLETIONS, body, "doc-key-metered"), 200)
+    limited = call("POST", COMPLETIONS, body, "doc-key-metered")
+    conforms(COMPLETIONS, "post", limited, 429)
+    assert limited.headers["x-ratelimit-remaining-requests"] == "0"
+    tenant_app.wait_idle()
+
+
+@pytest.fixture(scope="module")
+def full():
+    """One slot and one queue place, long sequences: two requests fill it."""
+    with running_server("--max-slots", "1", "--max-queued", "1", "--max-seq-len", "2048", "--workers", "1",
+                        "--threads", "8") as server:
+        yield server
+
+
+def test_unavailable_conforms(full):
+    """503 with Retry-After when every slot and queue place is taken."""
+    import http.client
+
+    held = []
+    try:
+        for _ in range(2):  # a stream holds its mailbox until it ends or its client leaves
+            conn = http.client.HTTPConnection("127.0.0.1", full.port, timeout=60)
+            conn.request("POST", COMPLETIONS, json.dumps({"prompt": "Once", "max_tokens": 2000, "ignore_eos": True,
+                                                          "stream": True}), {"Content-Type": "application/json"})
+            assert conn.getresponse().status == 200
+            held.append(conn)
+        end = time.monotonic() + 60
+        while full.engine.mailboxes_in_use() < 2:
+            assert time.monotonic() < end, "the two streams were not both admitted"
+            time.sleep(0.01)
+        for path, body in ((CHAT, {"messages": [{"role": "user", "content": "Hi"}]}), (COMPLETIONS, {}),
+                           ("/infer", {"payload": "Hi"})):
+            reply = post(full, path, body)
+            conforms(path, "post", reply, 503)
+            assert reply.json()["error"]["code"] == "server_overloaded"
+    finally:
+        for conn in held:
+            conn.close()  # the client left: its sequence is cancelled
+    full.wait_idle(60)
+
+
+# -- 5. schemathesis against a real server ----------------------------------------------------------------
+@pytest.fixture(scope="module")
+def doc_server():
+    """Short sequences and little capacity, so generated requests stay cheap."""
+    with running_server("--max-slots", "4", "--max-queued", "4", "--max-seq-len", "128", "--workers", "2",
+                        "--threads", "8") as server:
+        yield server
+
+
+def _pinned_document() -> dict:
+    """The document, with ``model`` pinned to the served name (any other is a documented 404, but
+    then little else would be generated). It is the document the server serves (test 1):
+    ``schemathesis.pytest.from_fixture``, which could load it from the server, fails under pytest 9."""
+    doc = copy.deepcopy(DOC)
+    for name in ("CreateChatCompletionRequest", "CreateCompletionRequest"):
+        doc["components"]["schemas"][name]["properties"]["model"] = {"enum": [MODEL, None]}
+    return doc
+
+
+def _cheap_document(stream: bool) -> dict:
+    """A narrower document for positive cases: each generating route's token limit required and
+    at most 8 (generation stays short), and ``stream`` fixed (schemathesis' coverage phase, left
+    to choose, streams nearly always or nearly never). The document's if/then conditions
+    (``stream_options`` and ``top_logprobs`` need ``stream``, ``logprobs``) are written as
+    ``dependentSchemas`` or left out with their field: that phase generates no case for a body
+    with if/then."""
+    doc = _pinned_document()
+    schemas = doc["components"]["schemas"]
+    for name, limits in (("CreateChatCompletionRequest", ("max_tokens", "max_completion_tokens")),
+                         ("CreateCompletionRequest", ("max_tokens",)), ("InferRequest", ("max_new_tokens",))):
+        schema, props = schemas[name], schemas[name]["properties"]
+        for field in limits:
+            props[field] = {"type": "integer", "minimum": props[field]["minimum"], "maximum": 8}
+        schema["required"] = [*schema.get("required", []), limits[0]]
+        if "stream" not in props:
+            continue
+        schema.pop("allOf")
+        props["stream"] = {"const": stream}
+        schema["required"].append("stream")
+        if stream:
+            props["stream_options"] = props["stream_options"]["anyOf"][0]
+        else:
+            del props["stream_options"]
+        if "top_logprobs" in props:
+            props["top_logprobs"] = {**props["top_logprobs"], "type": "integer"}
+            schema["dependentSchemas"] = {"top_logprobs": {"properties": {"logprobs": {"const": True}},
+                                                           "required": ["logprobs"]}}
+    return doc
+
+
+def _schema(doc: dict, mode: schemathesis.GenerationMode):
+    schema = schemathesis.openapi.from_dict(doc)
+    schema.config.generation.update(modes=[mode], max_examples=40)
+    return schema
+
+
+# Positive: requests the document allows, generating little, streamed and not. Negative: requests
+# it forbids, from the document as it is (so a forbidden value the server takes anyway is a failure).
+POSITIVE = _schema(_cheap_document(stream=False), schemathesis.GenerationMode.POSITIVE)
+STREAMING = _schema(_cheap_document(stream=True), schemathesis.GenerationMode.POSITIVE).include(
+    path=[CHAT, COMPLETIONS])
+NEGATIVE = _schema(_pinned_document(), schemathesis.GenerationMode.NEGATIVE).include(method="POST")
+CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_headers_conformance,
+          response_schema_conformance, negative_data_rejection]
+SETTINGS = hypothesis.settings(deadline=None, suppress_health_check=list(hypothesis.HealthCheck))
+
+
+@POSITIVE.parametrize()
+@SETTINGS
+def test_schemathesis_positive(case, doc_server):
+    case.call_and_validate(base_url=doc_server.url, timeout=60, checks=CHECKS)
+
+
+@STREAMING.parametrize()
+@SETTINGS
+def test_schemathesis_streaming(case, doc_server):
+    case.call_and_validate(base_url=doc_server.url, timeout=60, checks=CHECKS)
+
+
+@NEGATIVE.parametrize()
+@SETTINGS
+def test_schemathesis_negative(case, doc_server):
+    case.call_and_validate(base_url=doc_server.url, timeout=60, checks=CHECKS)
