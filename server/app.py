@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import falcon
 
+from engine.client import EngineClient
+from engine.errors import Saturated
 from server import errors
 from server.auth import Authenticate
 from server.completions import ChatCompletions, Completions
@@ -55,6 +57,21 @@ class Observe:
         resp.stream = ClosingStream(resp.stream, finish)
 
 
+class Admission:
+    """Falcon middleware: a POST to a generation route while every mailbox is leased gets its 503
+    (``Saturated``, ``Retry-After``) before its body is read, parsed or tokenized. Under
+    overload most requests are refused, and refusing must stay cheap so that the refusals come
+    at once and leave the CPUs to the requests being served. The engine client's own check at
+    submission remains the one that decides."""
+
+    def __init__(self, engine: EngineClient):
+        self.engine = engine
+
+    def process_resource(self, req: falcon.Request, resp: falcon.Response, resource, params) -> None:
+        if getattr(resource, "observed", False) and req.method == "POST" and self.engine.saturated():
+            raise Saturated(retry_after=1)
+
+
 class ClosingStream:
     """A WSGI response body that calls ``on_close`` after the body's own ``close`` (which the
     server calls when the body is sent or the client left; PEP 3333)."""
@@ -100,7 +117,7 @@ def create_app(config: ServerConfig, generator: Generator, tenants: TenantRegist
     """
     tenants = tenants or TenantRegistry(Tenants([]))
     telemetry = telemetry or Telemetry(config.metrics, config.log_prompts)
-    middleware = [Observe(telemetry), Authenticate(tenants)]
+    middleware = [Observe(telemetry), Authenticate(tenants), Admission(generator.engine)]
     if config.metrics_port:
         middleware.insert(0, MetricsPort(config.metrics_port))
     if config.cors_origins:
