@@ -7,7 +7,6 @@ message texts without, and the ids are concatenated in order.
 """
 from __future__ import annotations
 
-import re
 import secrets
 
 from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -65,7 +64,13 @@ class ChatTemplate:
                   for i, m in enumerate(messages)]
         rendered = self.template.render(messages=marked, add_generation_prompt=add_generation_prompt,
                                         bos_token="", eos_token="")
-        parts = re.split(f"\x00{tag}:(\\d+)\x00", rendered)
+        # [text, index, text, index, ..., text], what re.split with a capturing group gives,
+        # without compiling (and caching) a pattern per request.
+        chunks = rendered.split(f"\x00{tag}:")
+        parts = [chunks[0]]
+        for chunk in chunks[1:]:
+            index, _, text = chunk.partition("\x00")
+            parts += [index, text]
         if continue_final_message:
             parts = parts[:-1]  # the template text after the final message's text
         ids: list[int] = []
