@@ -392,19 +392,27 @@ CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance,
 SETTINGS = hypothesis.settings(deadline=None, suppress_health_check=list(hypothesis.HealthCheck))
 
 
+def _call(case, server) -> None:
+    """One example on an idle server: a stream's mailboxes are freed just after its client read
+    ``[DONE]``, and an example with ``n`` up to the server's capacity would otherwise meet a
+    (correct, documented) 503 ``server_overloaded``, which ``not_a_server_error`` counts."""
+    server.wait_idle(60)
+    case.call_and_validate(base_url=server.url, timeout=60, checks=CHECKS)
+
+
 @POSITIVE.parametrize()
 @SETTINGS
 def test_schemathesis_positive(case, doc_server):
-    case.call_and_validate(base_url=doc_server.url, timeout=60, checks=CHECKS)
+    _call(case, doc_server)
 
 
 @STREAMING.parametrize()
 @SETTINGS
 def test_schemathesis_streaming(case, doc_server):
-    case.call_and_validate(base_url=doc_server.url, timeout=60, checks=CHECKS)
+    _call(case, doc_server)
 
 
 @NEGATIVE.parametrize()
 @SETTINGS
 def test_schemathesis_negative(case, doc_server):
-    case.call_and_validate(base_url=doc_server.url, timeout=60, checks=CHECKS)
+    _call(case, doc_server)
