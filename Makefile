@@ -34,6 +34,9 @@ bench: install
 	$(PY) -m bench.prefix --json bench/results/prefix.json
 	$(PY) -m bench.grpc --json bench/results/grpc.json
 	$(PY) -m bench.metrics --json bench/results/metrics.json
+	$(PY) -m bench.overload --ramp 1 --json bench/results/overload.json
+	$(PY) -m bench.slowloris --json bench/results/slowloris.json
+	$(PY) -m bench.discard --json bench/results/discard.json
 	$(PY) -m pytest bench --benchmark-enable --benchmark-json bench/results/delivery.json -s
 
 clean:
