@@ -37,6 +37,17 @@ def limit(batch: int, prompt: int, gen: int, threads: int = 0) -> dict:
         return json.load(open(f.name))
 
 
+def limit_mix(batch: int, requests: list[tuple[list[int], int]], threads: int = 0) -> dict:
+    """Run ``python -m bench.limit --mix`` over ``requests`` (prompt token ids, tokens to
+    generate) in a child process and return its JSON."""
+    with tempfile.NamedTemporaryFile("w", suffix=".json") as mix, tempfile.NamedTemporaryFile(suffix=".json") as f:
+        json.dump(requests, mix)
+        mix.flush()
+        subprocess.run([sys.executable, "-m", "bench.limit", "--batch", str(batch), "--mix", mix.name,
+                        "--engine-threads", str(threads), "--json", f.name], check=True, stdout=subprocess.DEVNULL)
+        return json.load(open(f.name))
+
+
 def parser(prog: str, doc: str, batch_flag: str):
     """Flags every comparison benchmark takes: B (named ``batch_flag``), P, G, threads, JSON."""
     import argparse

@@ -126,14 +126,17 @@ def summarize(samples: list[Sample], wall_s: float, busy_s: float | None = None)
             "whole_run": {"req_per_s": len(ok) / wall_s, "gen_tok_per_s": sum(s.tokens for s in ok) / wall_s}}
 
 
-def ratios(policies: dict, limit_tok_per_s: float) -> dict:
+def ratios(policies: dict, limit_tok_per_s: float, shape_tok_per_s: float | None = None) -> dict:
     """Requests/s of each policy ÷ ``fifo``'s, ``continuous`` ÷ ``static`` (requests/s and p50
-    latency), and each policy's generated tokens/s ÷ the limit."""
+    latency), each policy's generated tokens/s ÷ the limit (the replayed mix), and
+    ``continuous``'s ÷ the mean-shape ceiling when given."""
     fifo = policies["fifo"]["req_per_s"]
     out = {f"{name}/fifo_req_per_s": p["req_per_s"] / fifo for name, p in policies.items()}
     out["continuous/static_req_per_s"] = policies["continuous"]["req_per_s"] / policies["static"]["req_per_s"]
     out["continuous/static_lat_p50"] = policies["continuous"]["lat_p50_ms"] / policies["static"]["lat_p50_ms"]
     out.update({f"{name}/limit_gen_tok_per_s": p["gen_tok_per_s"] / limit_tok_per_s for name, p in policies.items()})
+    if shape_tok_per_s:
+        out["continuous/limit_mean_shape_gen_tok_per_s"] = policies["continuous"]["gen_tok_per_s"] / shape_tok_per_s
     return out
 
 
@@ -259,7 +262,9 @@ def peer(binary: str, requests: list[Request], a, max_seq_len: int, threads: int
 
 
 def table(result: dict) -> str:
-    rows = [("limit (bare llama_decode, B=%d)" % result["concurrency"], None, result["limit"]["gen_tok_per_s"])]
+    b = result["concurrency"]
+    rows = [(f"limit: this mix replayed, bare llama_decode, B={b}", None, result["limit"]["gen_tok_per_s"]),
+            (f"limit: mean shape, B={b}", None, result["limit"]["mean_shape"]["gen_tok_per_s"])]
     lines = ["| server | driver | req/s | gen tok/s | latency p50 / p99 ms | TTFT p50 / p99 ms | errors |",
              "|---|---|---|---|---|---|---|"]
     entries = [(name, p) for name, p in result["policies"].items()]
@@ -281,7 +286,7 @@ def table(result: dict) -> str:
 
 
 def main(argv=None) -> int:
-    from bench.common import limit, save
+    from bench.common import limit, limit_mix, save
     from engine.config import default_model_path, default_threads
     from server.tokenizer import Tokenizer
     from tests.conftest import running_server
@@ -303,16 +308,20 @@ def main(argv=None) -> int:
     requests = workload(a.requests, a.seed)
     max_seq_len = 1024
     tokenizer = Tokenizer(default_model_path())
-    mean_prompt = round(sum(len(tokenizer.encode(r.prompt, add_bos=True)) for r in requests) / len(requests))
+    prompts = [tokenizer.encode(r.prompt, add_bos=True) for r in requests]
+    mean_prompt = round(sum(map(len, prompts)) / len(requests))
+    mean_gen = round(sum(r.max_tokens for r in requests) / len(requests))
     result = {"machine": machine(threads), "concurrency": a.concurrency, "slots": a.slots,
               "workload": {"requests": a.requests, "seed": a.seed,
                            "max_tokens": [r.max_tokens for r in requests],
                            "prompt_words": [len(r.prompt.split()) for r in requests]},
               "limit": {}, "policies": {}}
-    mean_gen = round(sum(r.max_tokens for r in requests) / len(requests))
-    ceiling = limit(a.concurrency, mean_prompt, mean_gen, a.engine_threads)
-    result["limit"] = {"gen_tok_per_s": ceiling["tokens_per_s"], "batch": a.concurrency,
-                       "prompt_tokens": mean_prompt, "gen_tokens": mean_gen}
+    mix = limit_mix(a.concurrency, [(p, r.max_tokens) for p, r in zip(prompts, requests)], a.engine_threads)
+    shape = limit(a.concurrency, mean_prompt, mean_gen, a.engine_threads)
+    result["limit"] = {"gen_tok_per_s": mix["tokens_per_s"], "batch": a.concurrency, "weights": mix["weights"],
+                       "whole_run_gen_tok_per_s": mix["whole_run_tokens_per_s"],
+                       "mean_shape": {"gen_tok_per_s": shape["tokens_per_s"], "prompt_tokens": mean_prompt,
+                                      "gen_tokens": mean_gen}}
     for policy in a.policies.split(","):
         flags = ["--policy", policy, "--max-slots", str(a.slots), "--max-seq-len", str(max_seq_len),
                  "--threads", str(a.concurrency + 4), "--engine-threads", str(a.engine_threads)]
@@ -328,7 +337,8 @@ def main(argv=None) -> int:
     if os.environ.get("LLAMA_SERVER"):
         result["peer"] = peer(os.environ["LLAMA_SERVER"], requests, a, max_seq_len, threads)
     if set(POLICIES) <= set(result["policies"]):
-        result["ratios"] = ratios(result["policies"], result["limit"]["gen_tok_per_s"])
+        result["ratios"] = ratios(result["policies"], result["limit"]["gen_tok_per_s"],
+                                  result["limit"]["mean_shape"]["gen_tok_per_s"])
     else:
         result["ratios"] = {}
     print(table(result))

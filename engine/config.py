@@ -9,6 +9,9 @@ from engine.request import record_bytes
 from shm.layout import Layout
 
 POLICIES = ("continuous", "static", "fifo")
+#: Weight formats (engine/weights.py): ``auto`` converts only files llama.cpp cannot multiply in
+#: batches, ``file`` never converts, the others always convert to themselves.
+WEIGHTS = ("auto", "file", "q8_0", "bf16", "f16")
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
@@ -66,6 +69,8 @@ class EngineConfig:
             :attr:`cache_streams` for the KV memory it takes.
         metrics: record the step metrics of :mod:`engine.metrics`.
         step_log: file the engine appends its step records to (:mod:`engine.steplog`); "" none.
+        weights: the weight format computed with, one of :data:`engine.weights.WEIGHTS`
+            (``auto``: Q4_1 and Q5_1 files are converted to Q8_0 once; see that module).
     """
 
     model_path: str = field(default_factory=default_model_path)
@@ -79,6 +84,7 @@ class EngineConfig:
     prefix_cache_tokens: int = 16384
     metrics: bool = False
     step_log: str = ""
+    weights: str = "auto"
 
     def __post_init__(self):
         if self.policy not in POLICIES:
@@ -89,6 +95,8 @@ class EngineConfig:
                 raise ConfigError(f"{name} must be >= {low}, got {getattr(self, name)}")
         if self.max_slots > 256:
             raise ConfigError(f"max_slots must be <= 256 (llama.cpp's LLAMA_MAX_SEQ), got {self.max_slots}")
+        if self.weights not in WEIGHTS:
+            raise ConfigError(f"weights must be one of {', '.join(WEIGHTS)}, got {self.weights!r}")
         if self.aging_s <= 0:
             raise ConfigError(f"aging_s must be > 0, got {self.aging_s}")
 

@@ -27,7 +27,7 @@ class InprocEngine:
         self.transport = Transport.create(config.layout())
         try:
             self.model = Model(config.model_path, config.max_slots, config.max_seq_len, config.n_batch,
-                               config.threads, config.cache_streams)
+                               config.threads, config.cache_streams, config.weights)
         except BaseException:
             self.transport.close()
             raise

@@ -8,6 +8,7 @@ import numpy as np
 
 from engine.batch import Batch
 from engine.config import check_model_file
+from engine.weights import weights_path
 
 
 class DecodeError(RuntimeError):
@@ -46,12 +47,15 @@ class Model:
     The KV cache is allocated once here: ``n_ctx = n_seq_max * max_seq_len``; with a non-unified
     cache every sequence (slot id = ``seq_id``) owns a stream of ``max_seq_len`` cells. Streams
     ``0 .. max_slots - 1`` hold running sequences, the ``cache_streams`` after them the prefix
-    cache (:mod:`engine.prefix_cache`).
+    cache (:mod:`engine.prefix_cache`). ``weights``: the format computed with
+    (:mod:`engine.weights`).
     """
 
     def __init__(self, path: str, max_slots: int, max_seq_len: int, n_batch: int, n_threads: int,
-                 cache_streams: int = 0):
-        self.model = load_model(path)
+                 cache_streams: int = 0, weights: str = "auto"):
+        check_model_file(path)
+        self.path = weights_path(path, weights)  # the file, or a copy llama.cpp multiplies in batches
+        self.model = load_model(self.path)
         self.vocab = llama_cpp.llama_model_get_vocab(self.model)
         self.n_vocab = llama_cpp.llama_vocab_n_tokens(self.vocab)
         params = llama_cpp.llama_context_default_params()

@@ -15,7 +15,7 @@ from dataclasses import MISSING, dataclass, field, fields
 from typing import NamedTuple
 from urllib.parse import urlparse
 
-from engine.config import POLICIES, ConfigError, EngineConfig, check_model_file, default_model_path
+from engine.config import POLICIES, WEIGHTS, ConfigError, EngineConfig, check_model_file, default_model_path
 
 _ENGINE = {f.name: f.default for f in fields(EngineConfig)}
 
@@ -55,6 +55,10 @@ class ServerConfig:
                                        "most tokens the prefix cache keeps, all tenants together, least "
                                        "recently used out first (0 or --no-prefix-cache: off)",
                                        engine="prefix_cache_tokens")
+    weights: str = _option("--weights", "WEIGHTS",
+                           "weight format computed with: " + " | ".join(WEIGHTS) + " (auto: a Q4_1 or Q5_1 file is "
+                           "converted to Q8_0 once, which llama.cpp multiplies in batches; file: as stored)",
+                           engine="weights")
     workers: int = _option("--workers", "WORKERS", "gunicorn worker processes", 2)
     threads: int = _option("--threads", "THREADS",
                            "threads per gunicorn worker: requests it handles at once (0: one per slot and queue "
@@ -149,7 +153,7 @@ class ServerConfig:
                             max_seq_len=self.max_seq_len, max_queued=self.max_queued,
                             n_batch=self.n_batch, n_threads=self.engine_threads, policy=self.policy,
                             prefix_cache_tokens=self.prefix_cache_tokens, metrics=self.metrics,
-                            step_log=self.step_log)
+                            step_log=self.step_log, weights=self.weights)
 
     def check_model(self) -> None:
         """Raise ConfigError (one line) unless the model file is a readable GGUF."""

@@ -253,13 +253,18 @@ class AppServer:
 
 @pytest.fixture(scope="session")
 def app(model_path, tokenizer, chat):
-    """The shared server's configuration (4 slots x 512 tokens, 64 KiB bodies), in-process."""
+    """The shared server's configuration (4 slots x 512 tokens, 64 KiB bodies), in-process.
+
+    It computes with the model file's own Q4_1 weights (``--weights file``): the exact greedy
+    replies that tests/test_http_contract.py pins (multibyte text, an emoji first, stop strings
+    inside a token) were found with them. The default format (Q8_0, engine/weights.py) gives
+    other replies; every real-server fixture runs it."""
     from engine.inproc import InprocEngine
     from server.config import ServerConfig
     from server.generation import Generator
 
     config = ServerConfig(model_path=model_path, max_slots=4, max_seq_len=512, max_queued=16,
-                          max_body_bytes=65536)
+                          max_body_bytes=65536, weights="file")
     with InprocEngine(config.engine_config()) as engine:
         yield AppServer(config, Generator(engine.client, tokenizer, chat))
     assert not os.path.exists(f"/dev/shm/{engine.transport.name}"), "segment not unlinked"

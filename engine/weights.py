@@ -1,0 +1,118 @@
+"""The weight format the engine computes with: the GGUF file's own, or a copy converted once,
+at start-up, to a format llama.cpp's CPU backend multiplies in batches.
+
+Why convert: llama.cpp has no batched (GEMM) CPU kernel for Q4_1 or Q5_1 weights. Neither
+llamafile's tinyBLAS (``ggml-cpu/llamafile/sgemm.cpp``: F32, F16, BF16, Q8_0, Q4_0, Q5_0,
+IQ4_NL) nor a repacked layout (``ggml-cpu/repack.cpp``: Q4_0, Q4_K, Q2_K, IQ4_NL, ...) covers
+them, so every matrix product runs one dot product at a time, and decoding 16 sequences
+together gains little over one. The bundled SmolLM2-135M is Q4_1. Converted to Q8_0 (one
+8-bit step is 1/17 of a Q4_1 step, so the weights barely move), the same model decodes 16
+sequences 1.6 times as fast and one sequence faster too (bench/README.md, "Weights").
+
+The outputs are not bit-identical to the Q4_1 file's: llama.cpp rounds activations to 8 bits
+for Q4_1 products and not for the converted weights. Against the Q4_1 file, on 1,000 tokens of
+text, the converted model's perplexity is the same (23.50 against 23.57) and its most likely
+next token agrees 96 % of the time; an F16 copy, exact to 2^-12, agrees just as often, so the
+difference is the rounding of the file's own products, not the conversion.
+
+``auto`` (the default) converts only Q4_1 and Q5_1 files, to Q8_0; ``file`` never converts;
+``q8_0``, ``bf16`` and ``f16`` convert any file. The copy is written once per source file
+(path, size and modification time) under :func:`cache_dir`, atomically, so engines starting
+together never load a half-written file.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import tempfile
+
+import llama_cpp
+
+from engine.config import WEIGHTS
+
+log = logging.getLogger("engine.weights")
+
+#: llama.cpp file types (``general.file_type``, ``enum llama_ftype`` in llama.h) with no batched
+#: CPU kernel, which ``auto`` converts to Q8_0.
+UNBATCHED_FILE_TYPES = {llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_1: "Q4_1", llama_cpp.LLAMA_FTYPE_MOSTLY_Q5_1: "Q5_1"}
+_TARGETS = {"q8_0": llama_cpp.LLAMA_FTYPE_MOSTLY_Q8_0, "bf16": llama_cpp.LLAMA_FTYPE_MOSTLY_BF16,
+            "f16": llama_cpp.LLAMA_FTYPE_MOSTLY_F16}
+
+
+def cache_dir() -> str:
+    """Folder of converted weights: ``$XDG_CACHE_HOME`` (default ``~/.cache``) ``/inference-server``,
+    or the temporary folder when that cannot be created (a read-only home in a container)."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    folder = os.path.join(base, "inference-server")
+    try:
+        os.makedirs(folder, exist_ok=True)
+        if os.access(folder, os.W_OK):
+            return folder
+    except OSError:
+        pass
+    return tempfile.gettempdir()
+
+
+def file_type(path: str) -> int:
+    """The GGUF's ``general.file_type`` (a ``llama_ftype``); -1 when the file does not say."""
+    from engine.model import load_model  # engine.model imports this module
+
+    model = load_model(path, vocab_only=True)
+    try:
+        buf = ctypes.create_string_buffer(32)
+        n = llama_cpp.llama_model_meta_val_str(model, b"general.file_type", buf, len(buf))
+        return int(buf.value) if n > 0 and buf.value.isdigit() else -1
+    finally:
+        llama_cpp.llama_model_free(model)
+
+
+def target(path: str, weights: str) -> str | None:
+    """The format ``weights`` asks for this file (a key of the conversions), or None to load
+    the file as it is.
+
+    Raises:
+        ValueError: ``weights`` is not one of :data:`WEIGHTS`.
+    """
+    if weights not in WEIGHTS:
+        raise ValueError(f"weights must be one of {', '.join(WEIGHTS)}, got {weights!r}")
+    if weights == "file":
+        return None
+    if weights == "auto":
+        return "q8_0" if file_type(path) in UNBATCHED_FILE_TYPES else None
+    return weights
+
+
+def weights_path(path: str, weights: str = "auto", folder: str | None = None) -> str:
+    """The GGUF the engine loads for model ``path``: ``path`` itself, or its converted copy
+    (made now if the cache has none).
+
+    Raises:
+        ValueError: unknown ``weights``. RuntimeError: llama.cpp could not convert the file.
+    """
+    fmt = target(path, weights)
+    if fmt is None:
+        return path
+    st = os.stat(path)
+    key = hashlib.sha256(f"{os.path.realpath(path)}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:16]
+    folder = folder or cache_dir()
+    out = os.path.join(folder, f"{os.path.basename(path).removesuffix('.gguf')}.{key}.{fmt}.gguf")
+    if os.path.exists(out):
+        return out
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".converting-", suffix=".gguf")
+    os.close(fd)
+    try:
+        params = llama_cpp.llama_model_quantize_default_params()
+        params.ftype = _TARGETS[fmt]
+        params.allow_requantize = True
+        params.nthread = len(os.sched_getaffinity(0))
+        log.info("converting %s to %s once: %s", path, fmt.upper(), out)
+        if llama_cpp.llama_model_quantize(path.encode(), tmp.encode(), ctypes.byref(params)) != 0:
+            raise RuntimeError(f"llama.cpp could not convert {path} to {fmt}")
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, out)  # atomic: a concurrent start sees no file or the whole file
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return out

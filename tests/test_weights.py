@@ -1,0 +1,45 @@
+"""The weight format the engine computes with (engine/weights.py): converted once, cached,
+atomically; files llama.cpp already multiplies in batches are left alone."""
+from __future__ import annotations
+
+import os
+
+import llama_cpp
+import pytest
+
+from engine.config import ConfigError, EngineConfig, default_model_path
+from engine.weights import file_type, target, weights_path
+from server.config import ServerConfig
+
+
+def test_auto_converts_the_bundled_q4_1_to_q8_0_once(tmp_path):
+    source = default_model_path()
+    assert file_type(source) == llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_1
+    out = weights_path(source, "auto", str(tmp_path))
+    assert out != source and os.path.dirname(out) == str(tmp_path)
+    assert file_type(out) == llama_cpp.LLAMA_FTYPE_MOSTLY_Q8_0
+    stamp = os.stat(out).st_mtime_ns
+    assert weights_path(source, "auto", str(tmp_path)) == out and os.stat(out).st_mtime_ns == stamp  # cached
+    assert [p.name for p in tmp_path.iterdir()] == [os.path.basename(out)]  # no temporary file left
+    # A Q8_0 file has batched kernels already: auto leaves it as it is; an explicit format converts.
+    assert target(out, "auto") is None and weights_path(out, "auto", str(tmp_path)) == out
+    assert weights_path(source, "file", str(tmp_path)) == source
+
+
+def test_a_changed_source_file_gets_a_new_copy(tmp_path):
+    source = tmp_path / "model.gguf"
+    source.write_bytes(open(default_model_path(), "rb").read())
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    first = weights_path(str(source), "q8_0", str(cache))
+    os.utime(source, ns=(1, 1))  # the file was replaced: its modification time moved
+    second = weights_path(str(source), "q8_0", str(cache))
+    assert first != second and os.path.exists(second)
+
+
+def test_unknown_format_is_refused_at_start_up():
+    with pytest.raises(ValueError, match="weights must be one of"):
+        target(default_model_path(), "q4_1")
+    with pytest.raises(ConfigError, match="weights must be one of auto, file, q8_0, bf16, f16, got 'int4'"):
+        EngineConfig(weights="int4")
+    assert ServerConfig(weights="bf16").engine_config().weights == "bf16"
