@@ -28,23 +28,25 @@ def engine(config: EngineConfig):
         supervisor.stop()
 
 
-def limit(batch: int, prompt: int, gen: int, threads: int = 0) -> dict:
+def limit(batch: int, prompt: int, gen: int, threads: int = 0, weights: str = "auto") -> dict:
     """Run ``python -m bench.limit`` in a child process (its own llama.cpp) and return its JSON."""
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         subprocess.run([sys.executable, "-m", "bench.limit", "--batch", str(batch), "--prompt-tokens",
-                        str(prompt), "--gen-tokens", str(gen), "--engine-threads", str(threads), "--json", f.name],
+                        str(prompt), "--gen-tokens", str(gen), "--engine-threads", str(threads), "--weights", weights,
+                        "--json", f.name],
                        check=True, stdout=subprocess.DEVNULL)
         return json.load(open(f.name))
 
 
-def limit_mix(batch: int, requests: list[tuple[list[int], int]], threads: int = 0) -> dict:
+def limit_mix(batch: int, requests: list[tuple[list[int], int]], threads: int = 0, weights: str = "auto") -> dict:
     """Run ``python -m bench.limit --mix`` over ``requests`` (prompt token ids, tokens to
     generate) in a child process and return its JSON."""
     with tempfile.NamedTemporaryFile("w", suffix=".json") as mix, tempfile.NamedTemporaryFile(suffix=".json") as f:
         json.dump(requests, mix)
         mix.flush()
         subprocess.run([sys.executable, "-m", "bench.limit", "--batch", str(batch), "--mix", mix.name,
-                        "--engine-threads", str(threads), "--json", f.name], check=True, stdout=subprocess.DEVNULL)
+                        "--engine-threads", str(threads), "--weights", weights, "--json", f.name],
+                       check=True, stdout=subprocess.DEVNULL)
         return json.load(open(f.name))
 
 

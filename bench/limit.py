@@ -17,6 +17,7 @@ server could make of this exact work at batch B (:func:`measure_mix`).
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 
@@ -51,8 +52,10 @@ def measure(model_path: str, batch: int, prompt: int, gen: int, threads: int, we
             last = [_greedy(model.logits(r), eog) for r in rows]
         t2 = time.perf_counter()
     finally:
+        path = model.path
         model.close()
     return {"batch": batch, "prompt_tokens": prompt, "gen_tokens": gen, "threads": threads, "weights": weights,
+            "weights_file": os.path.basename(path),
             "seconds": t2 - t0, "prefill_seconds": t1 - t0,
             "tokens_per_s": batch * gen / (t2 - t0),
             "decode_tokens_per_s": batch * (gen - 1) / (t2 - t1) if gen > 1 else 0.0}
@@ -70,7 +73,8 @@ def measure_mix(model_path: str, batch: int, requests: list[tuple[list[int], int
 
     longest = max(len(p) + g for p, g in requests)
     n_batch = max(512, sum(sorted(len(p) for p, _ in requests)[-batch:]))
-    model = Model(model_path, batch, max(256, longest + 1), n_batch, threads, weights=weights)
+    cells = -(-(longest + 1) // 256) * 256  # llama.cpp rounds n_ctx to 256 cells
+    model = Model(model_path, batch, cells, n_batch, threads, weights=weights)
     eog = np.array(sorted(model.eog), dtype=np.int64)
     b = Batch(n_batch)
     queue = list(reversed(requests))
@@ -113,10 +117,11 @@ def measure_mix(model_path: str, batch: int, requests: list[tuple[list[int], int
                     sampled(s, row)
         total_s = time.perf_counter() - t0
     finally:
+        path = model.path
         model.close()
     return {"batch": batch, "requests": len(requests), "threads": threads, "weights": weights,
-            "busy_s": busy_s, "seconds": total_s, "tokens_per_s": busy_tokens / busy_s if busy_s else 0.0,
-            "whole_run_tokens_per_s": generated / total_s}
+            "weights_file": os.path.basename(path), "generated": generated, "busy_s": busy_s, "seconds": total_s,
+            "tokens_per_s": busy_tokens / busy_s if busy_s else 0.0, "whole_run_tokens_per_s": generated / total_s}
 
 
 def _greedy(logits, eog) -> int:

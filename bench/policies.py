@@ -11,18 +11,25 @@ model, slots and threads, and the same request list is driven against it twice:
 * ``wrk`` with ``bench/wrk_mix.lua`` (non-streamed, the list in a loop for ``--wrk-seconds``),
   when ``wrk`` is installed.
 
-The ceiling is ``bench.limit`` at B = ``--concurrency`` (the bare ``llama_decode`` loop over B
-sequences with the workload's mean prompt and mean response length: the same work per request,
-without the mix). With ``LLAMA_SERVER=/path/to/
-llama-server`` set, the same workload also runs against llama.cpp's own server (``-np`` = slots,
-same context per slot and threads, its defaults otherwise; building it: ``bench/README.md``).
+Two ceilings, both ``bench.limit`` at B = ``--concurrency`` with the servers' weights and
+threads: the limit the ratios use replays this very request list over B lanes in a bare
+``llama_decode`` loop (``--mix``: a finished lane takes the next request at once, new prompts
+are prefilled whole, every lane decodes each step; tokens/s while every lane is busy, as the
+driver counts), so it pays the same long contexts and uneven lengths as the servers; the
+"mean shape" one decodes B identical sequences of the workload's mean prompt and response
+length (the same tokens per request without the mix), and is reported beside it. With
+``LLAMA_SERVER=/path/to/llama-server`` set, the same workload also runs against llama.cpp's own
+server (``-np`` = slots, same context per slot and threads, its defaults otherwise; building it:
+``bench/README.md``).
 
 Workload (:func:`workload`, fixed ``--seed``): 70 % short prompts (about 16 words), 30 % long
 ones (about 150 words), and ``max_tokens`` drawn from a log-normal (median 48, sigma 1, so a
 heavy tail) clipped to 4..400, with ``ignore_eos`` so every policy generates exactly the same
 tokens. Per policy: requests/s and generated tokens/s sustained while every connection is busy
 (:func:`summarize`; whole-run rates too), p50/p99 latency and time to first token (ms), errors;
-then each policy ÷ ``fifo``, ``continuous`` ÷ ``static`` and tokens/s ÷ the limit.
+then each policy ÷ ``fifo``, ``continuous`` ÷ ``static`` and tokens/s ÷ the limit (and
+``continuous`` ÷ the mean-shape ceiling). ``--weights`` sets the weight format of the servers and
+the ceilings alike (the server's ``--weights``; default ``auto``).
 """
 from __future__ import annotations
 
@@ -217,14 +224,16 @@ def run_wrk(port: int, requests: list[Request], concurrency: int, seconds: int) 
             "errors": int(float(fields["errors"])), "requests": int(float(fields["requests"])), "seconds": duration}
 
 
-def machine(threads: int) -> dict:
+def machine(threads: int, weights_file: str = "") -> dict:
     cpu = platform.processor()
     try:
         with open("/proc/cpuinfo") as f:
             cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
     except (OSError, StopIteration):
         pass
-    return {"cpu": cpu, "cores": len(os.sched_getaffinity(0)), "model": "SmolLM2-135M-Instruct Q4_1 (bundled)",
+    fmt = weights_file.rsplit(".", 2)[-2].upper() if weights_file.count(".") >= 2 else "?"
+    return {"cpu": cpu, "cores": len(os.sched_getaffinity(0)),
+            "model": f"SmolLM2-135M-Instruct (bundled Q4_1 file), computed as {fmt}",
             "threads": threads, "python": platform.python_version()}
 
 
@@ -298,6 +307,7 @@ def main(argv=None) -> int:
     p.add_argument("--requests", type=int, default=None, help="requests per policy (default 96; --quick 32)")
     p.add_argument("--wrk-seconds", type=int, default=None, help="default 30; --quick 10")
     p.add_argument("--engine-threads", type=int, default=0)
+    p.add_argument("--weights", default="auto", help="weight format of the servers and the ceilings (server --weights)")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--policies", default=",".join(POLICIES))
     p.add_argument("--json", default=None)
@@ -311,20 +321,22 @@ def main(argv=None) -> int:
     prompts = [tokenizer.encode(r.prompt, add_bos=True) for r in requests]
     mean_prompt = round(sum(map(len, prompts)) / len(requests))
     mean_gen = round(sum(r.max_tokens for r in requests) / len(requests))
-    result = {"machine": machine(threads), "concurrency": a.concurrency, "slots": a.slots,
+    result = {"machine": {}, "concurrency": a.concurrency, "slots": a.slots,
               "workload": {"requests": a.requests, "seed": a.seed,
                            "max_tokens": [r.max_tokens for r in requests],
                            "prompt_words": [len(r.prompt.split()) for r in requests]},
               "limit": {}, "policies": {}}
-    mix = limit_mix(a.concurrency, [(p, r.max_tokens) for p, r in zip(prompts, requests)], a.engine_threads)
-    shape = limit(a.concurrency, mean_prompt, mean_gen, a.engine_threads)
+    mix = limit_mix(a.concurrency, [(p, r.max_tokens) for p, r in zip(prompts, requests)], a.engine_threads,
+                    a.weights)
+    shape = limit(a.concurrency, mean_prompt, mean_gen, a.engine_threads, a.weights)
+    result["machine"] = machine(threads, mix["weights_file"])
     result["limit"] = {"gen_tok_per_s": mix["tokens_per_s"], "batch": a.concurrency, "weights": mix["weights"],
                        "whole_run_gen_tok_per_s": mix["whole_run_tokens_per_s"],
                        "mean_shape": {"gen_tok_per_s": shape["tokens_per_s"], "prompt_tokens": mean_prompt,
                                       "gen_tokens": mean_gen}}
     for policy in a.policies.split(","):
         flags = ["--policy", policy, "--max-slots", str(a.slots), "--max-seq-len", str(max_seq_len),
-                 "--threads", str(a.concurrency + 4), "--engine-threads", str(a.engine_threads)]
+                 "--threads", str(a.concurrency + 4), "--engine-threads", str(a.engine_threads), "--weights", a.weights]
         with running_server(*flags) as server:
             one_stream(server.port, Request("warm up", 4), time.perf_counter())
             samples, wall, busy = drive(server.port, requests, a.concurrency)

@@ -43,10 +43,21 @@ def test_ratios():
     policies = {"continuous": {"req_per_s": 4.0, "gen_tok_per_s": 170.0, "lat_p50_ms": 500},
                 "static": {"req_per_s": 2.0, "gen_tok_per_s": 100.0, "lat_p50_ms": 1000},
                 "fifo": {"req_per_s": 1.0, "gen_tok_per_s": 60.0, "lat_p50_ms": 200}}
-    r = ratios(policies, limit_tok_per_s=200.0)
+    r = ratios(policies, limit_tok_per_s=200.0, shape_tok_per_s=250.0)
     assert r["continuous/fifo_req_per_s"] == 4.0 and r["static/fifo_req_per_s"] == 2.0
     assert r["continuous/static_req_per_s"] == 2.0 and r["continuous/static_lat_p50"] == 0.5
-    assert r["continuous/limit_gen_tok_per_s"] == 0.85
+    assert r["continuous/limit_gen_tok_per_s"] == 0.85 and r["fifo/limit_gen_tok_per_s"] == 0.3
+    assert r["continuous/limit_mean_shape_gen_tok_per_s"] == 0.68
+
+
+def test_the_replayed_ceiling_generates_exactly_the_lists_tokens():
+    from bench.limit import measure_mix
+    from engine.config import default_model_path
+
+    requests = [([1, 504, 1234], 5), ([1] + [600] * 70, 1), ([1, 42], 9), ([1, 77, 78, 79], 3)]
+    r = measure_mix(default_model_path(), 2, requests, threads=1)
+    assert r["generated"] == 5 + 1 + 9 + 3 and r["requests"] == 4
+    assert 0 < r["busy_s"] <= r["seconds"] and r["tokens_per_s"] > 0
 
 
 @pytest.mark.skipif(os.environ.get("BENCH_IN_CI") != "1", reason="the benchmark runs in CI only with BENCH_IN_CI=1")
