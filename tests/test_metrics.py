@@ -239,6 +239,9 @@ def test_grpc_calls_get_a_request_id(metered):
 def test_killing_a_worker_neither_breaks_the_scrape_nor_double_counts(metered):
     for _ in range(4):  # both workers are likely to have served some
         assert post(metered.url, "/v1/completions", {"prompt": "Hi", "max_tokens": 2}, "key-b")[0] == 200
+    # The engine records a step's batch size after publishing its tokens: a client can have its
+    # answer a moment before. Idle (the slot table published after the last step), it has.
+    metered.wait_idle()
     before = scrape(metered.url)
     workers = metered.worker_pids()
     victim = workers[0]
