@@ -69,7 +69,7 @@ class EngineConfig:
             :attr:`cache_streams` for the KV memory it takes.
         metrics: record the step metrics of :mod:`engine.metrics`.
         step_log: file the engine appends its step records to (:mod:`engine.steplog`); "" none.
-        weights: the weight format computed with, one of :data:`engine.weights.WEIGHTS`
+        weights: the weight format computed with, one of :data:`WEIGHTS`
             (``auto``: Q4_1 and Q5_1 files are converted to Q8_0 once; see that module).
     """
 

@@ -30,7 +30,7 @@ import tempfile
 
 import llama_cpp
 
-from engine.config import WEIGHTS
+from engine.config import WEIGHTS, ConfigError
 
 log = logging.getLogger("engine.weights")
 
@@ -89,7 +89,8 @@ def weights_path(path: str, weights: str = "auto", folder: str | None = None) ->
     (made now if the cache has none).
 
     Raises:
-        ValueError: unknown ``weights``. RuntimeError: llama.cpp could not convert the file.
+        ValueError: unknown ``weights``. ConfigError: the cache folder is not writable.
+        RuntimeError: llama.cpp could not convert the file.
     """
     fmt = target(path, weights)
     if fmt is None:
@@ -100,7 +101,11 @@ def weights_path(path: str, weights: str = "auto", folder: str | None = None) ->
     out = os.path.join(folder, f"{os.path.basename(path).removesuffix('.gguf')}.{key}.{fmt}.gguf")
     if os.path.exists(out):
         return out
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".converting-", suffix=".gguf")
+    try:
+        fd, tmp = tempfile.mkstemp(dir=folder, prefix=".converting-", suffix=".gguf")
+    except OSError as e:
+        raise ConfigError(f"cannot write converted weights to {folder}: {e.strerror}; set XDG_CACHE_HOME to a "
+                          "writable folder, or --weights file") from None
     os.close(fd)
     try:
         params = llama_cpp.llama_model_quantize_default_params()

@@ -37,6 +37,13 @@ def test_a_changed_source_file_gets_a_new_copy(tmp_path):
     assert first != second and os.path.exists(second)
 
 
+def test_an_unwritable_cache_folder_is_one_clear_error(tmp_path):
+    folder = tmp_path / "not-a-folder"
+    folder.write_text("")  # even root cannot create a file inside a file
+    with pytest.raises(ConfigError, match="cannot write converted weights to .*Not a directory.*--weights file"):
+        weights_path(default_model_path(), "q8_0", str(folder))
+
+
 def test_unknown_format_is_refused_at_start_up():
     with pytest.raises(ValueError, match="weights must be one of"):
         target(default_model_path(), "q4_1")
