@@ -49,7 +49,7 @@ class EngineClient:
         return cls(Transport.attach(name))
 
     def ready(self, stall_s: float = STALL_S) -> bool:
-        """True when the engine has loaded the model and stepped within ``stall_s`` seconds."""
+        """True when the engine has loaded the model and made progress within ``stall_s`` seconds."""
         return self.t.control.ready(stall_s)
 
     def draining(self) -> bool:

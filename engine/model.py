@@ -1,7 +1,9 @@
 """The model and its KV cache in llama.cpp (low-level API of llama-cpp-python)."""
 from __future__ import annotations
 
+import functools
 import os
+import signal
 
 import llama_cpp
 import numpy as np
@@ -22,17 +24,63 @@ def _log_errors_only(level, text, user_data):
         os.write(2, text)
 
 
+def _cpu_flags(path: str = "/proc/cpuinfo") -> set[str]:
+    try:
+        with open(path) as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+@functools.cache
+def amx_faults(path: str) -> bool:
+    """Whether this CPU advertises AMX but faults on it, so llama.cpp's AMX kernels (an "extra
+    buffer type" of its CPU backend, used for Q4_0, Q4_1, Q8_0 and K-quants) must not be used.
+
+    Seen on Sapphire Rapids guests of Firecracker VMs: CPUID lists ``amx_int8`` and the kernel
+    grants ``ARCH_REQ_XCOMP_PERM``, yet the first ``tilezero`` is an invalid opcode (SIGILL)
+    inside ``llama_decode``. Nothing short of running a tile instruction tells, so a forked
+    child loads ``path`` with the extra buffer types and decodes a few tokens; its death by
+    SIGILL is the answer. CPUs without the ``amx_int8`` flag skip the probe (no cost on AMD).
+    """
+    if "amx_int8" not in _cpu_flags():
+        return False
+    pid = os.fork()
+    if pid == 0:  # the probe: any failure but the instruction fault counts as "no fault"
+        try:
+            model = _load(path, vocab_only=False, extra_buffers=True)
+            params = llama_cpp.llama_context_default_params()
+            params.n_ctx, params.n_batch, params.n_threads, params.n_threads_batch = 64, 64, 1, 1
+            ctx = llama_cpp.llama_init_from_model(model, params)
+            tokens = (llama_cpp.llama_token * 8)(*range(1, 9))
+            llama_cpp.llama_decode(ctx, llama_cpp.llama_batch_get_one(tokens, 8))
+        finally:
+            os._exit(0)
+    _, status = os.waitpid(pid, 0)
+    return os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGILL
+
+
 def load_model(path: str, vocab_only: bool = False):
-    """Load a GGUF model; returns the ``llama_model *``.
+    """Load a GGUF model; returns the ``llama_model *``. Weights go into llama.cpp's extra CPU
+    buffer types (repacked or AMX layouts) unless :func:`amx_faults` says this CPU faults on
+    them.
 
     Raises:
         ConfigError: unreadable or non-GGUF file. RuntimeError: llama.cpp refused it.
     """
     check_model_file(path)
+    return _load(path, vocab_only, extra_buffers=vocab_only or not amx_faults(path))
+
+
+def _load(path: str, vocab_only: bool, extra_buffers: bool):
     llama_cpp.llama_log_set(_log_errors_only, None)
     llama_cpp.llama_backend_init()
     params = llama_cpp.llama_model_default_params()
     params.vocab_only = vocab_only
+    params.use_extra_bufts = extra_buffers
     params.use_mmap = True
     model = llama_cpp.llama_model_load_from_file(path.encode(), params)
     if not model:

@@ -39,8 +39,10 @@ class EngineSupervisor:
     ``EngineUnavailable``), unread ring records are dropped, and a new engine is started after
     ``restart_delay_s``, doubling (up to ``max_restart_delay_s``) while restarts keep failing
     before the engine gets ready. Every ``sweep_s`` the engine's liveness is checked, an engine
-    that has not stepped for ``stall_s`` seconds is killed (and so restarted), and the leases of
-    dead owner processes are reclaimed.
+    that has made no progress for ``stall_s`` seconds is killed (and so restarted), and the leases
+    of dead owner processes are reclaimed. Progress is a completed step or, inside a decode, a
+    computed node of llama.cpp's graph (:mod:`shm.control`): a slow step under contention keeps
+    beating, a stopped or deadlocked engine does not.
 
     Args:
         transport: the shared memory the engine attaches to; :meth:`create` makes one that the
@@ -148,11 +150,11 @@ class EngineSupervisor:
             self._spawn()
 
     def _kill_if_stalled(self) -> None:
-        """A ready engine that has not stepped for ``stall_s`` is hung (a stuck decode, a
-        SIGSTOP): kill it, so its requests fail and a new engine takes over."""
-        silent = self.t.control.seconds_since_step()
+        """A ready engine that has made no progress for ``stall_s`` is hung (a deadlocked
+        decode, a SIGSTOP): kill it, so its requests fail and a new engine takes over."""
+        silent = self.t.control.seconds_since_progress()
         if silent > self.stall_s:
-            log.error("engine made no step for %.0f s; killing it", silent)
+            log.error("engine made no progress for %.0f s; killing it", silent)
             self.proc.kill()
 
     # -- the server's drain -------------------------------------------------------------------------

@@ -1,20 +1,30 @@
 """How many compute threads the next ``llama_decode`` gets: all of this process's CPUs while
-nothing else wants them, fewer while other processes keep some busy (README "Threads").
+nothing else wants them, fewer while other processes keep some busy (docs: README "Threads").
 
 Why adapt: llama.cpp's threads meet at a barrier after every operation of the graph. Threads
 that spin at it are fastest on an idle machine; but when another process holds one of the
-CPUs, a spinning thread waits for a partner that is not running, and throughput collapses.
-With one thread there is no barrier at all. So the engine spins (libgomp's default when no
-``OMP_WAIT_POLICY`` is set: 300,000 spins, then sleep) and drops to fewer threads while other
-processes use the CPUs it runs on.
+CPUs, a spinning thread waits for a partner that is not running, and throughput collapses (a
+512-token prefill on two threads beside one busy process took over 30 s here, against 1 s on
+one thread). With one thread there is no barrier at all. So the engine spins (libgomp's default
+when no ``OMP_WAIT_POLICY`` is set: 300,000 spins, then sleep) and drops to fewer threads while
+other processes use the CPUs it runs on.
 
 The signal is the CPU time other processes spent on this process's CPUs (``/proc/stat``'s
 per-CPU counters minus this process's own time from ``/proc/self/stat``), sampled every
-:data:`SAMPLE_S` seconds. Threads = CPUs minus the CPUs others keep busy (rounded), at least 1,
-at most the configured maximum and at most the whole CPUs of the cgroup's CPU quota (a container's
-``cpu.max``: threads beyond it only get the container throttled; re-read every sample, so a
-resized container is followed). A change needs :data:`AGREE` samples in a row, so a short burst
-(a request's tokenization) moves nothing, and a lasting one is followed within about a second.
+:data:`SAMPLE_S` seconds: before decodes, and by the engine loop while it waits idle, so the
+first decode after an idle spell already has the right count. Threads = CPUs minus the CPUs
+others keep busy (rounded), at least 1, at most the configured maximum and at most the whole
+CPUs of the cgroup's CPU quota (a container's ``cpu.max``: threads beyond it only get the
+container throttled; re-read every sample, so a resized container is followed).
+
+Which samples decide: a change needs :data:`AGREE` samples in a row while the engine decodes,
+so a short burst (a request's tokenization) moves nothing, and a lasting one is followed within
+about a second. A sample alone decides when it is as good as that: one that spans at least
+``AGREE * SAMPLE_S`` seconds, or one taken while the engine was idle (its own threads then
+compete with nothing). Until the first sample the count is 1: a decode on one thread is at
+worst about half as fast on an idle machine, while two threads beside a busy process can be
+thirty times slower, and the first decode after start is often the largest (every queued
+prompt's prefill).
 """
 from __future__ import annotations
 
@@ -106,9 +116,10 @@ class AdaptiveThreads:
         self.cpus = cpus or set(os.sched_getaffinity(0))
         self.max_threads = max(1, max_threads)
         self.clock, self.read_cpus, self.read_own, self.read_limit = clock, read_cpus, read_own, read_limit
-        self.current = self._cap()
+        self.current = 1  # until the first sample: the safe count under any contention (module doc)
         self.others = 0.0  # CPUs others kept busy in the last sample
         self._last = self._read()
+        self._sampled = False
         self._wanted, self._votes = self.current, 0
 
     def _cap(self) -> int:
@@ -120,14 +131,19 @@ class AdaptiveThreads:
         busy, total = self.read_cpus(self.cpus)
         return self.clock(), busy, total, self.read_own()
 
-    def threads(self) -> int:
-        """The thread count to decode with now (samples when :data:`SAMPLE_S` has passed)."""
+    def threads(self, idle: bool = False) -> int:
+        """The thread count to decode with now (samples when :data:`SAMPLE_S` has passed).
+
+        Args:
+            idle: the engine had nothing to decode since the last call (its idle loop calls
+                this between waits); such a sample decides alone (module doc).
+        """
         now = self.clock()
         if now - self._last[0] < SAMPLE_S:
             return self.current
         sample = self._read()
-        _, busy0, total0, own0 = self._last
-        _, busy1, total1, own1 = sample
+        t0, busy0, total0, own0 = self._last
+        t1, busy1, total1, own1 = sample
         self._last = sample
         if total1 <= total0:
             return self.current
@@ -136,12 +152,14 @@ class AdaptiveThreads:
         self.others = others / (total1 - total0) * len(self.cpus)
         taken = int(self.others + (1 - TAKEN_ABOVE))  # rounds at TAKEN_ABOVE
         wanted = max(1, min(self._cap(), len(self.cpus) - taken))
+        decides_alone = idle or not self._sampled or t1 - t0 >= AGREE * SAMPLE_S
+        self._sampled = True
         if wanted == self.current:
             self._votes = 0
             return self.current
         self._votes = self._votes + 1 if wanted == self._wanted else 1
         self._wanted = wanted
-        if self._votes >= AGREE:
+        if self._votes >= AGREE or decides_alone:
             log.debug("compute threads %d -> %d (other processes kept %.2f of %d CPUs busy)",
                       self.current, wanted, self.others, len(self.cpus))
             self.current, self._votes = wanted, 0

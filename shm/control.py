@@ -1,5 +1,10 @@
 """The control block: the engine's state and the per-step slot table, written by the engine only.
 
+The heartbeat is the time of the engine's last progress: the end of a step, or, inside a long
+decode, the last graph node llama.cpp computed (:meth:`ControlBlock.beat`). The watchdog and
+readiness read it, so an engine that works through a long step is neither killed nor reported
+unready, and one that makes no progress (stopped, deadlocked) is.
+
 The slot table is published under a seqlock: the writer sets ``publishing``, rewrites the
 fields, stores the new ``step`` and clears ``publishing``; a reader that saw ``publishing`` 0
 before and after and the same ``step`` both times holds a consistent snapshot.
@@ -41,6 +46,7 @@ class ControlBlock:
 
     def __init__(self, control: np.ndarray):
         self._c = control[0]
+        self._heartbeat = control["heartbeat"]  # a one-element view: the cheapest store (beat())
 
     # -- engine state (engine process and its supervisor) ----------------------------------------
     @property
@@ -58,12 +64,17 @@ class ControlBlock:
     def engine_pid(self) -> int:
         return int(self._c["engine_pid"])
 
-    def seconds_since_step(self) -> float:
-        return time.monotonic() - float(self._c["heartbeat"])
+    def beat(self) -> None:
+        """The engine made progress inside a step (called from the decode's progress hook)."""
+        self._heartbeat[0] = time.monotonic()
+
+    def seconds_since_progress(self) -> float:
+        """Seconds since the engine last completed a step or, within a decode, a graph node."""
+        return time.monotonic() - float(self._heartbeat[0])
 
     def ready(self, stall_s: float) -> bool:
-        """The engine is READY and stepped within ``stall_s`` seconds."""
-        return self.state == EngineState.READY and self.seconds_since_step() < stall_s
+        """The engine is READY and made progress within ``stall_s`` seconds."""
+        return self.state == EngineState.READY and self.seconds_since_progress() < stall_s
 
     # -- the server's drain (gunicorn master) ------------------------------------------------------
     def start_draining(self) -> None:

@@ -94,7 +94,7 @@ class Layout:
             # after holds a consistent snapshot (a seqlock; shm.control).
             ("engine_state", np.int32), ("engine_pid", np.int64), ("step", np.uint64),
             ("publishing", np.int32),
-            ("heartbeat", np.float64),  # time.monotonic() at the engine's last step
+            ("heartbeat", np.float64),  # time.monotonic() at the engine's last progress (shm.control)
             ("kv_moves", np.uint64),  # sequences moved down to close a gap in the slots
             ("n_waiting", np.int32), ("n_running", np.int32),
             ("ring_head", np.uint64), ("ring_tail", np.uint64),
