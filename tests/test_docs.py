@@ -19,7 +19,7 @@ CITING = [*MARKDOWN, ROOT / "proto" / "inference.proto", ROOT / "server" / "open
 
 
 def test_configuration_table_matches_the_options():
-    page = (ROOT / "docs" / "configuration.md").read_text()
+    page = (ROOT / "docs/configuration.md").read_text()
     rows = {m.group(1): (m.group(2), m.group(3)) for m in
             re.finditer(r"^\| `(--[a-z-]+)` \| `([A-Z_]+)` \| ([^|]+?) \|", page, re.M)}
     assert set(rows) == {o.flag for o in OPTIONS}, set(rows) ^ {o.flag for o in OPTIONS}
@@ -43,7 +43,7 @@ def test_cited_documents_exist():
 
 
 def test_cited_sections_exist():
-    """``docs/performance.md "Threads"``, ``README "API"``: the page has that heading (or a
+    """``docs/performance.md "Threads"``, ``README "Quick start"``: the page has that heading (or a
     paragraph that starts with it in bold)."""
     cite = re.compile(r'([\w./-]+\.md|\bREADME)`?,? \\?"([^"\\\n]+)\\?"')
     cited = 0

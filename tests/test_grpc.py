@@ -358,7 +358,8 @@ def test_readme_python_client_example(small_server):
     """The Python client example of docs/grpc.md (once the README's) runs."""
     from tests.docs import blocks
 
-    (code,) = [b.code for b in blocks(ROOT / "docs" / "grpc.md") if b.lang == "python" and "InferenceServiceStub" in b.code]
+    (code,) = [b.code for b in blocks(ROOT / "docs/grpc.md")
+               if b.lang == "python" and "InferenceServiceStub" in b.code]
     server, _, _ = small_server
     out = subprocess.run([sys.executable, "-c", code.replace("127.0.0.1:50051", f"127.0.0.1:{server.grpc_port}")],
                          capture_output=True, text=True, timeout=120, cwd=ROOT)

@@ -14,7 +14,7 @@ from server.tenants import Tenants
 from tests.docs import EXAMPLE_URL, README, ROOT, blocks, curl_commands
 
 BLOCKS = blocks(README)
-TENANTS_PAGE = ROOT / "docs" / "tenants.md"
+TENANTS_PAGE = ROOT / "docs/tenants.md"
 
 
 def test_the_readme_has_the_examples_this_file_runs():
