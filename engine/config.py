@@ -124,5 +124,5 @@ class EngineConfig:
 
 def default_threads() -> int:
     """The most compute threads when not configured: one per CPU this process may run on
-    (README "Threads": fewer are used while other processes keep CPUs busy)."""
+    (docs/performance.md "Threads": fewer are used while other processes keep CPUs busy)."""
     return len(os.sched_getaffinity(0))

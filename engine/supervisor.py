@@ -49,7 +49,7 @@ class EngineSupervisor:
             supervisor owns and unlinks in :meth:`stop`.
         env: extra environment for the engine (e.g. ``OMP_WAIT_POLICY``; by default the
             engine gets the server's, so libgomp's bounded spin unless the operator says
-            otherwise: README "Threads").
+            otherwise: docs/performance.md "Threads").
         on_exit: called from the watching thread with ``(pid, crashed)`` after an engine process
             exited (``crashed``: not told to stop, so it is restarted; the master counts restarts
             and retires the process's metric files).

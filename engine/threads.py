@@ -1,5 +1,5 @@
 """How many compute threads the next ``llama_decode`` gets: all of this process's CPUs while
-nothing else wants them, fewer while other processes keep some busy (docs: README "Threads").
+nothing else wants them, fewer while other processes keep some busy (docs/performance.md "Threads").
 
 Why adapt: llama.cpp's threads meet at a barrier after every operation of the graph. Threads
 that spin at it are fastest on an idle machine; but when another process holds one of the

@@ -2,8 +2,8 @@
 
 Flags override environment variables (``inference-server --help`` lists both). The flags are
 turned into the environment that ``server.gunicorn_conf`` and ``server.wsgi`` read, so running
-gunicorn by hand with that config module behaves the same. SIGTERM drains (README "Stopping
-and draining"), Ctrl-C stops at once; either way every process stops and the shared memory is
+gunicorn by hand with that config module behaves the same. SIGTERM drains (docs/operations.md
+"Stopping and draining"), Ctrl-C stops at once; either way every process stops and the shared memory is
 unlinked.
 """
 from __future__ import annotations

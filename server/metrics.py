@@ -1,6 +1,6 @@
 """Prometheus metrics of the front ends, and the scrape (``GET /metrics``).
 
-The names and bucket boundaries are a contract with dashboards and alerts (README "Metrics"
+The names and bucket boundaries are a contract with dashboards and alerts (docs/metrics.md
 lists them; ``docker/grafana`` queries them). The engine's own step histograms are in
 :mod:`engine.metrics`. Under gunicorn every process writes its values to
 ``PROMETHEUS_MULTIPROC_DIR`` (:mod:`server.metrics_dir`) and any process can serve the sum.

@@ -108,10 +108,10 @@ _COMMON = {"model", "max_tokens", "temperature", "top_p", "n", "stream", "stream
            "top_k", "min_p", "repeat_penalty", "ignore_eos", "priority", "deadline_ms"}
 CHAT_FIELDS = _COMMON | {
     "messages", "max_completion_tokens", "top_logprobs", "continue_final_message", "add_generation_prompt",
-    # accepted because they cannot change what this server generates (README "API"):
+    # accepted because they cannot change what this server generates (docs/api.md "API"):
     "safety_identifier", "metadata", "service_tier", "prompt_cache_key", "prompt_cache_retention",
     "prompt_cache_options", "parallel_tool_calls",
-    # served only at their default value, refused otherwise (README "API"):
+    # served only at their default value, refused otherwise (docs/api.md "API"):
     "store", "modalities", "tools", "functions", "tool_choice", "function_call", "response_format", "audio",
     "prediction", "web_search_options", "reasoning_effort", "verbosity", "moderation"}
 COMPLETION_FIELDS = _COMMON | {"prompt", "best_of", "echo", "suffix"}

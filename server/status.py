@@ -12,7 +12,7 @@ from server.config import ServerConfig
 
 
 class Health:
-    """Probes; none needs an API key (README "Stopping and draining", k8s/README.md).
+    """Probes; none needs an API key (docs/operations.md "Stopping and draining", k8s/README.md).
 
     - ``GET /health/ready`` (and ``/health``, kept for compatibility): 200 ``{"status": "ok"}``
       when a request would be served; 503 while the model loads, while the engine restarts and

@@ -1,7 +1,7 @@
 """Tenants: who may call, at which priority and weight, within which limits.
 
 The tenant file (``--tenants`` / ``TENANTS_FILE``, JSON or TOML) is a public contract, described
-in the README::
+in docs/tenants.md::
 
     {"tenants": [
       {"id": "team-a", "api_keys": ["key-a1", "key-a2"], "priority": "high", "weight": 2,

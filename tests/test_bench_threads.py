@@ -1,5 +1,5 @@
 """``python -m bench.threads``: its settling arithmetic, and that ``--quick`` runs (CI checks
-only that; the figures come from full runs, README "Threads")."""
+only that; the figures come from full runs, docs/performance.md "Threads")."""
 from __future__ import annotations
 
 import json

@@ -1,5 +1,7 @@
-"""The repository explains itself: the README's configuration table is the configuration, the
-documents that code cites exist, and ``server/`` reaches ``shm/`` only through the engine client."""
+"""The repository explains itself: the configuration table of docs/configuration.md is the
+configuration, the documents, links and sections that code and docs cite exist, every shell block
+of the README and docs/ is run by a test or marked as not run here, and ``server/`` reaches
+``shm/`` only through the engine client."""
 from __future__ import annotations
 
 import ast
@@ -7,15 +9,19 @@ import pathlib
 import re
 
 from server.config import OPTIONS, parser
+from tests.docs import PAGES, README, all_blocks, anchor, headings
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SOURCES = [p for d in ("engine", "shm", "server", "bench", "tests", "proto") for p in (ROOT / d).rglob("*.py")]
+MARKDOWN = [*PAGES, *sorted((ROOT / "bench").glob("*.md")), *sorted((ROOT / "k8s").glob("*.md"))]
+CITING = [*MARKDOWN, ROOT / "proto" / "inference.proto", ROOT / "server" / "openapi.json",
+          *sorted((ROOT / "k8s").glob("*.yaml")), *sorted((ROOT / "docker").rglob("*file"))]
 
 
-def test_readme_configuration_table_matches_the_options():
-    readme = (ROOT / "README.md").read_text()
+def test_configuration_table_matches_the_options():
+    page = (ROOT / "docs/configuration.md").read_text()
     rows = {m.group(1): (m.group(2), m.group(3)) for m in
-            re.finditer(r"^\| `(--[a-z-]+)` \| `([A-Z_]+)` \| ([^|]+?) \|", readme, re.M)}
+            re.finditer(r"^\| `(--[a-z-]+)` \| `([A-Z_]+)` \| ([^|]+?) \|", page, re.M)}
     assert set(rows) == {o.flag for o in OPTIONS}, set(rows) ^ {o.flag for o in OPTIONS}
     for o in OPTIONS:
         env, shown = rows[o.flag]
@@ -31,10 +37,51 @@ def test_help_shows_every_default():
 
 def test_cited_documents_exist():
     """Every Markdown path that code or docs mention is in the repository."""
-    texts = SOURCES + [ROOT / "README.md", *(ROOT / "docs").glob("*.md")]
-    for path in texts:
+    for path in SOURCES + CITING:
         for ref in re.findall(r"[\w./-]+\.md\b", path.read_text()):
             assert (ROOT / ref).exists() or (path.parent / ref).exists(), f"{path}: {ref}"
+
+
+def test_cited_sections_exist():
+    """``docs/performance.md "Threads"``, ``README "Quick start"``: the page has that heading (or a
+    paragraph that starts with it in bold)."""
+    cite = re.compile(r'([\w./-]+\.md|\bREADME)`?,? \\?"([^"\\\n]+)\\?"')
+    cited = 0
+    for path in SOURCES + CITING:
+        for ref, section in cite.findall(path.read_text()):
+            target = README if ref == "README" else ROOT / ref if (ROOT / ref).exists() else path.parent / ref
+            assert any(h.startswith(section) for h in headings(target)) or f"**{section}" in target.read_text(), \
+                f"{path}: {ref} {section!r}"
+            cited += 1
+    assert cited >= 20
+
+
+def test_markdown_links_resolve():
+    """Every ``[text](path)`` and ``![alt](path)`` of the Markdown pages names a file that exists,
+    and a ``#fragment`` a heading of that page."""
+    for path in MARKDOWN:
+        for target in re.findall(r"\]\(([^)\s]+)\)", path.read_text()):
+            if re.match(r"[a-z]+:", target):
+                continue
+            file, _, fragment = target.partition("#")
+            dest = (path.parent / file).resolve() if file else path
+            assert dest.exists(), f"{path.relative_to(ROOT)}: {target}"
+            if fragment:
+                assert fragment in [anchor(h) for h in headings(dest)], f"{path.relative_to(ROOT)}: {target}"
+
+
+def test_every_shell_block_is_run_or_marked():
+    """The rule at the top of docs/development.md: a ``sh`` block holds only curl commands (run by
+    tests/test_readme.py) or follows ``<!-- not run here: REASON -->``; every fence names its
+    language, and shell is always ``sh``."""
+    found = all_blocks()
+    assert sum(b.lang == "sh" for b in found) >= 6
+    for b in found:
+        assert b.lang, f"{b}: a fence without a language"
+        assert b.lang not in ("bash", "shell", "console", "zsh", "shell-session"), f"{b}: shell blocks are `sh`"
+        if b.lang == "sh":
+            assert b.runnable != b.marked, f"{b}: " + (
+                "runnable, so must not be marked" if b.marked else "neither run by a test nor marked not run here")
 
 
 def test_server_does_not_import_shm():

@@ -355,10 +355,11 @@ def test_health_is_not_serving_until_the_engine_is_ready(model_path):
 
 
 def test_readme_python_client_example(small_server):
-    import re
+    """The Python client example of docs/grpc.md (once the README's) runs."""
+    from tests.docs import blocks
 
-    readme = (ROOT / "README.md").read_text()
-    (code,) = [c for c in re.findall(r"^```python\n(.*?)^```", readme, re.M | re.S) if "InferenceServiceStub" in c]
+    (code,) = [b.code for b in blocks(ROOT / "docs/grpc.md")
+               if b.lang == "python" and "InferenceServiceStub" in b.code]
     server, _, _ = small_server
     out = subprocess.run([sys.executable, "-c", code.replace("127.0.0.1:50051", f"127.0.0.1:{server.grpc_port}")],
                          capture_output=True, text=True, timeout=120, cwd=ROOT)

@@ -75,7 +75,7 @@ def test_completion_responses_and_chunks_conform(app, extra):
     for chunk in events(post(app, COMPLETIONS, {**body, "stream": True})):
         # The document makes finish_reason a required string on every legacy completion chunk;
         # OpenAI's API (and every SDK) sends null until a choice's last chunk, and so does this
-        # server (README "API"): a choice's last chunk validates as it is, others with their
+        # server (docs/api.md "API"): a choice's last chunk validates as it is, others with their
         # null finish_reason in place of a final one.
         for choice in chunk["choices"]:
             if choice["finish_reason"] is None:
@@ -124,7 +124,7 @@ def test_every_bound_the_document_allows_is_served(app, path, component):
             r = post(app, path, body)
             if name == "n" and value > app.engine.capacity:  # more choices than the server can hold
                 assert "capacity" in error(r, 400, param="n")["message"]
-            elif name == "best_of" and value > 1:  # listed in the README as not implemented
+            elif name == "best_of" and value > 1:  # listed in docs/api.md as not implemented
                 error(r, 400, param="best_of")
             else:
                 assert r.status == 200, (name, value, r.body[:300])

@@ -1,37 +1,28 @@
-"""The README's examples are tests: every curl command and the OpenAI SDK snippet run against a
-real server, and the tenant-file examples load, all extracted from README.md itself, so the
-first thing a new user copies cannot rot."""
+"""The README's and docs/'s examples are tests: every curl command of their shell blocks and the
+README's OpenAI SDK snippet run against a real server, and the tenant-file examples of
+docs/tenants.md load, all extracted from the pages themselves, so the first thing a new user
+copies cannot rot. Which shell blocks run: docs/development.md (checked in tests/test_docs.py)."""
 from __future__ import annotations
 
 import json
-import pathlib
-import re
 import subprocess
 import sys
 
 import pytest
 
 from server.tenants import Tenants
+from tests.docs import EXAMPLE_URL, README, ROOT, blocks, curl_commands
 
-README = (pathlib.Path(__file__).resolve().parent.parent / "README.md").read_text()
-BLOCKS = re.findall(r"^```(\w+)\n(.*?)^```", README, re.M | re.S)
-EXAMPLE_URL = "http://127.0.0.1:8080"
-
-
-def curl_commands() -> list[str]:
-    """Each curl command of the README's shell blocks (continuation lines joined)."""
-    commands = []
-    for lang, code in BLOCKS:
-        if lang == "sh":
-            joined = code.replace("\\\n", " ")
-            commands += [line.strip() for line in joined.splitlines() if line.strip().startswith("curl ")]
-    return commands
+BLOCKS = blocks(README)
+TENANTS_PAGE = ROOT / "docs/tenants.md"
 
 
 def test_the_readme_has_the_examples_this_file_runs():
-    assert len(curl_commands()) >= 3
-    assert any(lang == "python" and "OpenAI(" in code for lang, code in BLOCKS)
-    assert [lang for lang, _ in BLOCKS].count("json") >= 1 and [lang for lang, _ in BLOCKS].count("toml") >= 1
+    assert len([c for b in BLOCKS if b.runnable for c in b.commands()]) >= 3
+    assert any(b.lang == "python" and "OpenAI(" in b.code for b in BLOCKS)
+    assert any(c.endswith("/metrics") for c in curl_commands())  # docs/metrics.md
+    langs = [b.lang for b in blocks(TENANTS_PAGE)]
+    assert langs.count("json") >= 1 and langs.count("toml") >= 1
 
 
 @pytest.mark.parametrize("command", curl_commands())
@@ -51,7 +42,7 @@ def test_curl_example(server, command):
 
 
 def test_openai_sdk_example(server):
-    (code,) = [code for lang, code in BLOCKS if lang == "python" and "OpenAI(" in code]
+    (code,) = [b.code for b in BLOCKS if b.lang == "python" and "OpenAI(" in b.code]
     out = subprocess.run([sys.executable, "-c", code.replace(EXAMPLE_URL, server.url)], capture_output=True,
                          text=True, timeout=300)
     assert out.returncode == 0 and out.stdout.strip(), out.stderr[-2000:]
@@ -60,10 +51,10 @@ def test_openai_sdk_example(server):
 
 def test_tenant_file_examples_load(tmp_path):
     loaded = []
-    for lang, code in BLOCKS:
-        if lang in ("json", "toml") and "tenants" in code:
-            path = tmp_path / f"tenants.{lang}"
-            path.write_text(code)
+    for b in blocks(TENANTS_PAGE):
+        if b.lang in ("json", "toml") and "tenants" in b.code:
+            path = tmp_path / f"tenants.{b.lang}"
+            path.write_text(b.code)
             loaded.append(Tenants.load(str(path)))
     assert len(loaded) >= 2
     team_a = [t.authenticate("key-a1") for t in loaded]

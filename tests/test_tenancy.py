@@ -358,7 +358,7 @@ def test_two_servers_share_one_redis_bucket(tmp_path):
     path = write_tenants(tmp_path / "t.json", [{"id": "a", "api_keys": ["key-a"],
                                                 "requests_per_second": {"rate": 5, "burst": 5}}])
     # One compute thread each: two engines spinning two threads each on a 2-core machine can
-    # stall each other's barriers for seconds before adaptive threads react (README "Threads"),
+    # stall each other's barriers for seconds before adaptive threads react (docs/performance.md "Threads"),
     # and this test counts admissions, not compute.
     flags = ["--tenants", path, "--max-slots", "2", "--max-seq-len", "128", "--workers", "1", "--threads", "8",
              "--engine-threads", "1"]
