@@ -22,7 +22,7 @@ from engine.sampler import Sampler, logprobs
 from engine.scheduler import Scheduler
 from engine.steplog import StepLog
 from engine.sequence import Sequence
-from engine.threads import AdaptiveThreads
+from engine.threads import SAMPLE_S, AdaptiveThreads
 from shm import ErrorCode, Finish, Published
 from shm.transport import Transport
 from shm.wakeup import Wakeups
@@ -41,6 +41,11 @@ MAX_CHUNK_TOKENS = 63
 #: split-KV flash-attention path, which sums in another order unless it runs on one thread.
 #: The view is the used cells rounded up to 256, so it reaches 512 past 256 tokens.
 SPLIT_KV_AFTER_TOKENS = 256
+#: Decodes of at least this many tokens report progress from inside llama.cpp (a heartbeat per
+#: graph node, Model.on_progress), so the supervisor's watchdog does not take a long prefill step
+#: under contention for a hung engine. Smaller decodes last milliseconds, and there the hook's
+#: 0.15 ms a decode would cost up to 1-2 % of throughput; their heartbeat is the step's end.
+PROGRESS_HOOK_TOKENS = 64
 
 
 class EngineCore:
@@ -66,6 +71,7 @@ class EngineCore:
         self.step_no = transport.control.step
         # n_threads 0: adapt to what other processes leave free (engine/threads.py).
         self.adaptive = AdaptiveThreads(config.threads) if config.n_threads == 0 else None
+        model.on_progress(transport.control.beat)
         self.step_log = StepLog(config.step_log) if config.step_log else None
         self.cancelled: list[tuple[int, int]] = []  # (mailbox, lease) cancelled this step, for the step log
         self.observe_step = None
@@ -78,7 +84,9 @@ class EngineCore:
         """Step until :meth:`stop`; block on the engine's FIFO only when fully idle."""
         while not self.stopping:
             if not self.sched.running and not self.sched.waiting:
-                self.t.wakeups.wait([Wakeups.ENGINE], timeout=0.5)
+                woken, _ = self.t.wakeups.wait([Wakeups.ENGINE], timeout=SAMPLE_S)
+                if not woken and self.adaptive is not None:  # sample while idle: the next decode starts right
+                    self.adaptive.threads(idle=True)
             self.step()
 
     def stop(self) -> None:
@@ -111,7 +119,7 @@ class EngineCore:
         try:
             self.model.set_threads(1 if one_thread else
                                    self.adaptive.threads() if self.adaptive else self.config.threads)
-            self.model.decode(self.batch)
+            self.model.decode(self.batch, report_progress=self.batch.n >= PROGRESS_HOOK_TOKENS)
             return True
         except DecodeError as e:
             log.error("%s; failing the sequences of this batch", e)

@@ -105,3 +105,84 @@ def test_engine_killed_under_gunicorn_fails_requests_then_comes_back():
         assert conn.getresponse().status == 200
         conn.close()
         server.wait_idle()
+
+
+def _throttle(pid: int, stop, run_s: float = 0.01, stopped_s: float = 0.02) -> None:
+    """Let ``pid`` run ``run_s`` of every ``run_s + stopped_s`` seconds (SIGSTOP/SIGCONT) until
+    ``stop`` is set: an engine that is slow but makes progress, as under heavy contention."""
+    try:
+        while not stop.is_set():
+            os.kill(pid, signal.SIGSTOP)
+            time.sleep(stopped_s)
+            os.kill(pid, signal.SIGCONT)
+            time.sleep(run_s)
+    except ProcessLookupError:
+        pass
+
+
+def test_a_slow_but_progressing_engine_is_not_killed():
+    """Throttled to a third of the time, the engine works through a prefill step of 504 tokens
+    (eight 63-token prompts) that lasts longer than the watchdog's limit. Inside that decode it
+    beats once per graph node, so the watchdog keeps it, readiness holds, every request ends;
+    only an engine that makes no progress at all is killed (the SIGSTOP test above)."""
+    import threading
+
+    with running_engine(max_slots=8, supervisor_args={"stall_s": 0.5}) as (client, supervisor):
+        params = SamplingParams(max_new_tokens=2, temperature=0, ignore_eos=True)
+        pid, stop = client.t.control.engine_pid, threading.Event()
+        throttle = threading.Thread(target=_throttle, args=(pid, stop))
+        throttle.start()
+        try:
+            streams = [client.submit([300 + i] + list(range(1000, 1062)), params) for i in range(8)]
+            tokens = [list(s) for s in streams]
+        finally:
+            stop.set()
+            throttle.join()
+            os.kill(pid, signal.SIGCONT)
+        assert all(len(t) == 2 for t in tokens)
+        assert supervisor.restarts == 0 and client.t.control.engine_pid == pid and client.ready()
+        # The test means something only if one step outlasted the limit: the prefill step.
+        waits = [s.timings().prefill_done - s.timings().admitted for s in streams]
+        assert max(waits) > 0.5, waits
+        assert_idle_and_clean(client)
+
+
+def test_a_busy_neighbour_from_before_the_start_fails_no_request():
+    """A process keeps a CPU busy before the server starts; sixteen clients then arrive at once,
+    so the first decode is the largest (every prompt's prefill). The engine must pick a thread
+    count that contention does not make pathological and the watchdog must keep it: every
+    request ends with all its tokens, and the engine was never restarted (docs/performance.md
+    "Threads")."""
+    import subprocess
+    import sys
+    from concurrent.futures import ThreadPoolExecutor
+
+    busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        time.sleep(0.5)
+        with running_server("--max-slots", "16", "--max-seq-len", "512", "--threads", "20") as server:
+            pid = server.engine.t.control.engine_pid
+
+            def ask(i):
+                body = {"prompt": f"Client {i} asks for a long story about the sea, the wind, the stars and the "
+                                  f"old lighthouse keeper who watched them all, please", "max_tokens": 24,
+                        "ignore_eos": True, "temperature": 0, "stream": True,
+                        "stream_options": {"include_usage": True}}
+                conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=300)
+                conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+                resp = conn.getresponse()
+                events = [line for line in resp.read().decode().splitlines() if line.startswith("data: {")]
+                conn.close()
+                usage = [json.loads(e[6:])["usage"] for e in events if json.loads(e[6:]).get("usage")]
+                return resp.status, usage[-1]["completion_tokens"] if usage else 0
+
+            with ThreadPoolExecutor(16) as pool:
+                answers = list(pool.map(ask, range(16)))
+            assert answers == [(200, 24)] * 16
+            assert server.engine.t.control.engine_pid == pid
+            log = open(server.log).read()
+            assert "killing it" not in log and "engine died" not in log
+            server.wait_idle()
+    finally:
+        busy.kill()
+        busy.wait()

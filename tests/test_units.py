@@ -262,6 +262,28 @@ def test_adaptive_threads_follow_other_processes_with_hysteresis():
     assert adaptive.threads() == 2
 
 
+def test_adaptive_threads_start_at_one_and_let_a_sample_they_can_trust_decide_alone():
+    """The first decode after start or idle is often the largest (a prefill of every queued
+    prompt): it must not run on a count the current contention makes pathological."""
+    from engine.threads import AdaptiveThreads
+
+    fake = _FakeCpus()
+    adaptive = AdaptiveThreads(2, cpus={0, 1}, clock=fake.clock, read_cpus=fake.cpus, read_own=fake.own)
+    assert adaptive.threads() == 1  # nothing sampled yet: one thread is safe under any contention
+    fake.advance(1.0, own=0.0)  # a busy neighbour from the start
+    assert adaptive.threads() == 1  # the first sample decides alone
+    fake.advance(0.0, own=0.0)
+    assert adaptive.threads(idle=True) == 2  # the neighbour left while the engine idled: one idle sample
+    fake.advance(1.0, own=0.0)
+    assert adaptive.threads(idle=True) == 1  # ... and back, before the next decode
+    fake.advance(0.0, own=2.0, seconds=1.0)  # one sample over a long interval decides alone too
+    assert adaptive.threads() == 2
+    fake.advance(1.0, own=1.0)  # a short sample while decoding still needs a second one
+    assert adaptive.threads() == 2
+    fake.advance(1.0, own=1.0)
+    assert adaptive.threads() == 1
+
+
 @pytest.mark.parametrize("files,expected", [
     ({"cgroup": "0::/pod/c1\n", "pod/c1/cpu.max": "150000 100000\n"}, 1.5),
     ({"cgroup": "0::/\n", "cpu.max": "max 100000\n"}, None),
