@@ -1,20 +1,31 @@
-"""Compute threads: the adaptive default against every fixed setting, on an idle machine and with
-one CPU held by another busy process, in one run.
+"""Compute threads: the adaptive default against every fixed setting, on an idle machine and under
+contention that comes before the server, while it idles, or from a CPU quota, in one run.
 
-    python -m bench.threads [--quick] [--clients 16] [--requests 48] [--json PATH]
+    python -m bench.threads [--quick] [--clients 16] [--requests 32] [--conditions ...] [--json PATH]
 
 For each setting (the default, adaptive; 1 thread; 2 threads with libgomp's bounded spin;
 2 threads spinning, ``OMP_WAIT_POLICY=ACTIVE``; 2 threads parked, ``OMP_WAIT_POLICY=PASSIVE``)
-one real server is started, and under each condition (idle; a ``while True: pass`` process
-started by this benchmark) two workloads run with ``--clients`` streaming connections (closed
-loop, ``bench.policies.drive``):
+real servers run under each condition:
+
+* ``idle``: nothing else runs;
+* ``busy``: a ``while True: pass`` process started while that server idles after the idle runs;
+* ``busy-start``: the busy process runs before the server starts (the first decode is then the
+  largest of all, every prompt's prefill, under contention);
+* ``busy2-start``: the same with two busy processes;
+* ``quota``: the server started inside a cgroup CPU quota of one CPU (v1 ``cpu.cfs_quota_us`` or
+  v2 ``cpu.max``; needs root, skipped otherwise), nothing else running.
+
+Under ``idle`` and ``busy`` two workloads run with ``--clients`` streaming connections (closed
+loop, ``bench.policies.drive``), under the others the first only:
 
 * fixed: ``--requests`` prompts of about 32 tokens, 128 generated tokens each, ``ignore_eos``
   (generated tokens/s, sustained while every connection is busy);
 * mix: ``bench.policies.workload`` (short and long prompts, heavy-tailed lengths; requests/s).
 
-The ceiling (``bench.limit``, B = clients, P = 32, G = 128) runs for every fixed setting under
-both conditions too (with no server up: an idle server's ACTIVE threads keep spinning). The table
+Every run also counts failed requests and engine restarts (its PID changed, or the server's log
+says it died): the ``errors`` and ``restarts`` of the JSON must be 0 under every condition.
+The ceiling (``bench.limit``, B = clients, P = 32, G = 128) runs for every fixed setting idle and
+busy too (with no server up: an idle server's ACTIVE threads keep spinning). The table
 gives each figure and its ratio to the best fixed setting of its column. The machine is noisy (one
 run's figures move by 10-15 %): ``--repeat R`` alternates the settings R times and reports
 medians. Then the switch: the adaptive server under steady load while the busy process starts and
@@ -41,20 +52,68 @@ SETTINGS = {  # key -> (shown as, flags, extra environment of the server and the
     "2-active": ("2 threads, OMP_WAIT_POLICY=ACTIVE", ["--engine-threads", "2"], {"OMP_WAIT_POLICY": "ACTIVE"}),
     "2-passive": ("2 threads, OMP_WAIT_POLICY=PASSIVE", ["--engine-threads", "2"], {"OMP_WAIT_POLICY": "PASSIVE"}),
 }
-CONDITIONS = ("idle", "busy")
+CONDITIONS = ("idle", "busy", "busy-start", "busy2-start", "quota")
+CGROUP_NAME = "bench-threads-quota"
 
 
 class BusyProcess:
-    """A ``while True: pass`` process (one CPU held) for the ``with`` block."""
+    """``n`` ``while True: pass`` processes (``n`` CPUs held) for the ``with`` block."""
+
+    def __init__(self, n: int = 1):
+        self.n = n
 
     def __enter__(self):
-        self.proc = subprocess.Popen([sys.executable, "-c", "while True: pass"])
-        time.sleep(1.0)  # let it be scheduled and the engine see it
+        self.procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(self.n)]
+        time.sleep(1.0)  # let them be scheduled and the engine see them
         return self
 
     def __exit__(self, *exc):
-        self.proc.kill()
-        self.proc.wait()
+        for proc in self.procs:
+            proc.kill()
+            proc.wait()
+
+
+class CpuQuota:
+    """A cgroup with a CPU quota of ``cpus`` (v2 ``cpu.max``, else v1 ``cpu.cfs_quota_us``).
+    Processes started inside ``with quota.joined():`` run in it (children inherit their cgroup);
+    the benchmark itself is moved back out afterwards. Raises OSError without root or cgroups."""
+
+    def __init__(self, cpus: float = 1.0, period_us: int = 100_000):
+        import os
+
+        v2 = os.path.exists("/sys/fs/cgroup/cgroup.controllers")
+        self.root = "/sys/fs/cgroup" if v2 else "/sys/fs/cgroup/cpu"
+        self.path = os.path.join(self.root, CGROUP_NAME)
+        os.makedirs(self.path, exist_ok=True)
+        quota = int(cpus * period_us)
+        if v2:
+            with open(os.path.join(self.root, "cgroup.subtree_control"), "w") as f:
+                f.write("+cpu")
+            self._write("cpu.max", f"{quota} {period_us}")
+        else:
+            self._write("cpu.cfs_period_us", str(period_us))
+            self._write("cpu.cfs_quota_us", str(quota))
+
+    def _write(self, name: str, value: str, path: str | None = None) -> None:
+        import os
+
+        with open(os.path.join(path or self.path, name), "w") as f:
+            f.write(value)
+
+    @contextlib.contextmanager
+    def joined(self):
+        import os
+
+        self._write("cgroup.procs", str(os.getpid()))
+        try:
+            yield
+        finally:
+            self._write("cgroup.procs", str(os.getpid()), self.root)
+
+    def close(self) -> None:
+        import os
+
+        os.rmdir(self.path)  # its processes have ended (the server stopped)
 
 
 def fixed_workload(n: int, gen: int) -> list[Request]:
@@ -124,55 +183,49 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.threads", description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="a short run (CI checks that it runs)")
     p.add_argument("--clients", type=int, default=None, help="default 16; --quick 4")
-    p.add_argument("--requests", type=int, default=None, help="per run (default 48; --quick 8)")
+    p.add_argument("--requests", type=int, default=None, help="per run (default 32; --quick 8)")
     p.add_argument("--settings", default=",".join(SETTINGS), help="comma-separated: " + ", ".join(SETTINGS))
+    p.add_argument("--conditions", default=",".join(CONDITIONS), help="comma-separated: " + ", ".join(CONDITIONS))
     p.add_argument("--repeat", type=int, default=1,
                    help="rounds over the settings, alternating; each cell is the median of its rounds")
+    p.add_argument("--no-ceiling", action="store_true", help="skip the bench.limit ceilings")
+    p.add_argument("--no-mix", action="store_true", help="skip the mix workload (the fixed one only)")
     p.add_argument("--switch-only", action="store_true", help="only the switch measurement")
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
     a.clients = a.clients or (4 if a.quick else 16)
-    n = a.requests or (8 if a.quick else 48)
+    n = a.requests or (8 if a.quick else 32)
     gen = 16 if a.quick else 128
     fixed, mix = fixed_workload(n, gen), workload(n, seed=99)
     if a.quick:
         mix = [Request(r.prompt, min(r.max_tokens, 32)) for r in mix]
     names = [] if a.switch_only else a.settings.split(",")
-    result: dict = {"clients": a.clients, "requests": n, "repeat": a.repeat, "settings": {}, "runs": {}}
+    conditions = a.conditions.split(",")
+    result: dict = {"clients": a.clients, "requests": n, "repeat": a.repeat, "settings": {}, "runs": {},
+                    "errors": {}, "restarts": {}}
     for _ in range(a.repeat):
         for key in names:
             name, flags, env = SETTINGS[key]
             runs = result["runs"].setdefault(name, {})
-            with running_server("--max-slots", str(a.clients), "--max-seq-len", "1024", "--threads",
-                                str(a.clients + 4), *flags, env=env) as server:
-                for condition in CONDITIONS:
-                    with BusyProcess() if condition == "busy" else contextlib.nullcontext():
-                        f = summarize(*_run(server, fixed, a))
-                        runs.setdefault(f"{condition} fixed tok/s", []).append(f["gen_tok_per_s"])
-                        m = summarize(*_run(server, mix, a))
-                        runs.setdefault(f"{condition} mix req/s", []).append(m["req_per_s"])
+            for condition, figures in _conditions(a, conditions, flags, env, fixed, mix):
+                for column, (value, errors, restarts) in figures.items():
+                    runs.setdefault(f"{condition} {column}", []).append(value)
+                    result["errors"][f"{name}, {condition}"] = result["errors"].get(f"{name}, {condition}", 0) + errors
+                    result["restarts"][f"{name}, {condition}"] = \
+                        result["restarts"].get(f"{name}, {condition}", 0) + restarts
             # The ceiling alone: an idle server would still hold CPUs (ACTIVE threads spin on).
-            for condition in CONDITIONS if flags else ():
+            for condition in ("idle", "busy") if flags and not a.no_ceiling else ():
                 with BusyProcess() if condition == "busy" else contextlib.nullcontext():
                     runs.setdefault(f"{condition} ceiling tok/s", []).append(
                         ceiling(a.clients, gen, int(flags[1]), env))
             row = result["settings"][name] = {k: statistics.median(v) for k, v in runs.items()}
             print(f"{name}: " + ", ".join(f"{k} {v:.1f}" for k, v in row.items()), flush=True)
-    columns = list(dict.fromkeys(c for row in result["settings"].values() for c in row))
-    if not columns:
-        names = ["adaptive"]
-    best = {c: max((r[c] for k, r in result["settings"].items() if k != "adaptive (default)" and c in r), default=0)
-            for c in columns}
-    if columns:
-        print("| setting | " + " | ".join(columns) + " |")
-        print("|---|" + "---|" * len(columns))
-    for name, row in result["settings"].items():
-        cells = [f"{row[c]:.1f} ({row[c] / best[c]:.2f})" if c in row and best[c] else "" for c in columns]
-        print(f"| {name} | " + " | ".join(cells) + " |")
-    result["best_fixed"] = best
-    if "adaptive" in names:
-        with running_server("--max-slots", str(a.clients), "--max-seq-len", "1024", "--threads",
-                            str(a.clients + 4)) as server:
+    _table(result)
+    failed = {k: (v, result["restarts"][k]) for k, v in result["errors"].items() if v or result["restarts"][k]}
+    print("errors and restarts: " + (", ".join(f"{k}: {e} errors, {r} restarts" for k, (e, r) in failed.items())
+                                     if failed else "none"))
+    if "adaptive" in names or a.switch_only:
+        with running_server(*_server_flags(a)) as server:
             spans = (5, 8, 8) if a.quick else (10, 20, 20)
             result["switch"] = switch(server.port, a.clients, *spans)
         s = result["switch"]
@@ -183,10 +236,72 @@ def main(argv=None) -> int:
     return 0
 
 
-def _run(server, requests, a):
+def _server_flags(a, *flags: str) -> tuple[str, ...]:
+    return ("--max-slots", str(a.clients), "--max-seq-len", "1024", "--threads", str(a.clients + 4), *flags)
+
+
+def _conditions(a, conditions: list[str], flags: list[str], env: dict, fixed: list, mix: list):
+    """Yield ``(condition, {column: (value, errors, engine restarts)})`` for each condition asked."""
+    if "idle" in conditions or "busy" in conditions:
+        with _server(a, flags, env) as server:  # started on an idle machine
+            for condition in ("idle", "busy"):
+                if condition in conditions:
+                    with BusyProcess() if condition == "busy" else contextlib.nullcontext():
+                        figures = {"fixed tok/s": _measure(server, fixed, a, "gen_tok_per_s")}
+                        if not a.no_mix:
+                            figures["mix req/s"] = _measure(server, mix, a, "req_per_s")
+                        yield condition, figures
+    for condition, n_busy in (("busy-start", 1), ("busy2-start", 2)):
+        if condition in conditions:
+            with BusyProcess(n_busy), _server(a, flags, env) as server:
+                yield condition, {"fixed tok/s": _measure(server, fixed, a, "gen_tok_per_s")}
+    if "quota" in conditions:
+        try:
+            quota = CpuQuota(1.0)
+        except OSError as e:
+            print(f"quota: skipped ({e})", flush=True)
+            return
+        try:
+            with _server(a, flags, env, quota) as server:
+                yield "quota", {"fixed tok/s": _measure(server, fixed, a, "gen_tok_per_s")}
+        finally:
+            quota.close()
+
+
+@contextlib.contextmanager
+def _server(a, flags: list[str], env: dict, quota: CpuQuota | None = None):
+    from tests.conftest import RunningServer
+
+    with quota.joined() if quota else contextlib.nullcontext():
+        server = RunningServer(*_server_flags(a, *flags), env=env)
+    try:
+        server.first_pid = server.engine.t.control.engine_pid
+        yield server
+    finally:
+        server.stop()
+
+
+def _measure(server, requests, a, figure: str) -> tuple[float, int, int]:
+    """``(figure, failed requests, engine restarts so far)`` of one closed-loop run."""
     samples, wall, busy = drive(server.port, requests, a.clients)
     server.wait_idle(60)
-    return samples, wall, busy
+    restarted = server.engine.t.control.engine_pid != server.first_pid or "engine died" in open(server.log).read()
+    return summarize(samples, wall, busy)[figure], sum(s.error is not None for s in samples), int(restarted)
+
+
+def _table(result: dict) -> None:
+    """The Markdown table: each figure and its ratio to the best fixed setting of its column."""
+    columns = list(dict.fromkeys(c for row in result["settings"].values() for c in row))
+    best = {c: max((r[c] for k, r in result["settings"].items() if k != "adaptive (default)" and c in r), default=0)
+            for c in columns}
+    result["best_fixed"] = best
+    if not columns:
+        return
+    print("| setting | " + " | ".join(columns) + " |")
+    print("|---|" + "---|" * len(columns))
+    for name, row in result["settings"].items():
+        cells = [f"{row[c]:.1f} ({row[c] / best[c]:.2f})" if c in row and best[c] else "" for c in columns]
+        print(f"| {name} | " + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import functools
+import hashlib
 import os
 import signal
 from typing import Callable
@@ -11,7 +12,7 @@ import numpy as np
 
 from engine.batch import Batch
 from engine.config import check_model_file
-from engine.weights import weights_path
+from engine.weights import cache_dir, weights_path
 
 
 class DecodeError(RuntimeError):
@@ -38,6 +39,34 @@ def _cpu_flags(path: str = "/proc/cpuinfo") -> set[str]:
 
 @functools.cache
 def amx_faults(path: str) -> bool:
+    """Whether this CPU advertises AMX but faults on it running ``path`` (:func:`_amx_probe`),
+    remembered for the machine's boot in the cache folder, so engine starts pay the probe's
+    second or two once. CPUs without the ``amx_int8`` flag skip it (no cost on AMD)."""
+    if "amx_int8" not in _cpu_flags():
+        return False
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        return _amx_probe(path)
+    key = hashlib.sha256(f"{boot}:{os.path.realpath(path)}:{os.path.getsize(path)}".encode()).hexdigest()[:16]
+    marker = os.path.join(cache_dir(), f"amx-probe-{key}")
+    try:
+        with open(marker) as f:
+            return f.read() == "faults"
+    except OSError:
+        pass
+    faults = _amx_probe(path)
+    try:
+        with open(f"{marker}.{os.getpid()}", "w") as f:
+            f.write("faults" if faults else "runs")
+        os.replace(f"{marker}.{os.getpid()}", marker)
+    except OSError:
+        pass  # not remembered: the next start probes again
+    return faults
+
+
+def _amx_probe(path: str) -> bool:
     """Whether this CPU advertises AMX but faults on it, so llama.cpp's AMX kernels (an "extra
     buffer type" of its CPU backend, used for Q4_0, Q4_1, Q8_0 and K-quants) must not be used.
 
@@ -45,10 +74,8 @@ def amx_faults(path: str) -> bool:
     grants ``ARCH_REQ_XCOMP_PERM``, yet the first ``tilezero`` is an invalid opcode (SIGILL)
     inside ``llama_decode``. Nothing short of running a tile instruction tells, so a forked
     child loads ``path`` with the extra buffer types and decodes a few tokens; its death by
-    SIGILL is the answer. CPUs without the ``amx_int8`` flag skip the probe (no cost on AMD).
+    SIGILL is the answer.
     """
-    if "amx_int8" not in _cpu_flags():
-        return False
     pid = os.fork()
     if pid == 0:  # the probe: any failure but the instruction fault counts as "no fault"
         try:

@@ -23,4 +23,7 @@ def test_quick_run(tmp_path):
                    stdout=subprocess.DEVNULL)
     result = json.loads(out.read_text())
     assert len(result["settings"]) == 5 and all(v > 0 for row in result["settings"].values() for v in row.values())
+    # Contention before the start, while idle, from two processes: nothing fails, no engine restarts.
+    assert {"busy-start fixed tok/s", "busy2-start fixed tok/s"} <= set(result["settings"]["adaptive (default)"])
+    assert not any(result["errors"].values()) and not any(result["restarts"].values()), result
     assert result["switch"]["tokens_per_s_bins"]
