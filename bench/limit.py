@@ -31,11 +31,12 @@ def measure(model_path: str, batch: int, prompt: int, gen: int, threads: int, we
     """Run the ceiling loop once; returns figures in tokens/s and seconds."""
     import numpy as np
 
-    from engine.batch import Batch
-    from engine.model import Model
+    from engine.llama.batch import Batch
+    from engine.llama.model import Model
+    from engine.llama.weights import weights_path
 
     n_batch = max(512, batch * prompt)
-    model = Model(model_path, batch, max(256, prompt + gen + 1), n_batch, threads, weights=weights)
+    model = Model(weights_path(model_path, weights), batch, max(256, prompt + gen + 1), n_batch, threads)
     eog = np.array(sorted(model.eog), dtype=np.int64)
     b = Batch(n_batch)
     prompts = prompt_tokens(batch, prompt, model.n_vocab)
@@ -68,13 +69,14 @@ def measure_mix(model_path: str, batch: int, requests: list[tuple[list[int], int
     out: ``tokens_per_s``, as :func:`bench.policies.summarize` counts) and over the whole run."""
     import numpy as np
 
-    from engine.batch import Batch
-    from engine.model import Model
+    from engine.llama.batch import Batch
+    from engine.llama.model import Model
+    from engine.llama.weights import weights_path
 
     longest = max(len(p) + g for p, g in requests)
     n_batch = max(512, sum(sorted(len(p) for p, _ in requests)[-batch:]))
     cells = -(-(longest + 1) // 256) * 256  # llama.cpp rounds n_ctx to 256 cells
-    model = Model(model_path, batch, cells, n_batch, threads, weights=weights)
+    model = Model(weights_path(model_path, weights), batch, cells, n_batch, threads)
     eog = np.array(sorted(model.eog), dtype=np.int64)
     b = Batch(n_batch)
     queue = list(reversed(requests))

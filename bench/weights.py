@@ -22,11 +22,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def log_probs(model_path: str, weights: str, tokens: np.ndarray) -> np.ndarray:
     """Log-softmax of the logits at every position of ``tokens``, shape ``[n, n_vocab]``."""
-    from engine.batch import Batch
-    from engine.model import Model
+    from engine.llama.batch import Batch
+    from engine.llama.model import Model
+    from engine.llama.weights import weights_path
 
     n = len(tokens)
-    model = Model(model_path, 1, -(-(n + 1) // 256) * 256, 64, len(os.sched_getaffinity(0)), weights=weights)
+    model = Model(weights_path(model_path, weights), 1, -(-(n + 1) // 256) * 256, 64, len(os.sched_getaffinity(0)))
     batch, out = Batch(64), []
     try:
         for start in range(0, n, 63):

@@ -13,13 +13,14 @@ Many streams are read together with :func:`engine.stream.follow`. Errors are tho
 """
 from __future__ import annotations
 
+import functools
 import socket
 from typing import Sequence as Seq
 
 import numpy as np
 
 from engine.errors import ClientDisconnected, EngineUnavailable, RateLimited, Saturated, ShuttingDown
-from engine.request import EngineRequest, Priority, SamplingParams
+from engine.request import EngineRequest, Priority, SamplingParams, extras_room
 from engine.stream import Stream
 from shm.buckets import SharedBuckets
 from shm.control import Snapshot
@@ -42,6 +43,7 @@ class EngineClient:
     def __init__(self, transport: Transport):
         self.t = transport
         self.max_seq_len = transport.layout.max_seq_len
+        self.max_extras_bytes = extras_room(transport.layout.record_bytes, self.max_seq_len)
         self.max_slots = transport.layout.max_slots
 
     @classmethod
@@ -68,7 +70,8 @@ class EngineClient:
     def check(self, prompt_ids: Seq[int], params: SamplingParams) -> None:
         """Raise what :meth:`submit` would for a request that cannot fit (InvalidRequest,
         PromptTooLong), without submitting anything (the same check, ``EngineRequest.resolved``)."""
-        EngineRequest(np.asarray(prompt_ids, dtype=np.int32), params).resolved(self.max_seq_len)
+        EngineRequest(np.asarray(prompt_ids, dtype=np.int32), params).resolved(self.max_seq_len,
+                                                                              self.max_extras_bytes)
 
     def submit(self, prompt_ids: Seq[int], params: SamplingParams, *, priority: Priority = Priority.NORMAL,
                deadline_ms: float | None = None, tenant: int = 0, weight: float = 1.0,
@@ -89,7 +92,7 @@ class EngineClient:
         """
         request = EngineRequest(np.asarray(prompt_ids, dtype=np.int32), params, Priority(priority),
                                 EngineRequest.deadline_after(deadline_ms), tenant, weight
-                                ).resolved(self.max_seq_len)
+                                ).resolved(self.max_seq_len, self.max_extras_bytes)
         if watch_socket is not None and hung_up(watch_socket):
             # A request read from a pipeline after its client left must not be decoded.
             raise ClientDisconnected("client closed the connection before its request was queued")
@@ -104,7 +107,8 @@ class EngineClient:
                               1.0, kind="concurrency") from None
         if lease is None:
             raise Saturated(retry_after=1)
-        self.t.mailboxes.submit(lease, len(request.prompt), request.encode)
+        self.t.mailboxes.submit(lease, len(request.prompt),
+                                functools.partial(request.encode, max_seq_len=self.max_seq_len))
         return Stream(self.t.mailboxes, lease, len(request.prompt), params.logprobs, watch_socket)
 
     @property

@@ -71,6 +71,8 @@ class EngineConfig:
         step_log: file the engine appends its step records to (:mod:`engine.steplog`); "" none.
         weights: the weight format computed with, one of :data:`WEIGHTS`
             (``auto``: Q4_1 and Q5_1 files are converted to Q8_0 once; see that module).
+        max_request_extras_bytes: bound of a request record's variable section (its
+            ``logit_bias``, later a constraint; :mod:`engine.request`); every ring record holds it.
     """
 
     model_path: str = field(default_factory=default_model_path)
@@ -85,12 +87,14 @@ class EngineConfig:
     metrics: bool = False
     step_log: str = ""
     weights: str = "auto"
+    max_request_extras_bytes: int = 32768
 
     def __post_init__(self):
         if self.policy not in POLICIES:
             raise ConfigError(f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
         for name, low in (("max_slots", 1), ("max_seq_len", 8), ("max_queued", 0),
-                          ("n_batch", 1), ("n_threads", 0), ("prefix_cache_tokens", 0)):
+                          ("n_batch", 1), ("n_threads", 0), ("prefix_cache_tokens", 0),
+                          ("max_request_extras_bytes", 0)):
             if getattr(self, name) < low:
                 raise ConfigError(f"{name} must be >= {low}, got {getattr(self, name)}")
         if self.max_slots > 256:
@@ -118,8 +122,8 @@ class EngineConfig:
 
     def layout(self) -> Layout:
         """The shared-memory layout this engine needs (:class:`shm.layout.Layout`)."""
-        return Layout(self.max_slots, self.n_mailboxes, self.max_seq_len, record_bytes(self.max_seq_len),
-                      self.cache_streams)
+        return Layout(self.max_slots, self.n_mailboxes, self.max_seq_len,
+                      record_bytes(self.max_seq_len, self.max_request_extras_bytes), self.cache_streams)
 
 
 def default_threads() -> int:

@@ -1,10 +1,12 @@
 """The engine loop: one thread stepping continuous batching over llama.cpp (docs/architecture.md,
 "Engine step").
 
-One :meth:`EngineCore.step` is the phases of llama.cpp's server loop, in order::
+One :meth:`EngineCore.step` is the phases of llama.cpp's server loop, in order, with the
+middle planned as a value (vLLM v1's ``schedule() -> execute_model() -> update_from_output()``)::
 
-    ingest -> expire -> admit (+ reuse a cached prefix) -> compact -> batch -> decode
-           -> sample + publish -> retire (+ keep the cells in the prefix cache)
+    ingest -> expire -> schedule (admit + reuse a cached prefix, compact, plan the batch)
+           -> execute (moves, batch, decode) -> sample + publish
+           -> retire (+ keep the cells in the prefix cache)
 """
 from __future__ import annotations
 
@@ -13,15 +15,16 @@ import time
 
 import numpy as np
 
-from engine.batch import Batch, lone_tokens
 from engine.config import EngineConfig
-from engine.model import DecodeError, Model
+from engine.llama.batch import Batch
+from engine.llama.model import DecodeError, Model
+from engine.llama.sampler import Sampler, logprobs
 from engine.prefix_cache import PrefixCache, common_prefix
-from engine.request import EngineRequest
-from engine.sampler import Sampler, logprobs
+from engine.request import EngineRequest, RequestKind
 from engine.scheduler import Scheduler
-from engine.steplog import StepLog
 from engine.sequence import Sequence
+from engine.step_plan import StepPlan
+from engine.steplog import StepLog
 from engine.threads import SAMPLE_S, AdaptiveThreads
 from shm import ErrorCode, Finish, Published
 from shm.transport import Transport
@@ -32,15 +35,6 @@ log = logging.getLogger("engine")
 #: Shortest prefix worth reusing. Copying a stream costs about as much as prefilling this many
 #: tokens (measured: 5 ms per 2048-cell stream of SmolLM2-135M; docs/architecture.md).
 MIN_REUSE_TOKENS = 8
-#: Prompt tokens one sequence prefills per step. llama.cpp's CPU flash attention takes a tiled
-#: path for 64 or more query rows of one sequence (GGML_FA_TILE_Q, ggml-cpu/ops.cpp), whose
-#: results differ from its row-by-row path: a prompt's KV cells would then depend on how it was
-#: chunked, and a reused prefix would change greedy output (docs/architecture.md, "Prefix cache").
-MAX_CHUNK_TOKENS = 63
-#: A single-token micro-batch of one sequence whose KV view reaches 512 cells takes llama.cpp's
-#: split-KV flash-attention path, which sums in another order unless it runs on one thread.
-#: The view is the used cells rounded up to 256, so it reaches 512 past 256 tokens.
-SPLIT_KV_AFTER_TOKENS = 256
 #: Decodes of at least this many tokens report progress from inside llama.cpp (a heartbeat per
 #: graph node, Model.on_progress), so the supervisor's watchdog does not take a long prefill step
 #: under contention for a hung engine. Smaller decodes last milliseconds, and there the hook's
@@ -52,7 +46,9 @@ class EngineCore:
     """Owns the scheduler and the batch; talks to the front ends only through the transport.
 
     Args:
-        config: sizes and policy. transport: attached shared memory. model: loaded llama.cpp model.
+        config: sizes and policy. transport: attached shared memory. model: loaded llama.cpp
+        model; its backend profile sets the prefill chunk, the one-thread rule and whether
+        threads adapt (:mod:`engine.llama.backend`).
     """
 
     def __init__(self, config: EngineConfig, transport: Transport, model: Model):
@@ -60,7 +56,8 @@ class EngineCore:
         self.t = transport
         self.boxes = transport.mailboxes
         self.model = model
-        self.sched = Scheduler(config.max_slots, config.policy, config.aging_s)
+        self.backend = model.backend
+        self.sched = Scheduler(config.max_slots, config.policy, config.aging_s, config.n_batch, self.backend)
         self.batch = Batch(config.n_batch)
         self.cache = PrefixCache(config.max_slots, config.cache_streams, config.prefix_cache_tokens) \
             if config.cache_streams else None
@@ -69,8 +66,10 @@ class EngineCore:
         self.holds_for_prefixes = self.cache is not None and config.policy == "continuous"
         self.stopping = False
         self.step_no = transport.control.step
-        # n_threads 0: adapt to what other processes leave free (engine/threads.py).
-        self.adaptive = AdaptiveThreads(config.threads) if config.n_threads == 0 else None
+        # n_threads 0: adapt to what other processes leave free (engine/threads.py), where the
+        # backend's compute runs on the CPUs.
+        self.adaptive = AdaptiveThreads(config.threads) \
+            if config.n_threads == 0 and self.backend.adaptive_threads else None
         model.on_progress(transport.control.beat)
         self.step_log = StepLog(config.step_log) if config.step_log else None
         self.cancelled: list[tuple[int, int]] = []  # (mailbox, lease) cancelled this step, for the step log
@@ -93,25 +92,39 @@ class EngineCore:
         self.stopping = True
 
     def step(self) -> None:
-        """One iteration: every phase once, at most one ``llama_decode``."""
+        """One iteration: schedule, execute, sample and publish, retire; at most one decode."""
         self.step_no += 1
         now = time.monotonic()
         self.ingest(now)
         self.expire(now)
-        for seq in self.sched.admit(now, hold=self.awaits_prefix if self.holds_for_prefixes else lambda seq: False):
-            self.start(seq, now)
-        self.compact()
-        rows, one_thread = self.fill_batch()
-        sampled = bool(self.batch.n) and self.decode(one_thread)
-        if sampled:
-            self.sample_and_publish(rows, time.monotonic())
-            if self.observe_step is not None:
-                self.observe_step(self.batch.n_seqs, self.batch.n)
+        plan = self.sched.schedule(now, lambda seq: self.start(seq, now),
+                                   self.awaits_prefix if self.holds_for_prefixes else None)
+        rows = self.execute(plan)
+        for seq, reason in self.sample_and_publish(rows, time.monotonic()):
+            self.retire(seq, reason)
         self.publish_control()
         if self.step_log is not None:
-            self.step_log.write(self.step_no, now, [(s.mailbox, s.lease) for s, _ in rows] if sampled else [],
-                                self.cancelled)
+            self.step_log.write(self.step_no, now, [(s.mailbox, s.lease) for s, _ in rows], self.cancelled)
         self.cancelled = []
+
+    def execute(self, plan: StepPlan) -> list[tuple[Sequence, int]]:
+        """Apply ``plan`` to llama.cpp: its slot moves, then its batch in one decode.
+
+        Returns:
+            ``(sequence, logits row)`` for every sequence that samples after the decode; empty
+            when nothing was decoded or the decode failed (its sequences then finished).
+        """
+        for seq, src, dst in plan.moves:
+            self.model.move_sequence(src, dst)
+            self.boxes.move(seq.mailbox, dst)
+            self.t.control.count_kv_move()
+        self.batch.clear()
+        rows = [(r.seq, self.batch.add(r.tokens, r.pos, r.seq.slot, r.samples), r.samples) for r in plan.rows]
+        if not self.batch.n or not self.decode(plan.single_thread):
+            return []
+        if self.observe_step is not None:
+            self.observe_step(self.batch.n_seqs, self.batch.n)
+        return [(seq, row) for seq, row, samples in rows if samples]
 
     def decode(self, one_thread: bool = False) -> bool:
         """One ``llama_decode`` (on one thread if asked); on failure, the batch's sequences
@@ -135,13 +148,23 @@ class EngineCore:
         for rec in self.t.ring.pop_all():
             if not self.boxes.is_queued(rec.mailbox, rec.lease):
                 continue  # the lease was reclaimed or failed meanwhile
-            request = EngineRequest.decode(rec.payload)
-            n, m = len(request.prompt), request.sampling.max_new_tokens or 0
-            # Defensive: the client checked the length; a corrupt record must not reach llama.cpp.
-            if not (1 <= n < self.config.max_seq_len and m >= 1 and n + m <= self.config.max_seq_len):
+            try:
+                request = EngineRequest.decode(rec.payload, self.config.max_seq_len)
+            except ValueError:  # a corrupt variable section
+                request = None
+            if request is None or not self.servable(request):
                 self.boxes.finish(rec.mailbox, rec.lease, Finish.ERROR, ErrorCode.BAD_REQUEST, self.step_no)
                 continue
             self.sched.add(Sequence(rec.mailbox, rec.lease, request, now))
+
+    def servable(self, request: EngineRequest) -> bool:
+        """Defensive: the client checked the request; a corrupt record must not reach llama.cpp
+        (a length beyond the slot, a biased token outside the vocabulary), and a kind this engine
+        does not serve yet (scoring) is refused."""
+        n, m = len(request.prompt), request.sampling.max_new_tokens or 0
+        return (request.kind == RequestKind.GENERATE
+                and 1 <= n < self.config.max_seq_len and m >= 1 and n + m <= self.config.max_seq_len
+                and all(0 <= t < self.model.n_vocab for t, _ in request.sampling.logit_bias))
 
     def expire(self, now: float) -> None:
         """Finish sequences whose client cancelled or whose deadline passed."""
@@ -181,14 +204,14 @@ class EngineCore:
         prefilling a prefix they share, at least a chunk of which it has still to prefill, and is
         already at least as far into it as ``seq`` would start (what the cache holds): admitted
         now, ``seq`` would prefill the same tokens
-        beside it, no sooner (both take :data:`MAX_CHUNK_TOKENS` a step); admitted once they
+        beside it, no sooner (both take the backend's ``max_chunk_tokens`` a step); admitted once they
         are in the KV cache, it copies them. Sixteen requests with one new system prompt then
         prefill it once, not sixteen times."""
         resident = None
         for other in self.sched.running.values():
             if other.prefilling and other.request.tenant == seq.request.tenant:
                 shared = common_prefix(other.prompt, seq.prompt)
-                if shared - other.n_past < MAX_CHUNK_TOKENS:
+                if shared - other.n_past < self.backend.max_chunk_tokens:
                     continue  # less than a step's chunk to gain: not worth a step's wait
                 if resident is None:
                     resident = self.cache.lookup(seq.request.tenant, seq.prompt, touch=False)[1]
@@ -215,53 +238,13 @@ class EngineCore:
         seq.n_prefilled = seq.n_past = seq.n_cached = n
         self.t.control.count_prefix_hit(n)
 
-    def compact(self) -> None:
-        """Close gaps in the running slots (admissions fill them first) by moving the highest
-        sequence down, so the batch's sequence ids stay consecutive: one micro-batch."""
-        while (gap := self.sched.gap()) is not None:
-            seq, slot = gap
-            self.model.move_sequence(seq.slot, slot)
-            self.sched.move(seq, slot)
-            self.boxes.move(seq.mailbox, slot)
-            self.t.control.count_kv_move()
-
-    def fill_batch(self) -> tuple[list[tuple[Sequence, int]], bool]:
-        """One token per decoding sequence, then prompt chunks (chunked prefill) of at most
-        :data:`MAX_CHUNK_TOKENS` in admission order, within ``n_batch`` tokens; rows are laid
-        out in ascending slot order (see :meth:`compact`).
+    def sample_and_publish(self, rows: list[tuple[Sequence, int]], now: float) -> list[tuple[Sequence, Finish]]:
+        """Sample one token per row and publish every token to its mailbox (one wake-up each).
 
         Returns:
-            ``(sequence, logits row)`` for every sequence that samples after this decode, and
-            whether the decode must run on one thread (see :data:`SPLIT_KV_AFTER_TOKENS`).
+            the sequences that finished (a stop or end-of-generation token, or their length),
+            for :meth:`retire`.
         """
-        room = self.batch.capacity
-        plan = []  # (sequence, tokens, first position, samples after this decode)
-        running = sorted(self.sched.running.values(), key=lambda s: s.order)
-        for seq in running:
-            if not seq.prefilling and room:
-                plan.append((seq, np.array([seq.last_token], np.int32), len(seq.prompt) + seq.n_generated - 1, True))
-                room -= 1
-        for seq in running:
-            if seq.prefilling and room:
-                k = min(len(seq.prompt) - seq.n_prefilled, room, MAX_CHUNK_TOKENS)
-                start, done = seq.n_prefilled, seq.n_prefilled + k == len(seq.prompt)
-                plan.append((seq, seq.prompt[start:start + k], start, done))
-                seq.n_prefilled += k
-                self.sched.charge(seq, k)
-                room -= k
-        self.batch.clear()
-        rows = []
-        for seq, tokens, pos, samples in sorted(plan, key=lambda p: p[0].slot):
-            row = self.batch.add(tokens, pos, seq.slot, samples)
-            seq.n_past = pos + len(tokens)
-            if samples:
-                rows.append((seq, row))
-        lone = lone_tokens({seq.slot: len(tokens) for seq, tokens, _, _ in plan}, self.batch.capacity)
-        return rows, any(self.sched.running[slot].n_past > SPLIT_KV_AFTER_TOKENS for slot in lone)
-
-    def sample_and_publish(self, rows: list[tuple[Sequence, int]], now: float) -> None:
-        """Sample one token per row, publish every token to its mailbox (one wake-up each), then
-        retire the sequences that finished."""
         published, finished = [], []
         for seq, row in rows:
             tok = seq.sampler.sample(self.model.ctx, row)
@@ -278,8 +261,7 @@ class EngineCore:
             if seq.n_generated >= sampling.max_new_tokens:
                 finished.append((seq, Finish.LENGTH))
         self.boxes.publish(published, now)
-        for seq, reason in finished:
-            self.retire(seq, reason)
+        return finished
 
     def retire(self, seq: Sequence, finish: Finish, error: ErrorCode = ErrorCode.NONE) -> None:
         """Keep the sequence's KV cells in the prefix cache (unless its decode failed), free its

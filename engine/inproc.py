@@ -22,12 +22,11 @@ class InprocEngine:
 
     def __init__(self, config: EngineConfig):
         from engine.core import EngineCore  # llama.cpp loads only where an engine runs
-        from engine.model import Model
+        from engine.llama.model import Model
 
         self.transport = Transport.create(config.layout())
         try:
-            self.model = Model(config.model_path, config.max_slots, config.max_seq_len, config.n_batch,
-                               config.threads, config.cache_streams, config.weights)
+            self.model = Model.from_config(config)
         except BaseException:
             self.transport.close()
             raise

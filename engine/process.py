@@ -30,18 +30,17 @@ def main(argv: list[str]) -> int:
     # Imported here: llama.cpp (and its OpenMP runtime) must load after the environment the
     # supervisor prepared, and only in this process.
     from engine.core import EngineCore
-    from engine.model import Model
+    from engine.llama.model import Model
 
-    model = Model(config.model_path, config.max_slots, config.max_seq_len, config.n_batch, config.threads,
-                  config.cache_streams, config.weights)
+    model = Model.from_config(config)
     core = EngineCore(config, transport, model)
     signal.signal(signal.SIGTERM, lambda *_: core.stop())
     # Ctrl-C reaches the whole process group; the supervisor stops the engine (SIGTERM) when
     # the server stops, so the engine outlives no server and no server loses its engine early.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     control.set_state(EngineState.READY)
-    logging.info("ready: %d slots x %d tokens, policy %s, %d threads, weights %s",
-                 config.max_slots, config.max_seq_len, config.policy, config.threads, model.path)
+    logging.info("ready: %d slots x %d tokens, policy %s, %d threads, %s backend, weights %s",
+                 config.max_slots, config.max_seq_len, config.policy, config.threads, model.backend.name, model.path)
     state = EngineState.DEAD
     try:
         core.run()

@@ -4,7 +4,13 @@
 :class:`EngineRequest` through the request ring, and read by ``engine/sampler.py``. Its wire
 form is derived from the fields (their ``wire`` metadata), so adding a sampler option touches
 this class, its parser and the sampler, nothing else. As vLLM v1 carries one ``SamplingParams``
-inside ``EngineCoreRequest``; the fixed-size record replaces its msgpack.
+inside ``EngineCoreRequest``; the record replaces its msgpack.
+
+A record has a fixed part (numbers, the prompt's token ids) and a bounded variable section
+(``extras``): fields declared ``wire="blob"`` (``logit_bias`` today; a constraint's source next)
+travel there as one JSON object, length-prefixed. Its bound is set at start-up
+(``EngineConfig.max_request_extras_bytes``, sized into the ring as the rest is), and a request
+that needs more is refused before it is queued (:meth:`EngineRequest.resolved`).
 """
 from __future__ import annotations
 
@@ -24,6 +30,8 @@ from shm.layout import MAX_TOP_LOGPROBS
 MAX_STOP_IDS = 8
 #: Largest ``max_new_tokens`` / ``top_k`` accepted (int32 on the wire).
 INT32_MAX = 2**31 - 1
+#: Bounds of a ``logit_bias`` value (OpenAI's API reference: -100 bans, 100 forces).
+LOGIT_BIAS_BOUNDS = {"lo": -100, "hi": 100}
 #: Seeds are reduced modulo this, so none becomes 0xFFFFFFFF: llama.cpp's ``LLAMA_DEFAULT_SEED``,
 #: which means "a random seed" and would make a seeded request irreproducible.
 SEED_MODULUS = 2**32 - 1
@@ -33,6 +41,13 @@ def reduce_seed(seed: int) -> int:
     """Any integer seed (OpenAI allows the signed 64-bit range) as a reproducible llama.cpp
     seed in ``[0, 2**32 - 2]``."""
     return seed % SEED_MODULUS
+
+
+class RequestKind(IntEnum):
+    """What the engine does with a request (the record's ``kind``)."""
+
+    GENERATE = 0  #: sample tokens after the prompt
+    SCORE = 1  #: the prompt's per-position log-probabilities (refused until scoring is built)
 
 
 class Priority(IntEnum):
@@ -61,13 +76,18 @@ def _field(default, wire: str, lo=None, hi=None, lo_open: bool = False):
     """A field with its wire type and its bounds (``lo``/``hi`` None: unbounded).
 
     ``wire`` is a numpy dtype string: ``i4``/``i8``/``f4`` (a number; None encodes as -1),
-    ``?`` (a bool), or ``(N,)i4`` (a tuple of at most N ints, with a count field ``n_<name>``).
+    ``?`` (a bool), or ``(N,)i4`` (a tuple of at most N ints, with a count field ``n_<name>``);
+    or ``blob``: any JSON-able value, carried in the record's variable section (module doc).
     """
     return field(default=default, metadata={"wire": wire, "bounds": (lo, hi, lo_open)})
 
 
 def _is_array(f) -> bool:
     return f.metadata["wire"].startswith("(")
+
+
+def _is_blob(f) -> bool:
+    return f.metadata["wire"] == "blob"
 
 
 def shown(value, limit: int = 40) -> str:
@@ -109,6 +129,8 @@ class SamplingParams:
         ignore_eos: never sample end-of-generation tokens (fixed-length benchmarks).
         logprobs: None, or k in 0..20: return the sampled token's log-probability and the top-k.
         stop_ids: extra token ids that end the sequence (EOS/EOG always do unless ignore_eos).
+        logit_bias: ``((token id, bias), ...)`` added to those tokens' logits before sampling,
+            bias in [-100, 100] (OpenAI's ``logit_bias``; llama.cpp's logit-bias sampler).
     Raises:
         InvalidRequest: a value out of its bounds (the same bounds the HTTP parser checks).
     """
@@ -126,11 +148,15 @@ class SamplingParams:
     ignore_eos: bool = _field(False, "?")
     logprobs: int | None = _field(None, "i1", 0, MAX_TOP_LOGPROBS)
     stop_ids: tuple[int, ...] = _field((), f"({MAX_STOP_IDS},)i4")
+    logit_bias: tuple[tuple[int, float], ...] = _field((), "blob")
 
     def __post_init__(self):
         for f in fields(self):
             value, wire = getattr(self, f.name), f.metadata["wire"]
-            if _is_array(f):
+            if f.name == "logit_bias":
+                value = tuple((check_number("logit_bias", t, lo=0, integer=True),
+                               check_number("logit_bias", b, **LOGIT_BIAS_BOUNDS)) for t, b in value)
+            elif _is_array(f):
                 size = np.dtype(wire).shape[0]
                 if len(value) > size:
                     raise InvalidRequest(f"{f.name} holds at most {size} values, got {len(value)}", f.name)
@@ -153,15 +179,24 @@ class SamplingParams:
         """``(name, dtype)`` of each field in the record, and the count of each tuple field."""
         out = []
         for f in fields(SamplingParams):
+            if _is_blob(f):
+                continue
             out.append((f.name, f.metadata["wire"]))
             if _is_array(f):
                 out.append((f"n_{f.name}", "i4"))
         return out
 
+    def extras(self) -> dict:
+        """The ``blob`` fields that differ from their defaults (the variable section's content)."""
+        return {f.name: getattr(self, f.name) for f in fields(self)
+                if _is_blob(f) and getattr(self, f.name) != f.default}
+
     def encode(self, rec) -> None:
-        """Write into a record with :meth:`wire_fields` (None as -1)."""
+        """Write the fixed fields into a record with :meth:`wire_fields` (None as -1)."""
         for f in fields(self):
             value = getattr(self, f.name)
+            if _is_blob(f):
+                continue
             if _is_array(f):
                 rec[f.name][:len(value)] = value
                 rec[f"n_{f.name}"] = len(value)
@@ -169,11 +204,16 @@ class SamplingParams:
                 rec[f.name] = -1 if value is None else value
 
     @classmethod
-    def decode(cls, rec) -> "SamplingParams":
-        """Inverse of :meth:`encode` (skips validation: the front end validated it)."""
+    def decode(cls, rec, extras: dict) -> "SamplingParams":
+        """Inverse of :meth:`encode` and :meth:`extras` (skips validation: the front end
+        validated it)."""
         obj = object.__new__(cls)
         for f in fields(cls):
-            if _is_array(f):
+            if _is_blob(f):
+                value = extras.get(f.name, f.default)
+                if f.name == "logit_bias":
+                    value = tuple((int(t), float(b)) for t, b in value)
+            elif _is_array(f):
                 value = tuple(rec[f.name][:int(rec[f"n_{f.name}"])].tolist())
             else:
                 value = rec[f.name].item()
@@ -192,6 +232,7 @@ class EngineRequest:
         sampling: the sampler's settings; ``max_new_tokens`` is resolved (never None) on the wire.
         priority: admission class. deadline: ``time.monotonic()`` seconds, 0 = none.
         tenant, weight: fair-share identity and weight (VTC).
+        kind: what to do with it (:class:`RequestKind`).
     """
 
     prompt: np.ndarray
@@ -200,37 +241,49 @@ class EngineRequest:
     deadline: float = 0.0
     tenant: int = 0
     weight: float = 1.0
+    kind: RequestKind = RequestKind.GENERATE
 
     @staticmethod
     @functools.lru_cache(maxsize=8)
-    def wire_dtype(max_seq_len: int) -> np.dtype:
-        """The payload of one request-ring record for sequences of ``max_seq_len`` tokens."""
-        return np.dtype([("tenant", "i8"), ("weight", "f4"), ("priority", "i1"), ("deadline", "f8"),
-                         *SamplingParams.wire_fields(),
-                         ("n_prompt", "i4"), ("prompt", "i4", (max_seq_len,))])
+    def wire_dtype(max_seq_len: int, extras_bytes: int = 0) -> np.dtype:
+        """The payload of one request-ring record for sequences of ``max_seq_len`` tokens and a
+        variable section of at most ``extras_bytes``."""
+        return np.dtype([("tenant", "i8"), ("weight", "f4"), ("priority", "i1"), ("kind", "i1"),
+                         ("deadline", "f8"), *SamplingParams.wire_fields(),
+                         ("n_prompt", "i4"), ("prompt", "i4", (max_seq_len,)),
+                         ("n_extras", "i4"), ("extras", "u1", (extras_bytes,))])
 
-    def encode(self, payload: np.ndarray) -> None:
+    def extras(self) -> bytes:
+        """The variable section's bytes: the ``blob`` fields as one JSON object (b"" if none)."""
+        blobs = self.sampling.extras()
+        return json.dumps(blobs, separators=(",", ":")).encode() if blobs else b""
+
+    def encode(self, payload: np.ndarray, max_seq_len: int) -> None:
         """Write this request into a record's payload bytes (``uint8 [wire_dtype.itemsize]``)."""
-        rec = payload.view(self.wire_dtype((len(payload) - self._header_bytes()) // 4))[0]
-        rec["tenant"], rec["weight"], rec["priority"], rec["deadline"] = (
-            self.tenant, self.weight, self.priority, self.deadline)
+        rec = payload.view(self.wire_dtype(max_seq_len, extras_room(len(payload), max_seq_len)))[0]
+        rec["tenant"], rec["weight"], rec["priority"], rec["kind"], rec["deadline"] = (
+            self.tenant, self.weight, self.priority, self.kind, self.deadline)
         self.sampling.encode(rec)
         rec["n_prompt"] = len(self.prompt)
         rec["prompt"][:len(self.prompt)] = self.prompt
+        extras = self.extras()
+        rec["n_extras"] = len(extras)
+        rec["extras"][:len(extras)] = np.frombuffer(extras, np.uint8)
 
     @classmethod
-    def decode(cls, payload: np.ndarray) -> "EngineRequest":
-        """Inverse of :meth:`encode`; the prompt is copied out."""
-        rec = payload.view(cls.wire_dtype((len(payload) - cls._header_bytes()) // 4))[0]
-        n = int(rec["n_prompt"])
-        return cls(prompt=np.array(rec["prompt"][:n], dtype=np.int32),
-                   sampling=SamplingParams.decode(rec), priority=Priority(int(rec["priority"])),
-                   deadline=float(rec["deadline"]), tenant=int(rec["tenant"]),
-                   weight=float(rec["weight"]))
+    def decode(cls, payload: np.ndarray, max_seq_len: int) -> "EngineRequest":
+        """Inverse of :meth:`encode`; the prompt is copied out.
 
-    @staticmethod
-    def _header_bytes() -> int:
-        return EngineRequest.wire_dtype(0).itemsize
+        Raises:
+            ValueError: a variable section that is not the JSON :meth:`extras` writes.
+        """
+        rec = payload.view(cls.wire_dtype(max_seq_len, extras_room(len(payload), max_seq_len)))[0]
+        n, n_extras = int(rec["n_prompt"]), int(rec["n_extras"])
+        extras = json.loads(rec["extras"][:n_extras].tobytes()) if n_extras else {}
+        return cls(prompt=np.array(rec["prompt"][:n], dtype=np.int32),
+                   sampling=SamplingParams.decode(rec, extras), priority=Priority(int(rec["priority"])),
+                   deadline=float(rec["deadline"]), tenant=int(rec["tenant"]),
+                   weight=float(rec["weight"]), kind=RequestKind(int(rec["kind"])))
 
     @staticmethod
     def deadline_after(deadline_ms: float | None) -> float:
@@ -244,16 +297,23 @@ class EngineRequest:
         ms = check_number("deadline_ms", deadline_ms, **DEADLINE_MS_BOUNDS)
         return time.monotonic() + ms / 1000.0
 
-    def resolved(self, max_seq_len: int) -> "EngineRequest":
-        """This request with ``max_new_tokens`` resolved against ``max_seq_len``.
+    def resolved(self, max_seq_len: int, extras_bytes: int | None = None) -> "EngineRequest":
+        """This request with ``max_new_tokens`` resolved against ``max_seq_len``, checked to fit
+        a record whose variable section holds ``extras_bytes`` (None: unchecked).
 
         Raises:
-            InvalidRequest: empty prompt. PromptTooLong: the prompt (plus ``max_new_tokens``)
-            does not fit one sequence.
+            InvalidRequest: empty prompt, or a variable section larger than ``extras_bytes``
+            (naming the largest ``blob`` field). PromptTooLong: the prompt (plus
+            ``max_new_tokens``) does not fit one sequence.
         """
         n, max_new = len(self.prompt), self.sampling.max_new_tokens
         if n < 1:
             raise InvalidRequest("prompt is empty", "prompt")
+        if extras_bytes is not None and len(extras := self.extras()) > extras_bytes:
+            blobs = self.sampling.extras()
+            name = max(blobs, key=lambda k: len(json.dumps(blobs[k])))
+            raise InvalidRequest(f"{name} needs {len(extras)} bytes of the request's variable section; this "
+                                 f"server carries at most {extras_bytes} (--max-request-extras-bytes)", name)
         if n > max_seq_len - 1:
             raise PromptTooLong(n, max_seq_len)
         if max_new is None:
@@ -267,6 +327,12 @@ class EngineRequest:
 DEADLINE_MS_BOUNDS = {"lo": 0, "hi": 1e9, "lo_open": True}
 
 
-def record_bytes(max_seq_len: int) -> int:
+def record_bytes(max_seq_len: int, extras_bytes: int = 0) -> int:
     """Payload size of a request-ring record (``shm.layout.Layout.record_bytes``)."""
-    return EngineRequest.wire_dtype(max_seq_len).itemsize
+    return EngineRequest.wire_dtype(max_seq_len, extras_bytes).itemsize
+
+
+def extras_room(payload_bytes: int, max_seq_len: int) -> int:
+    """The variable section's bound in a record of ``payload_bytes`` (inverse of
+    :func:`record_bytes`)."""
+    return payload_bytes - record_bytes(max_seq_len)

@@ -1,4 +1,6 @@
-"""Admission policy: which waiting sequences get the free KV slots (docs/architecture.md, "Engine step").
+"""The scheduler: which waiting sequences get the free KV slots, and what each step's batch holds
+(docs/architecture.md, "Engine step"). :meth:`Scheduler.schedule` returns the step as a
+:class:`engine.step_plan.StepPlan`.
 
 Order in ``continuous``: priority class (``high`` > ``normal`` > ``low``), then earliest
 deadline, then tenant fair share, then arrival. Fair share follows the Virtual Token Counter of
@@ -14,22 +16,30 @@ import bisect
 import math
 from typing import Callable
 
-from engine.sequence import Sequence
+import numpy as np
+
+from engine.llama.backend import CPU, Backend
+from engine.llama.batch import lone_tokens
+from engine.sequence import Sequence, SequenceStatus
+from engine.step_plan import PlannedRow, StepPlan
 
 
 class Scheduler:
-    """Waiting queue, slot table and per-tenant virtual counters.
+    """Waiting queue, slot table, per-tenant virtual counters, and the plan of each step.
 
     Args:
         max_slots: number of KV slots (slot id = llama ``seq_id``).
         policy: ``continuous`` (admit whenever a slot is free), ``static`` (admit only into an
             empty batch) or ``fifo`` (one sequence at a time, arrival order).
         aging_s: seconds of waiting per priority-class promotion.
+        n_batch: tokens one step's batch holds (decode tokens + prefill chunks).
+        backend: the device profile (its prefill chunk and one-thread rule).
     """
 
-    def __init__(self, max_slots: int, policy: str, aging_s: float):
+    def __init__(self, max_slots: int, policy: str, aging_s: float, n_batch: int = 512, backend: Backend = CPU):
         self.policy = policy
         self.aging_s = aging_s
+        self.n_batch, self.backend = n_batch, backend
         self.waiting: list[Sequence] = []
         self.running: dict[int, Sequence] = {}
         self.free_slots = list(range(max_slots))  # kept sorted: the lowest is taken first
@@ -69,6 +79,54 @@ class Scheduler:
         r = seq.request
         return (ranks[r.priority], r.deadline or math.inf, self.counters.get(r.tenant, 0.0), seq.order)
 
+    def schedule(self, now: float, on_admit: Callable[[Sequence], None],
+                 hold: Callable[[Sequence], bool] | None = None) -> StepPlan:
+        """Plan one step: admit waiting sequences (``on_admit`` binds each one's KV cells and
+        sampler as it is admitted, so a prefix it reuses is known before the batch is planned),
+        close gaps in the running slots, then fill the batch: one token per decoding sequence,
+        then prompt chunks of at most ``backend.max_chunk_tokens`` in admission order, within
+        ``n_batch`` tokens (chunked prefill; each token charged to its tenant's counter).
+        ``hold``: see :meth:`admit`."""
+        plan = StepPlan(admitted=self.admit(now, hold or (lambda seq: False)))
+        for seq in plan.admitted:
+            on_admit(seq)
+        while (gap := self.gap()) is not None:
+            seq, slot = gap
+            plan.moves.append((seq, seq.slot, slot))
+            self.move(seq, slot)
+        room = self.n_batch
+        running = sorted(self.running.values(), key=lambda s: s.order)
+        for seq in running:
+            if seq.status == SequenceStatus.DECODE and room:
+                n = len(seq.prompt) + seq.n_generated - 1
+                plan.rows.append(PlannedRow(seq, np.array([seq.last_token], np.int32), n, True))
+                room -= 1
+        for seq in running:
+            if seq.status == SequenceStatus.PREFILL and room:
+                k = min(len(seq.prompt) - seq.n_prefilled, room, self.backend.max_chunk_tokens)
+                start = seq.n_prefilled
+                seq.n_prefilled += k
+                done = seq.n_prefilled == len(seq.prompt)
+                plan.rows.append(PlannedRow(seq, seq.prompt[start:start + k], start, done))
+                if done:
+                    seq.status = SequenceStatus.DECODE
+                self.charge(seq, k)
+                room -= k
+        plan.rows.sort(key=lambda r: r.seq.slot)
+        for row in plan.rows:
+            row.seq.n_past = row.pos + len(row.tokens)
+        plan.single_thread = self._single_thread(plan)
+        return plan
+
+    def _single_thread(self, plan: StepPlan) -> bool:
+        """Whether a sequence past ``backend.split_kv_after_tokens`` decodes a micro-batch of
+        its one token alone (the backend's split-KV rule)."""
+        limit = self.backend.split_kv_after_tokens
+        if limit is None:
+            return False
+        lone = lone_tokens({r.seq.slot: len(r.tokens) for r in plan.rows}, self.n_batch)
+        return any(self.running[slot].n_past > limit for slot in lone)
+
     def admit(self, now: float, hold: Callable[[Sequence], bool] = lambda seq: False) -> list[Sequence]:
         """Move waiting sequences into free slots as the policy allows; returns the admitted.
         A sequence for which ``hold`` is true (asked in admission order, after the sequences
@@ -94,18 +152,22 @@ class Scheduler:
                 continue
             self.waiting.remove(seq)
             seq.slot = self.free_slots.pop(0)
+            seq.status = SequenceStatus.PREFILL
             self.running[seq.slot] = seq
             admitted.append(seq)
         return admitted
 
     def drop_waiting(self, seq: Sequence) -> None:
+        """Remove a sequence that ends before admission (cancelled, expired, engine stopping)."""
         self.waiting.remove(seq)
+        seq.status = SequenceStatus.FINISHED
 
     def release(self, seq: Sequence) -> None:
         """Give a retired sequence's slot back."""
         del self.running[seq.slot]
         bisect.insort(self.free_slots, seq.slot)
         seq.slot = -1
+        seq.status = SequenceStatus.FINISHED
 
     def gap(self) -> tuple[Sequence, int] | None:
         """The highest running sequence and the lowest free slot below it, if any.

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
+from enum import IntEnum
 
 import numpy as np
 
@@ -11,12 +12,22 @@ from engine.request import EngineRequest
 _order = itertools.count()
 
 
+class SequenceStatus(IntEnum):
+    """Where a sequence is in its life, in order (vLLM v1's ``RequestStatus``; llama.cpp's
+    server calls these slot states). Only the :class:`engine.scheduler.Scheduler` moves it."""
+
+    WAITING = 0  #: queued, no slot
+    PREFILL = 1  #: holds a slot; prompt chunks are being fed (``n_prefilled < len(prompt)``)
+    DECODE = 2  #: the whole prompt is in the KV cache; one token a step
+    FINISHED = 3  #: retired or dropped; its slot is free
+
+
 @dataclass(eq=False)
 class Sequence:
     """A request as the engine sees it (token ids only).
 
-    Life cycle (llama.cpp's server calls these slot states): waiting -> prefill (prompt chunks
-    fed, ``n_prefilled < len(prompt)``) -> decode (one token per step) -> retired.
+    Life cycle: :class:`SequenceStatus` WAITING -> PREFILL -> DECODE -> FINISHED (or WAITING ->
+    FINISHED when cancelled or expired before admission).
 
     Attributes:
         mailbox, lease: where results go; a lease mismatch means the request is stale.
@@ -30,6 +41,7 @@ class Sequence:
         history: int32 ``[len(prompt) + max_new_tokens]``, the prompt then each generated token
             (made at admission).
         last_token: token to feed at the next decode step.
+        status: see :class:`SequenceStatus`.
     """
 
     mailbox: int
@@ -45,6 +57,7 @@ class Sequence:
     last_token: int = -1
     history: np.ndarray | None = None
     sampler: object = None
+    status: SequenceStatus = SequenceStatus.WAITING
 
     @property
     def prompt(self) -> np.ndarray:
@@ -52,7 +65,7 @@ class Sequence:
 
     @property
     def prefilling(self) -> bool:
-        return self.n_prefilled < len(self.request.prompt)
+        return self.status == SequenceStatus.PREFILL
 
     def start_history(self) -> None:
         """Allocate :attr:`history` holding the prompt (at admission)."""

@@ -6,7 +6,7 @@ import ctypes
 
 import llama_cpp
 
-from engine.model import load_model
+from engine.llama.library import load_model
 
 
 class Tokenizer:

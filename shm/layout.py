@@ -124,6 +124,8 @@ class Layout:
             ("cancel", np.int32), ("n_tokens", np.int32), ("finish", np.int32),
             ("error", np.int32), ("n_prompt", np.int32), ("slot", np.int32),
             ("n_cached", np.int32),  # prompt tokens reused from the prefix cache (at admission)
+            # prompt positions whose log-probabilities are published (scoring; shm.mailbox)
+            ("n_prompt_logprobs", np.int32),
             # time.monotonic() seconds, for queue-wait / TTFT / latency metrics.
             ("t_queued", np.float64), ("t_admitted", np.float64),
             ("t_first_token", np.float64), ("t_finished", np.float64),

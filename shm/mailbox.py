@@ -17,6 +17,12 @@ covers**. The wake-up's ``write(2)`` and the reader's ``poll(2)``/``read(2)`` ar
 and act as full barriers; between them x86-64 keeps stores in program order (TSO), so a
 counter a reader sees never runs ahead of its data. Data behind a counter is never rewritten
 while the counter covers it: a mailbox holds the whole sequence (no wrap-around).
+
+Prompt log-probabilities (a scoring request) use the same per-position arrays from their far
+end: prompt position ``p`` is stored at index ``max_seq_len - 1 - p``. A sequence of ``n``
+prompt tokens generates fewer than ``max_seq_len - n``, so generated tokens (from index 0) and
+prompt positions never share an index, and the segment needs no room of its own for them. Their
+counter is ``n_prompt_logprobs``, under the same rule.
 """
 from __future__ import annotations
 
@@ -111,7 +117,7 @@ class Mailboxes:
             number = int(box["lease"]) + 1
             box["lease"] = number
             box["owner_pid"], box["tenant"] = os.getpid(), tenant
-            box["cancel"] = box["n_tokens"] = 0
+            box["cancel"] = box["n_tokens"] = box["n_prompt_logprobs"] = 0
             box["finish"], box["error"] = Finish.NONE, ErrorCode.NONE
             box["slot"], box["n_cached"] = -1, 0
             box["step_admitted"] = box["step_finished"] = 0
@@ -151,6 +157,17 @@ class Mailboxes:
             return tok, None, ()
         top = tuple(zip(self.top_ids[i, k, :n_logprobs].tolist(), self.top_logprobs[i, k, :n_logprobs].tolist()))
         return tok, float(self.logprobs[i, k]), top
+
+    def prompt_logprobs(self, lease: Lease, n_logprobs: int) -> list[tuple[float, tuple]]:
+        """The prompt positions published so far (scoring), in order: ``(logprob, ((id,
+        logprob), ...))`` each, with ``n_logprobs`` alternatives. Counter first, then the data
+        it covers (the rule above)."""
+        i = lease.index
+        n = int(self.boxes["n_prompt_logprobs"][i])
+        last = self.tokens.shape[1] - 1
+        return [(float(self.logprobs[i, last - p]),
+                 tuple(zip(self.top_ids[i, last - p, :n_logprobs].tolist(),
+                           self.top_logprobs[i, last - p, :n_logprobs].tolist()))) for p in range(n)]
 
     def wait(self, leases: Iterable[Lease], timeout: float | None, extra_fd: int | None = None):
         """Block until a wake-up of one of ``leases`` or ``extra_fd`` hangs up; see
@@ -222,6 +239,18 @@ class Mailboxes:
             self._n_tokens[i] = k + 1
         for p in tokens:
             self.wakeups.wake(p.index)
+
+    def publish_prompt_logprobs(self, index: int, start: int, entries: list[tuple[float, np.ndarray, np.ndarray]]) -> None:
+        """Prompt positions ``start ..`` of mailbox ``index``: each ``(logprob, top_ids,
+        top_logprobs)``, stored from the arrays' far end (module doc); then the counter, then the
+        wake-up."""
+        last = self.tokens.shape[1] - 1
+        for p, (logprob, top_ids, top_lp) in enumerate(entries, start):
+            self.logprobs[index, last - p] = logprob
+            self.top_ids[index, last - p, :len(top_ids)] = top_ids
+            self.top_logprobs[index, last - p, :len(top_lp)] = top_lp
+        self.boxes["n_prompt_logprobs"][index] = start + len(entries)
+        self.wakeups.wake(index)
 
     def finish(self, index: int, lease: int, finish: Finish, error: ErrorCode = ErrorCode.NONE,
                step: int = 0) -> None:

@@ -9,14 +9,15 @@ import json
 import pytest
 
 from engine.config import EngineConfig
-from engine.core import MAX_CHUNK_TOKENS, MIN_REUSE_TOKENS
+from engine.core import MIN_REUSE_TOKENS
+from engine.llama.backend import CPU
 from engine.inproc import InprocEngine
 from engine.request import SamplingParams
 from tests.conftest import AppServer, assert_idle_and_clean, kill_engine_mid_stream, running_engine, wait_steps
 
 GREEDY = SamplingParams(max_new_tokens=12, temperature=0.0)
 # Long enough (about 300 tokens with the template) that contexts pass 256 cells, where llama.cpp's
-# attention changes kernels for a lone sequence (engine.core.SPLIT_KV_AFTER_TOKENS).
+# attention changes kernels for a lone sequence (engine.llama.backend: split_kv_after_tokens).
 SYSTEM = ("You are the support assistant of the Northwind Trading Company. Answer in one short sentence, "
           "politely, and never invent order numbers. Our shop sells tea, coffee, spices and dried fruit; "
           "shipping takes three to five working days and returns are accepted within thirty days. ") * 5
@@ -65,7 +66,7 @@ def test_shared_prefix_outputs_equal_cache_off_and_cached_tokens_exact(model_pat
         if step == first:
             assert n_cached == 0
         else:
-            assert shared - MAX_CHUNK_TOKENS < n_cached < len(prompts[0]), (n_cached, step)
+            assert shared - CPU.max_chunk_tokens < n_cached < len(prompts[0]), (n_cached, step)
 
 
 def _conversation(app) -> list[tuple[str, dict]]:

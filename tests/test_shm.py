@@ -217,3 +217,25 @@ def test_layout_is_validated():
         Layout(max_slots=0, n_mailboxes=1, max_seq_len=8, record_bytes=4)
     with pytest.raises(ValueError):
         Layout(max_slots=4, n_mailboxes=2, max_seq_len=8, record_bytes=4)
+
+
+def test_prompt_logprobs_share_the_token_arrays_from_their_far_end(transport):
+    """A scoring request's prompt positions go from the end of the mailbox's per-position arrays,
+    generated tokens from the start: with n prompt tokens and fewer than max_seq_len - n
+    generated, neither overwrites the other; each has its own counter."""
+    boxes = transport.mailboxes
+    lease = boxes.lease()
+    boxes.submit(lease, 10, _fill(0, 0, 0))
+    top = lambda *ids: (np.array(ids, np.int32), np.array([-0.5] * len(ids), np.float32))  # noqa: E731
+    boxes.publish_prompt_logprobs(lease.index, 0, [(-1.0, *top(5, 6)), (-2.0, *top(7, 8))])
+    boxes.publish_prompt_logprobs(lease.index, 2, [(-3.0, *top(9, 1))])
+    boxes.publish([Published(lease.index, k, 100 + k, (-0.25, *top(3, 4))) for k in range(6)], time.monotonic())
+    assert boxes.prompt_logprobs(lease, 2) == [(-1.0, ((5, -0.5), (6, -0.5))), (-2.0, ((7, -0.5), (8, -0.5))),
+                                              (-3.0, ((9, -0.5), (1, -0.5)))]
+    assert boxes.read_new(lease) == (6, False)
+    assert [boxes.token(lease, k, 1) for k in range(6)] == [(100 + k, -0.25, ((3, -0.5),)) for k in range(6)]
+    boxes.finish(lease.index, lease.number, Finish.LENGTH)
+    boxes.release(lease)
+    again = boxes.lease()  # a new lease starts with no prompt positions
+    assert boxes.prompt_logprobs(again, 1) == []
+    boxes.release(again)

@@ -24,6 +24,58 @@ def admitted_tenants(sched: Scheduler, now: float = 0.0) -> list[int]:
     return [s.request.tenant for s in sched.admit(now)]
 
 
+def test_schedule_plans_decodes_first_then_chunks_within_the_budget():
+    """The step as a value: admitted sequences, then one token per decoding sequence and prompt
+    chunks of at most the backend's chunk, in slot order within n_batch; statuses move on."""
+    from engine.llama.backend import CPU
+    from engine.sequence import SequenceStatus
+
+    sched = Scheduler(max_slots=3, policy="continuous", aging_s=1e9, n_batch=100, backend=CPU)
+    long_prompt = EngineRequest(np.arange(1, 151, dtype=np.int32), SamplingParams(max_new_tokens=4), NORMAL, 0.0, 0)
+    a, b = Sequence(0, 1, long_prompt, 0.0), make(tenant=1)
+    sched.add(a)
+    sched.add(b)
+    bound = []
+    plan = sched.schedule(0.0, bound.append)
+    assert plan.admitted == bound == [a, b] and not plan.moves
+    assert [(r.seq, len(r.tokens), r.pos, r.samples) for r in plan.rows] == [(a, 63, 0, False), (b, 2, 0, True)]
+    assert a.status == SequenceStatus.PREFILL and b.status == SequenceStatus.DECODE and a.n_past == 63
+    b.n_generated, b.last_token = 1, 7
+    plan = sched.schedule(0.0, bound.append)  # b decodes first; a's chunk fits the rest of the budget
+    assert [(r.seq, len(r.tokens), r.pos) for r in plan.rows] == [(a, 63, 63), (b, 1, 2)]
+    assert plan.rows[1].tokens.tolist() == [7] and not plan.single_thread
+    sched.release(b)
+    assert b.status == SequenceStatus.FINISHED
+    plan = sched.schedule(0.0, bound.append)
+    assert [(r.seq, len(r.tokens), r.samples) for r in plan.rows] == [(a, 24, True)]
+    assert a.status == SequenceStatus.DECODE
+
+
+def test_schedule_closes_gaps_and_asks_one_thread_past_the_split_kv_limit():
+    from engine.llama.backend import CPU, GPU
+
+    for backend, expected in ((CPU, True), (GPU, False)):
+        sched = Scheduler(max_slots=2, policy="continuous", aging_s=1e9, n_batch=512, backend=backend)
+        first, second = make(tenant=0), make(tenant=1)
+        sched.add(first)
+        sched.add(second)
+        sched.schedule(0.0, lambda seq: None)
+        sched.release(first)  # slot 0 frees: the sequence in slot 1 moves down
+        second.n_generated = 299  # a long sequence decoding alone: past 256 tokens after this step
+        plan = sched.schedule(0.0, lambda seq: None)
+        assert plan.moves == [(second, 1, 0)] and second.slot == 0
+        assert plan.single_thread is expected  # CPU: split-KV attention sums in another order on 2 threads
+
+
+def test_backend_profile_follows_the_device_llama_cpp_reports():
+    from engine.llama import backend
+
+    assert backend.detect(lambda: True) is backend.GPU and backend.detect(lambda: False) is backend.CPU
+    assert backend.GPU.n_gpu_layers == -1 and not backend.GPU.adaptive_threads and not backend.GPU.convert_unbatched
+    assert backend.CPU.max_chunk_tokens == 63 and backend.CPU.adaptive_threads and backend.CPU.convert_unbatched
+    assert backend.detect() is backend.CPU  # this build has no GPU device
+
+
 def test_tenant_with_least_weighted_service_goes_first():
     sched = Scheduler(max_slots=1, policy="continuous", aging_s=1e9)
     heavy = make(tenant=1)
@@ -160,7 +212,7 @@ def test_prefix_cache_keeps_the_latest_turn_and_evicts_least_recently_used():
 
 
 def test_lone_tokens_mirrors_llama_cpp_micro_batch_split():
-    from engine.batch import lone_tokens
+    from engine.llama.batch import lone_tokens
 
     assert lone_tokens({0: 1, 1: 1, 2: 1}, 512) == []  # one micro-batch of three sequences
     assert lone_tokens({0: 1}, 512) == [0]
@@ -314,3 +366,27 @@ def test_adaptive_threads_stay_within_the_cpu_quota():
         fake.advance(0.0, own=1.0)
         adaptive.threads()
     assert adaptive.threads() == 2
+
+
+def test_request_record_carries_kind_and_a_bounded_variable_section():
+    """logit_bias travels in the record's variable section; the kind in the fixed part; a
+    request needing more room than the server's bound is refused naming the field."""
+    from engine.errors import InvalidRequest
+    from engine.request import RequestKind, extras_room, record_bytes
+
+    params = SamplingParams(max_new_tokens=4, logit_bias=((5, -100), (7, 2.5)), stop_ids=(9,))
+    request = EngineRequest(np.array([1, 2, 3], np.int32), params, HIGH, 0.0, 3, 2.0, RequestKind.SCORE)
+    payload = np.zeros(record_bytes(16, 64), np.uint8)
+    assert extras_room(len(payload), 16) == 64
+    request.resolved(16, 64).encode(payload, 16)
+    back = EngineRequest.decode(payload, 16)
+    assert back.kind == RequestKind.SCORE and back.tenant == 3 and back.prompt.tolist() == [1, 2, 3]
+    assert back.sampling == params and back.sampling.logit_bias == ((5, -100.0), (7, 2.5))
+    plain = EngineRequest(np.array([1], np.int32), SamplingParams(max_new_tokens=1))
+    assert plain.extras() == b"" and plain.resolved(16, 0) is plain  # no blob: no room needed
+    with pytest.raises(InvalidRequest) as e:
+        request.resolved(16, 8)
+    assert e.value.param == "logit_bias" and "--max-request-extras-bytes" in str(e.value)
+    for bad in (((1, 101),), ((-1, 0),), ((1.5, 0),)):
+        with pytest.raises(InvalidRequest):
+            SamplingParams(logit_bias=bad)

@@ -8,7 +8,8 @@ import llama_cpp
 import pytest
 
 from engine.config import ConfigError, EngineConfig, default_model_path
-from engine.weights import file_type, target, weights_path
+from engine.llama.library import file_type
+from engine.llama.weights import target, weights_path
 from server.config import ServerConfig
 
 

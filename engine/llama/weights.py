@@ -7,7 +7,7 @@ IQ4_NL) nor a repacked layout (``ggml-cpu/repack.cpp``: Q4_0, Q4_K, Q2_K, IQ4_NL
 them, so every matrix product runs one dot product at a time, and decoding 16 sequences
 together gains little over one. The bundled SmolLM2-135M is Q4_1. Converted to Q8_0 (one
 8-bit step is 1/17 of a Q4_1 step, so the weights barely move), the same model decodes 16
-sequences 1.6 times as fast and one sequence faster too (bench/README.md, "Weights").
+sequences 1.6 times as fast and one sequence faster too (bench/README.md, "Weights"); the CPU backend profile asks for it (:mod:`engine.llama.backend`).
 
 The outputs are not bit-identical to the Q4_1 file's: llama.cpp rounds activations to 8 bits
 for Q4_1 products and not for the converted weights. Against the Q4_1 file, on 1,000 tokens of
@@ -31,6 +31,8 @@ import tempfile
 import llama_cpp
 
 from engine.config import WEIGHTS, ConfigError
+from engine.llama.backend import CPU, Backend
+from engine.llama.library import cache_dir, file_type
 
 log = logging.getLogger("engine.weights")
 
@@ -41,36 +43,9 @@ _TARGETS = {"q8_0": llama_cpp.LLAMA_FTYPE_MOSTLY_Q8_0, "bf16": llama_cpp.LLAMA_F
             "f16": llama_cpp.LLAMA_FTYPE_MOSTLY_F16}
 
 
-def cache_dir() -> str:
-    """Folder of converted weights: ``$XDG_CACHE_HOME`` (default ``~/.cache``) ``/inference-server``,
-    or the temporary folder when that cannot be created (a read-only home in a container)."""
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    folder = os.path.join(base, "inference-server")
-    try:
-        os.makedirs(folder, exist_ok=True)
-        if os.access(folder, os.W_OK):
-            return folder
-    except OSError:
-        pass
-    return tempfile.gettempdir()
-
-
-def file_type(path: str) -> int:
-    """The GGUF's ``general.file_type`` (a ``llama_ftype``); -1 when the file does not say."""
-    from engine.model import load_model  # engine.model imports this module
-
-    model = load_model(path, vocab_only=True)
-    try:
-        buf = ctypes.create_string_buffer(32)
-        n = llama_cpp.llama_model_meta_val_str(model, b"general.file_type", buf, len(buf))
-        return int(buf.value) if n > 0 and buf.value.isdigit() else -1
-    finally:
-        llama_cpp.llama_model_free(model)
-
-
-def target(path: str, weights: str) -> str | None:
+def target(path: str, weights: str, backend: Backend = CPU) -> str | None:
     """The format ``weights`` asks for this file (a key of the conversions), or None to load
-    the file as it is.
+    the file as it is; ``auto`` converts only where ``backend`` has no batched kernel for it.
 
     Raises:
         ValueError: ``weights`` is not one of :data:`WEIGHTS`.
@@ -80,11 +55,11 @@ def target(path: str, weights: str) -> str | None:
     if weights == "file":
         return None
     if weights == "auto":
-        return "q8_0" if file_type(path) in UNBATCHED_FILE_TYPES else None
+        return "q8_0" if backend.convert_unbatched and file_type(path) in UNBATCHED_FILE_TYPES else None
     return weights
 
 
-def weights_path(path: str, weights: str = "auto", folder: str | None = None) -> str:
+def weights_path(path: str, weights: str = "auto", folder: str | None = None, backend: Backend = CPU) -> str:
     """The GGUF the engine loads for model ``path``: ``path`` itself, or its converted copy
     (made now if the cache has none).
 
@@ -92,7 +67,7 @@ def weights_path(path: str, weights: str = "auto", folder: str | None = None) ->
         ValueError: unknown ``weights``. ConfigError: the cache folder is not writable.
         RuntimeError: llama.cpp could not convert the file.
     """
-    fmt = target(path, weights)
+    fmt = target(path, weights, backend)
     if fmt is None:
         return path
     st = os.stat(path)

@@ -1,0 +1,9 @@
+"""The one room for llama.cpp: every module that calls llama-cpp-python's low-level API is here.
+
+* :mod:`engine.llama.library`: initialization, log sink, loading a GGUF, metadata, devices;
+* :mod:`engine.llama.backend`: the device profile (CPU or GPU) and the choices it carries;
+* :mod:`engine.llama.weights`: the weight format computed with (a copy converted once);
+* :mod:`engine.llama.model`: one context and its KV cache (``Model.from_config``);
+* :mod:`engine.llama.batch`: the ``llama_batch`` the engine fills;
+* :mod:`engine.llama.sampler`: per-sequence sampler chains and log-probabilities.
+"""

@@ -1,0 +1,162 @@
+"""Per-sequence sampling: llama.cpp's sampler chain, an optional constraint kept apart from it,
+and log-probabilities.
+
+The shape is llama.cpp's ``common_sampler`` (common/sampling.cpp): a chain of samplers plus an
+optional grammar that is not in the chain. The chain picks a token; the constraint checks that
+one token first, and only when it rejects it is the whole vocabulary masked and the token picked
+again, so a constraint costs a full pass over the vocabulary only on the steps where the model
+wanted a token it forbids. A sequence without a constraint takes llama.cpp's own
+``llama_sampler_sample`` (apply and accept in C): unconstrained sequences pay nothing.
+"""
+from __future__ import annotations
+
+import ctypes
+from typing import Protocol
+
+import llama_cpp
+import numpy as np
+
+from engine.request import SamplingParams
+
+_TOKEN_DATA = np.dtype([("id", np.int32), ("logit", np.float32), ("p", np.float32)])  # llama_token_data
+
+
+class Constraint(Protocol):
+    """What a sequence may generate next (a grammar, a JSON schema's automaton...).
+
+    The engine calls :meth:`allows` on the token the chain picked, :meth:`mask` only when that
+    token was refused, then :meth:`accept` on the token finally chosen. The structured-outputs
+    work fills this in; :class:`AllowAll` is the no-op one.
+    """
+
+    def allows(self, token: int) -> bool:
+        """Whether ``token`` may come next."""
+
+    def mask(self, logits: np.ndarray) -> None:
+        """Set the logits (float32 ``[n_vocab]``, a copy) of every token that may not come next
+        to ``-inf``, in place."""
+
+    def accept(self, token: int) -> None:
+        """``token`` was generated: advance."""
+
+    def free(self) -> None:
+        """Release what the constraint holds."""
+
+
+class AllowAll:
+    """The constraint that allows every token (no-op; tests check the constrained path with it)."""
+
+    def allows(self, token: int) -> bool:
+        return True
+
+    def mask(self, logits: np.ndarray) -> None:
+        pass
+
+    def accept(self, token: int) -> None:
+        pass
+
+    def free(self) -> None:
+        pass
+
+
+class Sampler:
+    """A ``llama_sampler`` chain built from one request's settings, and its constraint.
+
+    Order follows llama.cpp's common sampler: logit bias (the request's ``logit_bias``, and
+    ``-inf`` on ``banned``), penalties, top-k, top-p, min-p, temperature, then ``dist`` (seeded);
+    temperature 0 is ``greedy``. Penalties see the prompt: its tokens are accepted into the chain
+    first, as llama.cpp's server does; a constraint never sees them.
+
+    Args:
+        n_vocab: the model's vocabulary size.
+        sampling: the request's settings; ``seed`` None seeds randomly (``LLAMA_DEFAULT_SEED``).
+        banned: token ids never to sample (the EOG tokens when ignore_eos).
+        prompt: int32 token ids ``[n_prompt]``.
+        constraint: what the sequence may generate (None: anything, the fast path).
+    """
+
+    def __init__(self, n_vocab: int, sampling: SamplingParams, banned: frozenset, prompt: np.ndarray,
+                 constraint: Constraint | None = None):
+        L = llama_cpp
+        self.n_vocab, self.constraint = n_vocab, constraint
+        self.chain = L.llama_sampler_chain_init(L.llama_sampler_chain_default_params())
+        add = lambda s: L.llama_sampler_chain_add(self.chain, s)  # noqa: E731
+        biases = [(t, float("-inf")) for t in sorted(banned)] + list(sampling.logit_bias)
+        if biases:
+            bias = (L.llama_logit_bias * len(biases))(*[L.llama_logit_bias(t, b) for t, b in biases])
+            add(L.llama_sampler_init_logit_bias(n_vocab, len(biases), bias))
+        p = sampling
+        penalized = p.repeat_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+        if penalized:
+            add(L.llama_sampler_init_penalties(n_vocab, p.penalty_last_n, p.repeat_penalty,
+                                               p.frequency_penalty, p.presence_penalty))
+        if p.temperature <= 0.0:
+            add(L.llama_sampler_init_greedy())
+        else:
+            if p.top_k > 0:
+                add(L.llama_sampler_init_top_k(p.top_k))
+            if p.top_p < 1.0:
+                add(L.llama_sampler_init_top_p(p.top_p, 1))
+            if p.min_p > 0.0:
+                add(L.llama_sampler_init_min_p(p.min_p, 1))
+            add(L.llama_sampler_init_temp(p.temperature))
+            add(L.llama_sampler_init_dist(L.LLAMA_DEFAULT_SEED if p.seed is None else p.seed))
+        if penalized:
+            for tok in prompt.tolist():
+                L.llama_sampler_accept(self.chain, tok)
+        self._candidates = None  # llama_token_data [n_vocab], made on the first constrained step
+
+    def sample(self, ctx, row: int) -> int:
+        """Sample from batch row ``row``'s logits; the token is accepted into the chain and the
+        constraint."""
+        if self.constraint is None:
+            return llama_cpp.llama_sampler_sample(self.chain, ctx, row)
+        logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(ctx, row), shape=(self.n_vocab,))
+        token = self._pick(logits)
+        if not self.constraint.allows(token):  # rejected: mask the vocabulary, pick again
+            masked = logits.copy()
+            self.constraint.mask(masked)
+            token = self._pick(masked)
+        llama_cpp.llama_sampler_accept(self.chain, token)
+        self.constraint.accept(token)
+        return token
+
+    def _pick(self, logits: np.ndarray) -> int:
+        """The chain's choice over ``logits`` (``llama_sampler_apply``, nothing accepted)."""
+        if self._candidates is None:
+            self._buffer = (llama_cpp.llama_token_data * self.n_vocab)()
+            self._candidates = np.frombuffer(self._buffer, _TOKEN_DATA)
+        c = self._candidates
+        c["id"] = np.arange(self.n_vocab, dtype=np.int32)
+        c["logit"], c["p"] = logits, 0.0
+        array = llama_cpp.llama_token_data_array(self._buffer, self.n_vocab, -1, False)
+        llama_cpp.llama_sampler_apply(self.chain, ctypes.byref(array))
+        return int(self._buffer[array.selected].id)
+
+    def free(self) -> None:
+        if self.chain:
+            llama_cpp.llama_sampler_free(self.chain)
+            self.chain = None
+        if self.constraint is not None:
+            self.constraint.free()
+            self.constraint = None
+
+
+def logprobs(logits: np.ndarray, token: int, k: int) -> tuple[float, np.ndarray, np.ndarray]:
+    """Log-probability of ``token`` under the model's raw distribution (before logit bias and any
+    constraint, as OpenAI reports it), and the top ``k``.
+
+    Args:
+        logits: float32 ``[n_vocab]``.
+    Returns:
+        ``(logprob, top_ids[k], top_logprobs[k])``, top sorted by decreasing probability.
+    """
+    x = logits.astype(np.float64)
+    m = x.max()
+    lse = m + np.log(np.exp(x - m).sum())
+    if k:
+        top = np.argpartition(-x, k - 1)[:k]
+        top = top[np.argsort(-x[top], kind="stable")]
+    else:
+        top = np.empty(0, np.int64)
+    return float(x[token] - lse), top.astype(np.int32), (x[top] - lse).astype(np.float32)
