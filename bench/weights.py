@@ -1,5 +1,5 @@
 """Weight formats side by side: speed of the bare ``llama_decode`` loop and agreement with the
-model file's own weights (engine/weights.py explains the choice of Q8_0).
+model file's own weights (engine/llama/weights.py explains the choice of Q8_0).
 
     python -m bench.weights [--formats file,q8_0,bf16,f16] [--text README.md] [--json out.json]
 

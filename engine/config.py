@@ -9,7 +9,7 @@ from engine.request import record_bytes
 from shm.layout import Layout
 
 POLICIES = ("continuous", "static", "fifo")
-#: Weight formats (engine/weights.py): ``auto`` converts only files llama.cpp cannot multiply in
+#: Weight formats (engine/llama/weights.py): ``auto`` converts only files llama.cpp cannot multiply in
 #: batches, ``file`` never converts, the others always convert to themselves.
 WEIGHTS = ("auto", "file", "q8_0", "bf16", "f16")
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"

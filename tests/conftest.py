@@ -257,7 +257,7 @@ def app(model_path, tokenizer, chat):
 
     It computes with the model file's own Q4_1 weights (``--weights file``): the exact greedy
     replies that tests/test_http_contract.py pins (multibyte text, an emoji first, stop strings
-    inside a token) were found with them. The default format (Q8_0, engine/weights.py) gives
+    inside a token) were found with them. The default format (Q8_0, engine/llama/weights.py) gives
     other replies; every real-server fixture runs it."""
     from engine.inproc import InprocEngine
     from server.config import ServerConfig

@@ -1,4 +1,4 @@
-"""The weight format the engine computes with (engine/weights.py): converted once, cached,
+"""The weight format the engine computes with (engine/llama/weights.py): converted once, cached,
 atomically; files llama.cpp already multiplies in batches are left alone."""
 from __future__ import annotations
 
