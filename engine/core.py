@@ -236,7 +236,6 @@ class EngineCore:
             return
         self.model.copy_sequence(source, seq.slot, n)
         seq.n_prefilled = seq.n_past = seq.n_cached = n
-        self.t.control.count_prefix_hit(n)
 
     def sample_and_publish(self, rows: list[tuple[Sequence, int]], now: float) -> list[tuple[Sequence, Finish]]:
         """Sample one token per row and publish every token to its mailbox (one wake-up each).
@@ -292,7 +291,7 @@ class EngineCore:
         kv = [self.model.pos_max(s) for s in range(self.config.max_slots)]
         cached = (len(self.cache.entries), self.cache.n_tokens, [self.model.pos_max(s) for s in self.cache.streams]) \
             if self.cache is not None else (0, 0, [])
-        self.t.control.publish(self.step_no, slots, kv, len(self.sched.waiting), len(self.sched.running), *cached)
+        self.t.control.publish(self.step_no, slots, kv, len(self.sched.waiting), *cached)
 
     def shutdown(self, error: ErrorCode) -> None:
         """Finish every sequence with ``error`` (engine stopping)."""

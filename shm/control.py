@@ -26,7 +26,7 @@ class Snapshot:
     Attributes:
         step: the step number. slot_mailbox: ``[max_slots]`` mailbox index per KV slot (-1:
         free). kv_pos_max: ``[max_slots]`` highest KV position per slot (-1: no cells).
-        n_waiting, n_running: sequences queued in the engine and holding a slot.
+        n_waiting: sequences queued in the engine.
         cache_entries, cache_tokens: prefix-cache entries and the tokens they hold.
         cache_kv_pos_max: ``[cache streams]`` highest KV position per cache stream (-1: none).
     """
@@ -35,7 +35,6 @@ class Snapshot:
     slot_mailbox: list[int]
     kv_pos_max: list[int]
     n_waiting: int
-    n_running: int
     cache_entries: int = 0
     cache_tokens: int = 0
     cache_kv_pos_max: list[int] = ()
@@ -97,23 +96,14 @@ class ControlBlock:
     def kv_moves(self) -> int:
         return int(self._c["kv_moves"])
 
-    def count_prefix_hit(self, n_tokens: int) -> None:
-        self._c["prefix_hits"] += 1
-        self._c["prefix_reused_tokens"] += n_tokens
-
-    @property
-    def prefix_hits(self) -> tuple[int, int]:
-        """``(sequences that reused a cached prefix, prompt tokens they reused)`` since start."""
-        return int(self._c["prefix_hits"]), int(self._c["prefix_reused_tokens"])
-
-    def publish(self, step: int, slot_mailbox, kv_pos_max, n_waiting: int, n_running: int,
+    def publish(self, step: int, slot_mailbox, kv_pos_max, n_waiting: int,
                 cache_entries: int = 0, cache_tokens: int = 0, cache_kv_pos_max=()) -> None:
         """Seqlock writer: the slot table, queue sizes and prefix-cache occupancy as of
         ``step``; also the heartbeat."""
         c = self._c
         c["publishing"] = 1
         c["heartbeat"] = time.monotonic()
-        c["n_waiting"], c["n_running"] = n_waiting, n_running
+        c["n_waiting"] = n_waiting
         c["slot_mailbox"] = slot_mailbox
         c["slot_kv_pos_max"] = kv_pos_max
         c["cache_entries"], c["cache_tokens"] = cache_entries, cache_tokens
@@ -133,7 +123,7 @@ class ControlBlock:
             step = int(c["step"])
             if not c["publishing"]:
                 snap = Snapshot(step, c["slot_mailbox"].tolist(), c["slot_kv_pos_max"].tolist(),
-                                int(c["n_waiting"]), int(c["n_running"]), int(c["cache_entries"]),
+                                int(c["n_waiting"]), int(c["cache_entries"]),
                                 int(c["cache_tokens"]), c["cache_kv_pos_max"].tolist())
                 if not c["publishing"] and int(c["step"]) == step:
                     return snap

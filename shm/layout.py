@@ -96,18 +96,16 @@ class Layout:
             ("publishing", np.int32),
             ("heartbeat", np.float64),  # time.monotonic() at the engine's last progress (shm.control)
             ("kv_moves", np.uint64),  # sequences moved down to close a gap in the slots
-            ("n_waiting", np.int32), ("n_running", np.int32),
+            ("n_waiting", np.int32),
             ("ring_head", np.uint64), ("ring_tail", np.uint64),
             # slot -> mailbox index (-1: free) and the slot's highest KV position (-1: empty),
             # refreshed by the engine every step, read by tests and metrics.
             ("slot_mailbox", np.int32, (self.max_slots,)),
             ("slot_kv_pos_max", np.int32, (self.max_slots,)),
-            # The prefix cache: entries, tokens they hold, each cache stream's highest KV
-            # position (one stays -1 when there are none), and counters of sequences that reused
-            # a prefix and of the prompt tokens they did not prefill.
+            # The prefix cache: entries, tokens they hold, and each cache stream's highest KV
+            # position (one stays -1 when there are none).
             ("cache_entries", np.int32), ("cache_tokens", np.int64),
             ("cache_kv_pos_max", np.int32, (max(self.cache_streams, 1),)),
-            ("prefix_hits", np.uint64), ("prefix_reused_tokens", np.uint64),
             # 1 from the server's SIGTERM on: front ends refuse new requests, readiness is 503.
             ("draining", np.int32),
         ])

@@ -91,7 +91,7 @@ class Transport:
                                                      layout.max_seq_len, layout.record_bytes,
                                                      layout.cache_streams)
         transport.mailboxes.boxes["slot"] = -1
-        transport.control.publish(0, -1, -1, 0, 0)
+        transport.control.publish(0, -1, -1, 0)
         return transport
 
     @classmethod

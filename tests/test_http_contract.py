@@ -23,8 +23,8 @@ MAX_BODY = 65536  # --max-body-bytes of the shared server
 IM_START = 1  # id of the special token <|im_start|>
 
 # Greedy outputs of the bundled model, found by running it once. Each CJK character is two or
-# three tokens, U+1F31F three; max_tokens ends each reply on a character boundary (a cut inside
-# a character is flushed as U+FFFD at the end, by design: see Detokenizer.flush).
+# three tokens, U+1F31F three; max_tokens ends each reply on a character boundary (the bytes of a
+# character cut short at the end are dropped, not sent as U+FFFD: see Detokenizer.flush).
 GREETINGS = {  # prompt -> (max_tokens, exact greedy reply)
     "Say hello in Chinese.": (21, "晋千務, 安苏苏英"),
     "Say hello in Japanese.": (20, "おわらくならないですが"),
