@@ -59,6 +59,10 @@ class ServerConfig:
                            "weight format computed with: " + " | ".join(WEIGHTS) + " (auto: a Q4_1 or Q5_1 file is "
                            "converted to Q8_0 once, which llama.cpp multiplies in batches; file: as stored)",
                            engine="weights")
+    max_request_extras_bytes: int = _option("--max-request-extras-bytes", "MAX_REQUEST_EXTRAS_BYTES",
+                                            "bytes a request may carry beyond numbers and its prompt (its logit_bias); "
+                                            "every ring record holds them; a request needing more gets 400",
+                                            engine="max_request_extras_bytes")
     workers: int = _option("--workers", "WORKERS", "gunicorn worker processes", 2)
     threads: int = _option("--threads", "THREADS",
                            "threads per gunicorn worker: requests it handles at once (0: one per slot and queue "

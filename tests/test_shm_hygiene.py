@@ -46,7 +46,7 @@ def test_a_segment_larger_than_dev_shm_is_refused_with_the_numbers():
 
 @pytest.mark.skipif(not _unshare_works(), reason="needs a private mount namespace (unshare -m, as root)")
 def test_server_refuses_to_start_when_dev_shm_is_too_small():
-    """Docker's default: a 64 MB ``/dev/shm``; ``--max-seq-len 8192`` needs about 108 MiB. The
+    """Docker's default: a 64 MB ``/dev/shm``; ``--max-seq-len 8192`` needs about 110 MiB. The
     server exits at once with one line, instead of starting "healthy" and dying with SIGBUS."""
     script = ("mount -t tmpfs -o size=64m tmpfs /dev/shm && "
               f"exec {sys.executable} -m server.cli --port {free_port()} --grpc-port 0 --workers 1 --max-seq-len 8192")
@@ -54,7 +54,7 @@ def test_server_refuses_to_start_when_dev_shm_is_too_small():
     assert r.returncode != 0
     lines = [line for line in (r.stdout + r.stderr).splitlines() if "needs" in line]
     assert len(lines) == 1, r.stdout + r.stderr
-    assert "/dev/shm has 64.0 MiB free" in lines[0] and "shared memory segment needs 10" in lines[0]
+    assert "/dev/shm has 64.0 MiB free" in lines[0] and "shared memory segment needs 110" in lines[0]
     assert "--max-seq-len" in lines[0] and "shm_size" in lines[0] and "medium: Memory" in lines[0]
 
 
