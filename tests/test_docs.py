@@ -14,7 +14,7 @@ from tests.docs import PAGES, README, all_blocks, anchor, headings
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SOURCES = [p for d in ("engine", "shm", "server", "bench", "tests", "proto") for p in (ROOT / d).rglob("*.py")]
 MARKDOWN = [*PAGES, *sorted((ROOT / "bench").glob("*.md")), *sorted((ROOT / "k8s").glob("*.md"))]
-CITING = [*MARKDOWN, ROOT / "proto" / "inference.proto", ROOT / "server" / "openapi.json",
+CITING = [*MARKDOWN, ROOT / "proto" / "inference.proto", ROOT / "server" / "http" / "openapi.json",
           *sorted((ROOT / "k8s").glob("*.yaml")), *sorted((ROOT / "docker").rglob("*file"))]
 
 
