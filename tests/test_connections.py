@@ -1,4 +1,4 @@
-"""Connection-level behaviour under hostile or heavy load (``server.http.worker``, ``server.http.app.Admission``,
+"""Connection-level behaviour under hostile or heavy load (``server.http.worker``, ``server.http.middleware.Admission``,
 the front-end thread sizing): every common client reads its 413, slow request heads hold no
 thread, and overload is refused at once with 503 + ``Retry-After``, nothing lost."""
 from __future__ import annotations

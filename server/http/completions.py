@@ -25,7 +25,7 @@ class _Completions:
     chat = False
     object_name = ""
     id_prefix = ""
-    observed = True  # telemetry (server/http/app.py, Observe)
+    observed = True  # telemetry (server/http/middleware.py, Observe)
 
     def __init__(self, config: ServerConfig, generator: Generator):
         self.config, self.generator, self.tokenizer = config, generator, generator.tokenizer
