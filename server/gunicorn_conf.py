@@ -107,7 +107,7 @@ def _start_engine(server) -> None:
 def pre_request(worker, req) -> None:
     """Close the connection after a request whose body may be over the limit.
 
-    The app answers 413 without reading such a body (``server.api.requests.read_json``). To keep the
+    The app answers 413 without reading such a body (``server.http.body.read_json``). To keep the
     connection alive gunicorn would then read and discard all of it, and it ignores the app's
     ``Connection: close`` (a hop-by-hop header); marking the request makes the 413 say
     ``Connection: close``, and :func:`post_request` reads what the client still sends before the
