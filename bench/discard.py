@@ -1,4 +1,4 @@
-"""What discarding refused bodies costs the server (``--max-discard-bytes``, ``server/worker.py``).
+"""What discarding refused bodies costs the server (``--max-discard-bytes``, ``server/http/worker.py``).
 
     python -m bench.discard [--bodies 20] [--mb 32] [--json out.json]
 

@@ -122,7 +122,7 @@ def main(argv=None) -> int:
             os.kill(workers[i % len(workers)], signal.SIGKILL)
             while not (new := set(server.worker_pids()) - set(workers)):
                 time.sleep(0.02)
-            # Booted: its app made its first metric values (server/telemetry.py, at start).
+            # Booted: its app made its first metric values (server/observability/telemetry.py, at start).
             replacement = new.pop()
             while not os.path.exists(os.path.join(path, f"counter_{replacement}.db")):
                 time.sleep(0.02)

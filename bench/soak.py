@@ -377,7 +377,7 @@ def role(pid: int, master_cmdline: bytes) -> str:
         return "worker"
     if b"engine.process" in cmd:
         return "engine"
-    if b"server.grpc_server" in cmd:
+    if b"server.grpc.server" in cmd:
         return "sidecar"
     if b"resource_tracker" in cmd:
         return "resource_tracker"

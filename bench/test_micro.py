@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from engine.request import EngineRequest, SamplingParams
-from server.detokenizer import Detokenizer
+from server.text.detokenizer import Detokenizer
 from shm import Transport
 
 

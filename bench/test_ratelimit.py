@@ -11,8 +11,8 @@ import time
 import numpy as np
 import pytest
 
-from server.ratelimit import RateLimiter
-from server.tenants import Rate, Tenant
+from server.tenancy.ratelimit import RateLimiter
+from server.tenancy.tenants import Rate, Tenant
 from shm import Layout, Transport
 from tests.conftest import redis_server
 

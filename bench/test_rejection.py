@@ -16,9 +16,9 @@ import pytest
 
 from engine.client import EngineClient
 from engine.config import EngineConfig
-from server.app import create_app
 from server.config import ServerConfig
-from server.generation import Generator
+from server.generation.pipeline import Generator
+from server.http.app import create_app
 from shm import Transport
 
 MB = 1 << 20

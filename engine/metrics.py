@@ -3,7 +3,8 @@
 ``inference_batch_size`` counts sequences and ``inference_batch_tokens`` tokens (decode tokens
 plus prefill chunks) in each ``llama_decode``. Under the server, prometheus-client's
 multiprocess mode writes them to this process's files in ``PROMETHEUS_MULTIPROC_DIR``, which
-the front ends' ``/metrics`` adds up (``server/metrics.py``). Measured cost: docs/metrics.md, "What it costs".
+the front ends' ``/metrics`` adds up (``server/observability/metrics.py``). Measured cost:
+docs/metrics.md, "What it costs".
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The one request type, from the front end's parser to the engine's sampler.
 
-:class:`SamplingParams` is built by a front end's parser (``server/params.py``), carried inside
+:class:`SamplingParams` is built by a front end's parser (``server/api/requests.py``), carried inside
 :class:`EngineRequest` through the request ring, and read by ``engine/llama/sampler.py``. Its wire
 form is derived from the fields (their ``wire`` metadata), so adding a sampler option touches
 this class, its parser and the sampler, nothing else. As vLLM v1 carries one ``SamplingParams``

@@ -165,7 +165,7 @@ class ServerConfig:
 
     def check_files(self) -> None:
         """Raise ConfigError (one line) unless the model and the tenant file are usable."""
-        from server.tenants import Tenants
+        from server.tenancy.tenants import Tenants
 
         self.check_model()
         Tenants.load(self.tenants_file or None)

@@ -145,7 +145,7 @@ def _write(resp: falcon.Response, status: int, body: dict, headers: dict | None 
 
 def handle_error(req, resp, ex: Exception, params) -> None:
     """Falcon error handler for every error but Falcon's own and a client's hang-up. The error
-    stays in ``req.context.error`` for telemetry (``server/telemetry.py``)."""
+    stays in ``req.context.error`` for telemetry (``server/observability/telemetry.py``)."""
     req.context.error = ex
     if isinstance(ex, falcon.HTTPError):
         return handle_http_error(req, resp, ex, params)

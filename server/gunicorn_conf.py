@@ -7,14 +7,14 @@
 Settings come from the same environment variables as the CLI flags (``server.config``).
 The master process owns the shared memory and the engine: ``on_starting`` validates the
 configuration, ``when_ready`` (the port is bound) creates the transport and starts the engine
-supervisor and the gRPC sidecar (``server.sidecar``) before any worker forks; ``child_exit``
+supervisor and the gRPC sidecar (``server.grpc.keeper``) before any worker forks; ``child_exit``
 reclaims the
 mailboxes a dead worker leased; ``on_exit`` stops the engine and unlinks the shared memory;
 SIGTERM drains first (``_drain``);
 ``pre_request`` closes the connection of a request whose body is over the limit; ``when_ready``
 and ``post_worker_init`` make SIGHUP reload the tenant file. With metrics on, ``when_ready``
 prepares prometheus-client's multiprocess directory first and every child's exit retires its
-files (``server.metrics_dir``).
+files (``server.observability.metrics_dir``).
 """
 from __future__ import annotations
 
@@ -29,11 +29,11 @@ import time
 
 from engine.config import ConfigError
 from engine.supervisor import EngineSupervisor, SharedMemoryTooSmall
-from server import metrics_dir
 from server.config import ServerConfig
-from server.sidecar import Sidecar
-from server.tenants import Tenants
-from server.worker import discard_body
+from server.grpc.keeper import Sidecar
+from server.http.worker import discard_body
+from server.observability import metrics_dir
+from server.tenancy.tenants import Tenants
 
 try:
     _config = ServerConfig.from_env()
@@ -44,8 +44,8 @@ bind = [f"{_config.host}:{_config.port}"] + ([f"{_config.host}:{_config.metrics_
 workers = _config.workers
 threads = _config.front_end_threads
 # gthread, where no thread waits for a slow client's request head, and a refused body is read
-# before the close (server.worker).
-worker_class = "server.worker.Worker"
+# before the close (server.http.worker).
+worker_class = "server.http.worker.Worker"
 # Seconds a worker gets to finish after the master's SIGTERM. The drain (see ``_drain``) has
 # already ended every request by then, so only final writes remain; a second SIGTERM (stop
 # now) cuts what still runs after this long.
@@ -75,7 +75,7 @@ def on_starting(server) -> None:
 def _start_engine(server) -> None:
     """The metrics directory, shared memory and the engine, once the port is bound (a failed
     bind leaves nothing)."""
-    if _config.metrics:  # before any process that records metrics exists (server.metrics_dir)
+    if _config.metrics:  # before any process that records metrics exists (server.observability.metrics_dir)
         try:
             _state["metrics_dir"] = metrics_dir.prepare()
         except OSError as e:
@@ -84,7 +84,7 @@ def _start_engine(server) -> None:
         # Loaded now rather than at the first child's exit (metrics_dir.retire, ENGINE_RESTARTS),
         # so the master's memory does not grow later (bench.soak checks every process's RSS).
         import prometheus_client.multiprocess  # noqa: F401
-        from server import metrics as _metrics  # noqa: F401
+        from server.observability import metrics as _metrics  # noqa: F401
     engine = _config.engine_config()
     # INFERENCE_SHM may name the segment in advance (tests attach to it to inspect the engine).
     try:
@@ -107,7 +107,7 @@ def _start_engine(server) -> None:
 def pre_request(worker, req) -> None:
     """Close the connection after a request whose body may be over the limit.
 
-    The app answers 413 without reading such a body (``server.params.read_json``). To keep the
+    The app answers 413 without reading such a body (``server.http.body.read_json``). To keep the
     connection alive gunicorn would then read and discard all of it, and it ignores the app's
     ``Connection: close`` (a hop-by-hop header); marking the request makes the 413 say
     ``Connection: close``, and :func:`post_request` reads what the client still sends before the
@@ -124,7 +124,7 @@ def pre_request(worker, req) -> None:
 
 def post_request(worker, req, environ, resp) -> None:
     """After the answer to a request marked by :func:`pre_request`: discard the body the client
-    may still be sending, up to ``--max-discard-bytes`` (``server.worker.discard_body``)."""
+    may still be sending, up to ``--max-discard-bytes`` (``server.http.worker.discard_body``)."""
     sock = environ.get("gunicorn.socket") if environ else None
     if getattr(req, "discard_body", False) and sock is not None:
         discard_body(sock, _config.max_discard_bytes)
@@ -268,7 +268,7 @@ def _engine_exited(pid: int, crashed: bool) -> None:
     if _config.metrics:
         metrics_dir.retire(pid)
         if crashed:
-            from server.metrics import ENGINE_RESTARTS  # after on_starting prepared the directory
+            from server.observability.metrics import ENGINE_RESTARTS  # after on_starting prepared the directory
             ENGINE_RESTARTS.inc()
 
 

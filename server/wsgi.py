@@ -10,14 +10,14 @@ from __future__ import annotations
 import os
 
 from engine.client import EngineClient
-from server.app import create_app
-from server.chat_template import ChatTemplate
 from server.config import ServerConfig
-from server.generation import Generator
-from server.ratelimit import RateLimiter
+from server.generation.pipeline import Generator
 from server.gunicorn_conf import accepted_tenants
-from server.tenants import TenantRegistry
-from server.tokenizer import Tokenizer
+from server.http.app import create_app
+from server.tenancy.ratelimit import RateLimiter
+from server.tenancy.tenants import TenantRegistry
+from server.text.chat_template import ChatTemplate
+from server.text.tokenizer import Tokenizer
 
 config = ServerConfig.from_env()
 tenants = TenantRegistry(accepted_tenants())

@@ -21,13 +21,13 @@ def model_path() -> str:
 
 @pytest.fixture(scope="session")
 def tokenizer(model_path):
-    from server.tokenizer import Tokenizer
+    from server.text.tokenizer import Tokenizer
     return Tokenizer(model_path)
 
 
 @pytest.fixture(scope="session")
 def chat(tokenizer):
-    from server.chat_template import ChatTemplate
+    from server.text.chat_template import ChatTemplate
     return ChatTemplate(tokenizer)
 
 
@@ -183,7 +183,7 @@ class RunningServer:
         for pid in self.children():
             try:
                 with open(f"/proc/{pid}/cmdline", "rb") as f:
-                    if b"server.grpc_server" in f.read():
+                    if b"server.grpc.server" in f.read():
                         return pid
             except OSError:
                 continue
@@ -238,7 +238,7 @@ class AppServer:
     def __init__(self, config, generator, tenants=None):
         import falcon.testing
 
-        from server.app import create_app
+        from server.http.app import create_app
 
         self.config, self.generator, self.engine = config, generator, generator.engine
         self.client = falcon.testing.TestClient(create_app(config, generator, tenants))
@@ -261,7 +261,7 @@ def app(model_path, tokenizer, chat):
     other replies; every real-server fixture runs it."""
     from engine.inproc import InprocEngine
     from server.config import ServerConfig
-    from server.generation import Generator
+    from server.generation.pipeline import Generator
 
     config = ServerConfig(model_path=model_path, max_slots=4, max_seq_len=512, max_queued=16,
                           max_body_bytes=65536, weights="file")

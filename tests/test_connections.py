@@ -1,4 +1,4 @@
-"""Connection-level behaviour under hostile or heavy load (``server.worker``, ``server.app.Admission``,
+"""Connection-level behaviour under hostile or heavy load (``server.http.worker``, ``server.http.middleware.Admission``,
 the front-end thread sizing): every common client reads its 413, slow request heads hold no
 thread, and overload is refused at once with 503 + ``Retry-After``, nothing lost."""
 from __future__ import annotations
@@ -13,7 +13,7 @@ import pytest
 
 from bench.overload import run as overload
 from server.config import ServerConfig
-from server.worker import HEADER_TIMEOUT_S
+from server.http.worker import HEADER_TIMEOUT_S
 from tests.conftest import running_server
 
 CHAT = "/v1/chat/completions"

@@ -14,7 +14,7 @@ from tests.docs import PAGES, README, all_blocks, anchor, headings
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SOURCES = [p for d in ("engine", "shm", "server", "bench", "tests", "proto") for p in (ROOT / d).rglob("*.py")]
 MARKDOWN = [*PAGES, *sorted((ROOT / "bench").glob("*.md")), *sorted((ROOT / "k8s").glob("*.md"))]
-CITING = [*MARKDOWN, ROOT / "proto" / "inference.proto", ROOT / "server" / "openapi.json",
+CITING = [*MARKDOWN, ROOT / "proto" / "inference.proto", ROOT / "server" / "http" / "openapi.json",
           *sorted((ROOT / "k8s").glob("*.yaml")), *sorted((ROOT / "docker").rglob("*file"))]
 
 
@@ -84,9 +84,26 @@ def test_every_shell_block_is_run_or_marked():
                 "runnable, so must not be marked" if b.marked else "neither run by a test nor marked not run here")
 
 
+def _imports(path: pathlib.Path) -> list[str]:
+    """Every module ``path`` imports, at any depth of its code."""
+    names = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        names += [a.name for a in node.names] if isinstance(node, ast.Import) else \
+            [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else []
+    return names
+
+
 def test_server_does_not_import_shm():
     for path in (ROOT / "server").rglob("*.py"):
-        for node in ast.walk(ast.parse(path.read_text())):
-            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
-                [node.module or ""] if isinstance(node, ast.ImportFrom) else []
-            assert not any(n == "shm" or n.startswith("shm.") for n in names), path
+        assert not any(n == "shm" or n.startswith("shm.") for n in _imports(path)), path
+
+
+def test_server_packages_import_one_way():
+    """docs/architecture.md "The packages of server/": the two front ends never import each
+    other, and what they share imports neither."""
+    front_ends = ("server.http", "server.grpc")
+    for package in ("api", "generation", "text", "tenancy", "observability", "http", "grpc"):
+        banned = [f for f in front_ends if f != f"server.{package}"]
+        for path in (ROOT / "server" / package).rglob("*.py"):
+            for name in _imports(path):
+                assert not any(name == b or name.startswith(b + ".") for b in banned), f"{path}: {name}"

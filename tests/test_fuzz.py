@@ -3,16 +3,17 @@ the incremental detokenizer, with a corpus kept in ``tests/fuzz_corpus/<target>/
 
 Properties checked:
 
-* request parser (``server/params.py``, ``server/infer.py``): any bytes, any JSON and a few
-  headers end either in a parsed request whose text is valid UTF-8 and tokenizes, or in a client
+* request parser (``server/http/body.py``, ``server/api/requests.py``, ``server/api/infer.py``): any
+  bytes, any JSON and a few headers end either in a parsed request whose text is valid UTF-8 and
+  tokenizes, or in a client
   error: a :class:`engine.errors.RequestError` or :class:`server.errors.APIError` that
   ``http_error`` answers 4xx (anything else is a 500). Through the whole Falcon app (in process,
   a real engine) no body gets a 5xx, and a 200 stream never carries an error event.
-* chat template (``server/chat_template.py``): any messages are either refused with a 4xx or
+* chat template (``server/text/chat_template.py``): any messages are either refused with a 4xx or
   rendered; the prompt decodes to the template rendered with the messages' text, and message text
   never becomes a special token. Run with the model's template and with Mistral's, whose
   ``raise_exception`` refuses some role orders.
-* detokenizer (``server/detokenizer.py``): for any token ids (biased to pieces that are only part
+* detokenizer (``server/text/detokenizer.py``): for any token ids (biased to pieces that are only part
   of a UTF-8 character) and stop strings, the joined deltas equal the non-streamed text: the whole
   decode (a character cut short at the end dropped) up to the first stop string completed. End to
   end, a greedy answer streamed and not streamed is the same text, and that reference.
@@ -41,13 +42,14 @@ from hypothesis import HealthCheck, currently_in_test_context, event, given, set
 from hypothesis import strategies as st
 
 from engine.errors import RequestError
-from server.chat_template import ROLE_ALIASES, ChatTemplate
-from server.detokenizer import Detokenizer
+from server.api.infer import INFER_FIELDS, parse_infer
+from server.api.requests import (CHAT_FIELDS, CHAT_ROLES, COMPLETION_FIELDS, MAX_N, MAX_STOPS, check_model,
+                                 parse_generation, parse_messages, parse_prompt, render_options)
 from server.errors import APIError, grpc_error, http_error
-from server.infer import INFER_FIELDS, parse_infer
-from server.params import (CHAT_FIELDS, CHAT_ROLES, COMPLETION_FIELDS, MAX_N, MAX_STOPS, check_model,
-                           parse_generation, parse_messages, parse_prompt, read_json, render_options)
-from server.tenants import DEFAULT_TENANT, Tenant, TenantRegistry, Tenants
+from server.http.body import read_json
+from server.tenancy.tenants import DEFAULT_TENANT, Tenant, TenantRegistry, Tenants
+from server.text.chat_template import ROLE_ALIASES, ChatTemplate
+from server.text.detokenizer import Detokenizer
 from tests.test_http_contract import GREETING_PROMPT, GREETINGS, equal_streamed, parse_sse, post
 
 CORPUS = Path(__file__).with_name("fuzz_corpus")
@@ -276,8 +278,8 @@ def assert_client_error(e: BaseException) -> None:
 
 def parse_request(route: str, raw: bytes, hdrs: dict, tokenizer, chat: ChatTemplate, tenant=None):
     """What a route does with a body before the engine: read, parse, validate, render and
-    tokenize (``server/completions.py``, ``server/infer.py``). Returns the prompt token ids.
-    ``tenant``: the key's tenant in a tenant file (None: no tenant file)."""
+    tokenize (``server/http/completions.py``, ``server/http/infer.py``). Returns the prompt token
+    ids. ``tenant``: the key's tenant in a tenant file (None: no tenant file)."""
     req = falcon.Request(falcon.testing.create_environ(path=route, method="POST", body=raw, headers=hdrs))
     body = read_json(req, MAX_BODY)
     if route == INFER:
@@ -556,7 +558,7 @@ def test_detokenizer(tokenizer, vocab, data):
 
 def token_bytes(entry) -> bytes:
     """A token's bytes from a logprobs entry: chat gives ``bytes``; the legacy shape gives the
-    token's text, ``bytes:\\xe4\\xbd`` for part of a character (``server/completions.py``)."""
+    token's text, ``bytes:\\xe4\\xbd`` for part of a character (``server/http/completions.py``)."""
     if isinstance(entry, dict):
         return bytes(entry["bytes"])
     if entry.startswith("bytes:"):

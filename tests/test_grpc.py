@@ -322,8 +322,8 @@ def test_health_is_not_serving_until_the_engine_is_ready(model_path):
     NOT_SERVING again when the engine dies, then for good after the stop."""
     from engine.client import EngineClient
     from server.config import ServerConfig
-    from server.grpc_server import build, follow_engine
-    from server.tenants import TenantRegistry, Tenants
+    from server.grpc.server import build, follow_engine
+    from server.tenancy.tenants import TenantRegistry, Tenants
     from shm import EngineState, Transport
     from tests.conftest import free_port
 

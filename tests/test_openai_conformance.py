@@ -234,7 +234,7 @@ def cors_app(app, tokenizer, chat):
     """The same in-process engine behind an app with CORS and two model names."""
     from dataclasses import replace
 
-    from server.generation import Generator
+    from server.generation.pipeline import Generator
     config = replace(app.config, cors_allow_origins="*", model_id=f"{MODEL},gpt-4o-mini,org/model-x,gpt-4o-mini")
     return AppServer(config, Generator(app.engine, tokenizer, chat))
 

@@ -1,4 +1,4 @@
-"""This server's own OpenAPI document (``GET /openapi.json``, ``server/openapi.json``) is true.
+"""This server's own OpenAPI document (``GET /openapi.json``, ``server/http/openapi.json``) is true.
 
 Its routes are the app's routes (read from the Falcon app); it is a valid OpenAPI 3.1 document;
 its request fields and bounds are those the parsers take; each documented status is answered
@@ -29,9 +29,10 @@ from schemathesis.specs.openapi.checks import (content_type_conformance, negativ
                                                status_code_conformance)
 
 from engine.request import DEADLINE_MS_BOUNDS, SamplingParams
-from server import errors, params
-from server.infer import INFER_FIELDS
-from server.openapi import load
+from server import errors
+from server.api import requests as params
+from server.api.infer import INFER_FIELDS
+from server.http.openapi import load
 from tests.conftest import AppServer, running_server
 from tests.test_http_contract import Reply, parse_sse, post, request
 
@@ -171,7 +172,7 @@ def test_document_is_valid_openapi_3_1():
 def test_document_ships_as_package_data():
     cfg = configparser.ConfigParser()
     cfg.read(ROOT / "setup.cfg")
-    assert "openapi.json" in cfg["options.package_data"]["server"].split()
+    assert "openapi.json" in cfg["options.package_data"]["server.http"].split()
 
 
 # -- 3. request fields and bounds are the parsers' --------------------------------------------------------
@@ -263,9 +264,9 @@ TENANTS = {"tenants": [
 
 def test_tenant_errors_conform(app):
     """401 (no key or an unknown one), 403 (another tenant's id) and 429 (over a rate)."""
-    from server.generation import Generator
-    from server.ratelimit import RateLimiter
-    from server.tenants import TenantRegistry, Tenants, parse
+    from server.generation.pipeline import Generator
+    from server.tenancy.ratelimit import RateLimiter
+    from server.tenancy.tenants import TenantRegistry, Tenants, parse
 
     generator = Generator(app.engine, app.generator.tokenizer, app.generator.template, RateLimiter(app.engine.buckets))
     tenant_app = AppServer(app.config, generator, TenantRegistry(Tenants(parse(TENANTS))))

@@ -88,7 +88,7 @@ def _conversation(app) -> list[tuple[str, dict]]:
 
 
 def test_four_turn_conversation_reuses_every_previous_turn(app, model_path, tokenizer, chat):
-    from server.generation import Generator
+    from server.generation.pipeline import Generator
 
     turns = _conversation(app)
     for k, (_, usage) in enumerate(turns):
@@ -130,8 +130,8 @@ def test_streamed_usage_and_infer_report_cached_tokens(app):
 
 def test_cache_is_scoped_per_tenant(tmp_path, model_path, tokenizer, chat):
     from server.config import ServerConfig
-    from server.generation import Generator
-    from server.tenants import Tenants, TenantRegistry
+    from server.generation.pipeline import Generator
+    from server.tenancy.tenants import Tenants, TenantRegistry
 
     path = tmp_path / "tenants.json"
     path.write_text(json.dumps({"tenants": [{"id": "alpha", "api_keys": ["alpha-key"]},

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from server.tenants import Tenants
+from server.tenancy.tenants import Tenants
 from tests.docs import EXAMPLE_URL, README, ROOT, blocks, curl_commands
 
 BLOCKS = blocks(README)

@@ -24,8 +24,8 @@ import redis
 from engine.config import ConfigError
 from engine.errors import RateLimited
 from server.errors import http_error
-from server.ratelimit import RateLimiter
-from server.tenants import Rate, Tenant, Tenants
+from server.tenancy.ratelimit import RateLimiter
+from server.tenancy.tenants import Rate, Tenant, Tenants
 from shm import Layout, Transport
 from tests.conftest import AppServer, free_port, redis_server, running_server
 
@@ -228,8 +228,8 @@ def tenant_app(tmp_path_factory, model_path, tokenizer, chat):
     from engine.config import EngineConfig
     from engine.inproc import InprocEngine
     from server.config import ServerConfig
-    from server.generation import Generator
-    from server.tenants import TenantRegistry
+    from server.generation.pipeline import Generator
+    from server.tenancy.tenants import TenantRegistry
 
     path = write_tenants(tmp_path_factory.mktemp("tenants") / "t.json", TENANTS)
     config = ServerConfig(model_path=model_path, max_slots=1, max_seq_len=512, max_queued=16, tenants_file=path)
@@ -550,7 +550,7 @@ def test_deeply_nested_toml_fails_with_one_line(tmp_path):
 
 def test_tenants_with_one_crc32_have_their_own_buckets(buckets):
     """"plumless" and "buckeroo" share a CRC-32; tenant identities must not collide."""
-    from server.tenants import tenant_index
+    from server.tenancy.tenants import tenant_index
 
     assert tenant_index("plumless") != tenant_index("buckeroo")
     limiter = RateLimiter(buckets, clock=Clock())
@@ -575,7 +575,7 @@ def test_a_full_bucket_table_forgets_only_buckets_that_are_full_again(buckets):
 
 
 def test_bearer_with_any_whitespace():
-    from server.tenants import key_of
+    from server.tenancy.tenants import key_of
 
     assert key_of("Bearer\tkey-1", None) == key_of("bearer  key-1 ", None) == "key-1"
     assert key_of("Basic abc", "key-2") == "key-2"

@@ -8,7 +8,7 @@ import pytest
 from engine.request import EngineRequest, Priority, SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence
-from server.detokenizer import Detokenizer
+from server.text.detokenizer import Detokenizer
 
 HIGH, NORMAL, LOW = Priority
 
@@ -227,7 +227,7 @@ def test_metrics_dir_orphans_are_removed_and_live_ones_kept(tmp_path):
     start; one whose owner holds the lock stays; so does an ownerless one a moment old."""
     import fcntl
 
-    from server import metrics_dir
+    from server.observability import metrics_dir
 
     dead, live, young = (tmp_path / f"{metrics_dir.PREFIX}{n}" for n in ("dead", "live", "young"))
     for d in (dead, live, young):
@@ -248,7 +248,7 @@ def test_retire_adds_a_dead_process_counts_into_the_retired_files(tmp_path):
     from prometheus_client.mmap_dict import MmapedDict
     from prometheus_client.multiprocess import MultiProcessCollector
 
-    from server import metrics_dir
+    from server.observability import metrics_dir
 
     def write(name, values):
         d = MmapedDict(str(tmp_path / name))

@@ -1,8 +1,8 @@
-"""The gRPC sidecar process: ``python -m server.grpc_server``, spawned by the gunicorn master
-(``server.sidecar``) with the same environment a worker gets (the configuration variables and
+"""The gRPC sidecar process: ``python -m server.grpc.server``, spawned by the gunicorn master
+(``server.grpc.keeper``) with the same environment a worker gets (the configuration variables and
 ``INFERENCE_SHM``).
 
-It serves :class:`server.grpc_service.InferenceService` on ``--grpc-port`` with
+It serves :class:`server.grpc.service.InferenceService` on ``--grpc-port`` with
 ``--grpc-threads`` handler threads, standard health checking (``grpc.health.v1``: ``NOT_SERVING``
 until the engine is ready, and again while it restarts or after SIGTERM) and server reflection.
 SIGTERM drains (health goes ``NOT_SERVING``, calls get ``GRACE_S`` seconds); SIGHUP reloads the
@@ -24,13 +24,13 @@ from grpc_reflection.v1alpha import reflection
 
 from engine.client import EngineClient
 from proto import inference_pb2_grpc
-from server.chat_template import ChatTemplate
 from server.config import ServerConfig
-from server.generation import Generator
-from server.grpc_service import SERVICE_NAME, InferenceService
-from server.ratelimit import RateLimiter
-from server.tenants import TenantRegistry, Tenants
-from server.tokenizer import Tokenizer
+from server.generation.pipeline import Generator
+from server.grpc.service import SERVICE_NAME, InferenceService
+from server.tenancy.ratelimit import RateLimiter
+from server.tenancy.tenants import TenantRegistry, Tenants
+from server.text.chat_template import ChatTemplate
+from server.text.tokenizer import Tokenizer
 
 log = logging.getLogger("grpc")
 GRACE_S = 5.0

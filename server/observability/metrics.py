@@ -3,7 +3,7 @@
 The names and bucket boundaries are a contract with dashboards and alerts (docs/metrics.md
 lists them; ``docker/grafana`` queries them). The engine's own step histograms are in
 :mod:`engine.metrics`. Under gunicorn every process writes its values to
-``PROMETHEUS_MULTIPROC_DIR`` (:mod:`server.metrics_dir`) and any process can serve the sum.
+``PROMETHEUS_MULTIPROC_DIR`` (:mod:`server.observability.metrics_dir`) and any process can serve the sum.
 
 Three gauges are not recorded by anyone but read at scrape time from the engine's control block
 (:class:`EngineStateCollector`): the slot table and queue as of the engine's last step, and its
@@ -26,7 +26,7 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.multiprocess import MultiProcessCollector
 
 from engine.client import EngineClient
-from server import metrics_dir
+from server.observability import metrics_dir
 
 LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 60, 120, 300, 600)
 WAIT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 60, 120, 300)

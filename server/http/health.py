@@ -1,14 +1,12 @@
-"""``GET /health`` (Kubernetes probes) and ``GET /v1/models`` (OpenAI API reference: Models)."""
+"""``GET /health``, ``/health/ready`` and ``/health/live``: the Kubernetes probes."""
 from __future__ import annotations
 
 import os
-import time
 
 import falcon
 
 from engine.client import EngineClient
-from engine.errors import EngineUnavailable, ModelNotFound, ShuttingDown
-from server.config import ServerConfig
+from engine.errors import EngineUnavailable, ShuttingDown
 
 
 class Health:
@@ -43,29 +41,3 @@ class Health:
     # some probes and load balancers use HEAD
     on_head = on_get
     on_head_live = on_get_live
-
-
-class Models:
-    """The served model under each of its names, with ``context_length``: the real per-sequence
-    token limit. Every GET answers HEAD too (HTTP requires it)."""
-
-    def __init__(self, config: ServerConfig):
-        self.config = config
-        self.created = int(time.time())
-
-    def card(self, name: str) -> dict:
-        return {"id": name, "object": "model", "created": self.created,
-                "owned_by": "local", "context_length": self.config.max_seq_len}
-
-    def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
-        resp.media = {"object": "list", "data": [self.card(name) for name in self.config.model_ids]}
-
-    def on_get_one(self, req: falcon.Request, resp: falcon.Response, model: str) -> None:
-        if not model:  # "/v1/models/": no model named, so no such route
-            raise falcon.HTTPNotFound()
-        if model not in self.config.model_ids:
-            raise ModelNotFound(f"The model {model!r} does not exist", "model")
-        resp.media = self.card(model)
-
-    on_head = on_get
-    on_head_one = on_get_one

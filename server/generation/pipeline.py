@@ -1,78 +1,35 @@
-"""The front-end-neutral request path, shared by every front end (HTTP now, gRPC next):
+"""The front-end-neutral request path, shared by the HTTP and the gRPC front end:
 
-    render/tokenize -> submit n sequences -> follow their tokens -> detokenize with stop
+    render/tokenize (:class:`Generator`) -> prepare (:class:`Generation`) -> admit and submit
+    n sequences (:meth:`Generation.submit`) -> follow their tokens -> detokenize with stop
     strings -> usage and timings
 
-No HTTP type appears here: errors are those of :mod:`engine.errors`, mapped by each protocol
-in one place of its own (``server/errors.py`` for HTTP).
+No HTTP or gRPC type appears here: errors are those of :mod:`engine.errors`, mapped to both
+protocols in one place (``server/errors.py``).
 """
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
 from typing import Iterator
 
 import time
 
 from engine.client import EngineClient
 from engine.errors import InvalidRequest, PromptTooLong
-from engine.request import Priority, SamplingParams, reduce_seed
-from engine.stream import Stream, Timings, Token, follow
-from server.chat_template import ChatTemplate
-from server.detokenizer import Detokenizer
-from server.ratelimit import RateLimiter
-from server.tenants import DEFAULT_TENANT, Tenant
-from server.tokenizer import Tokenizer
+from engine.request import reduce_seed
+from engine.stream import Stream, Timings, follow
+from server.generation.request import Choice, Delta, GenerationRequest, Usage
+from server.tenancy.ratelimit import RateLimiter
+from server.tenancy.tenants import DEFAULT_TENANT, Tenant
+from server.text.chat_template import ChatTemplate
+from server.text.detokenizer import Detokenizer
+from server.text.tokenizer import Tokenizer
 
 #: The text of OpenAI's default prompt: the document separator, a new document's start.
 DOCUMENT_START = "<|endoftext|>"
 #: Generated tokens are charged to the tenant's token bucket every this many tokens or seconds,
 #: whichever comes first, so a long answer keeps its tenant's bucket current with few calls.
 CHARGE_EVERY_TOKENS, CHARGE_EVERY_S = 16, 0.1
-
-
-@dataclass
-class GenerationRequest:
-    """What one request asks of the engine, before its prompt is tokenized.
-
-    Attributes:
-        sampling: the engine's settings (``max_new_tokens`` None = up to the sequence limit).
-        max_tokens: as asked; 0 generates nothing (each choice ends at once with ``length``).
-        max_tokens_param: the request field ``max_new_tokens`` came from (named in errors).
-        stop: stop strings (text, applied here). n: choices, each its own sequence.
-        stream, include_usage: the response's shape (read by the protocol, not here).
-        priority, deadline_ms: admission class and deadline (None = none).
-    """
-
-    sampling: SamplingParams = field(default_factory=SamplingParams)
-    max_tokens: int | None = None
-    max_tokens_param: str = "max_tokens"
-    stop: list[str] = field(default_factory=list)
-    n: int = 1
-    stream: bool = False
-    include_usage: bool = False
-    priority: Priority = Priority.NORMAL
-    deadline_ms: float | None = None
-
-
-@dataclass
-class Delta:
-    """A piece of one choice: ``text`` (may be ''), the tokens' logprob entries, and the
-    ``finish_reason`` on the choice's last delta (None before)."""
-
-    index: int
-    text: str = ""
-    tokens: list[Token] = field(default_factory=list)
-    finish_reason: str | None = None
-
-
-@dataclass
-class Choice:
-    """One finished choice: its whole text, its tokens (for logprobs), its finish reason."""
-
-    text: str = ""
-    tokens: list[Token] = field(default_factory=list)
-    finish_reason: str | None = None
 
 
 def check_choices(engine: EngineClient, n_prompts: int, n: int, tenant: Tenant) -> int:
@@ -91,28 +48,28 @@ def check_choices(engine: EngineClient, n_prompts: int, n: int, tenant: Tenant) 
 
 
 class Generation:
-    """``n`` sequences for each prompt, submitted at construction, read by one output loop.
-    Choice ``p * n + j`` is choice ``j`` of prompt ``p`` (OpenAI's numbering).
+    """``n`` sequences for each prompt, read by one output loop. Choice ``p * n + j`` is choice
+    ``j`` of prompt ``p`` (OpenAI's numbering).
 
-    The tenant's rate limits are taken at construction (one request, the prompt tokens of every
-    choice) and its generated tokens charged while they are produced. Its priority caps the
-    request's; its index and weight travel to the engine's fair share.
+    Building one only prepares it (checks the number of choices, talks to nothing);
+    :meth:`submit` admits and submits it. The tenant's rate limits are taken there (one
+    request, the prompt tokens of every choice) and its generated tokens charged while they are
+    produced. Its priority caps the request's; its index and weight travel to the engine's fair
+    share (:meth:`Tenant.share`).
 
     Args:
         prompts: token ids of each prompt. prompt_param: the request field they came from.
         tenant: who asks. limiter: its rate limits (None: none).
         watch_socket: the client connection; when it closes, every choice is cancelled.
     Raises:
-        InvalidRequest: more choices than the capacity or the tenant's ``max_concurrent``;
-        PromptTooLong (naming the prompt's or the max-tokens field) when it does not fit. RateLimited: over the tenant's
-        quota or concurrency limit. Saturated, EngineUnavailable: no room or no engine.
-        Nothing stays submitted, and a refused request is refunded to its tenant's buckets.
+        InvalidRequest: more choices than the capacity or the tenant's ``max_concurrent``.
     """
 
     def __init__(self, engine: EngineClient, pieces: list[bytes], prompts: list[list[int]],
                  req: GenerationRequest, prompt_param: str, tenant: Tenant = DEFAULT_TENANT,
                  limiter: RateLimiter | None = None, watch_socket=None):
         self.n_choices = check_choices(engine, len(prompts), req.n, tenant)
+        self.engine, self.prompts, self.prompt_param = engine, prompts, prompt_param
         self.req, self.pieces, self.watch_socket = req, pieces, watch_socket
         self.tenant, self.limiter = tenant, limiter
         self.prompt_tokens = sum(len(p) for p in prompts)
@@ -127,33 +84,44 @@ class Generation:
         self._last_token_at: list[float | None] = [None] * self.n_choices
         self.streams: list[Stream] = []
         self._uncharged, self._charged_at = 0, time.monotonic()
+
+    def submit(self) -> Generation:
+        """Admit the request and submit its sequences: length first (a request that can never
+        run costs no quota), then the tenant's quota, then room in the engine. Returns itself.
+
+        Raises:
+            PromptTooLong (naming the prompt's or the max-tokens field) when it does not fit.
+            RateLimited: over the tenant's quota or concurrency limit. Saturated,
+            EngineUnavailable: no room or no engine. Nothing stays submitted, and a refused
+            request is refunded to its tenant's buckets.
+        """
+        req, tenant, limiter = self.req, self.tenant, self.limiter
         cost = 0 if req.max_tokens == 0 else req.n * self.prompt_tokens  # prefill the engine will do
         admitted = False
         try:
-            # Length first (a request that can never run costs no quota), then quota, then room.
-            for prompt in prompts:
-                engine.check(prompt, req.sampling)
+            for prompt in self.prompts:
+                self.engine.check(prompt, req.sampling)
             if limiter is not None:
                 limiter.admit(tenant, cost)
                 admitted = True
-            for prompt in prompts if req.max_tokens != 0 else ():
+            share = tenant.share(req.priority)
+            for prompt in self.prompts if req.max_tokens != 0 else ():
                 for j in range(req.n):
                     params = req.sampling
                     if params.seed is not None and j:  # one seed would make every choice the same
                         params = dataclasses.replace(params, seed=reduce_seed(params.seed + j))
-                    self.streams.append(engine.submit(
-                        prompt, params, priority=tenant.priority_for(req.priority), deadline_ms=req.deadline_ms,
-                        tenant=tenant.index, weight=tenant.weight, max_concurrent=tenant.max_concurrent,
-                        watch_socket=watch_socket))
+                    self.streams.append(self.engine.submit(prompt, params, deadline_ms=req.deadline_ms,
+                                                           watch_socket=self.watch_socket, **share._asdict()))
         except BaseException as e:
             self.close()  # nothing stays submitted
             if admitted:
                 limiter.refund(tenant, cost)
             if isinstance(e, PromptTooLong):
-                e.param = req.max_tokens_param if e.max_new_tokens is not None else prompt_param
+                e.param = req.max_tokens_param if e.max_new_tokens is not None else self.prompt_param
             elif isinstance(e, InvalidRequest) and e.param == "prompt":
-                e.param = prompt_param
+                e.param = self.prompt_param
             raise
+        return self
 
     def deltas(self, keepalive_s: float | None = None) -> Iterator[Delta | None]:
         """Deltas of every choice as they come; each choice ends with one ``finish_reason``.
@@ -249,19 +217,16 @@ class Generation:
             s.close()
         self._charge(0, final=True)
 
-    def usage(self) -> dict:
-        """OpenAI's ``usage`` (CompletionUsage): prompt tokens counted once per prompt, and in
-        ``prompt_tokens_details.cached_tokens`` those the prefix cache gave every choice of
-        their prompt (the smallest reuse among a prompt's ``n`` choices). Read after
+    def usage(self) -> Usage:
+        """Prompt tokens counted once per prompt, and as cached those the prefix cache gave every
+        choice of their prompt (the smallest reuse among a prompt's ``n`` choices). Read after
         :meth:`close`."""
-        completion = sum(self.counts)
         n = self.req.n
         cached = sum(min(s.n_cached for s in self.streams[i:i + n]) for i in range(0, len(self.streams), n))
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion,
-                "total_tokens": self.prompt_tokens + completion,
-                "prompt_tokens_details": {"cached_tokens": cached}}
+        return Usage(self.prompt_tokens, sum(self.counts), cached)
 
     def timings(self, choice: int = 0) -> Timings:
+        """The engine's timings of one choice's sequence (choice 0 by default)."""
         return self.streams[choice].timings()
 
 
@@ -282,12 +247,12 @@ class Generator:
              render: dict | None = None, **submit) -> Generation:
         """``messages`` (``[{"role", "content": str}]``) rendered with the chat template
         (``render``: :meth:`ChatTemplate.encode`'s options). ``submit``: ``tenant``,
-        ``watch_socket``. Raises as :class:`Generation`."""
+        ``watch_socket``. Raises as :class:`Generation` and :meth:`Generation.submit`."""
         render = render or {}
         self._fits_at_all([m["content"] for m in messages], prompt_param,
                           len(messages) * self.template.tokens_per_message)
         return Generation(self.engine, self.tokenizer.pieces, [self.template.encode(messages, **render)], req,
-                          prompt_param, limiter=self.limiter, **submit)
+                          prompt_param, limiter=self.limiter, **submit).submit()
 
     def _fits_at_all(self, texts: list[str], prompt_param: str, template_tokens: int = 0) -> None:
         """Refuse, before rendering or tokenizing, text that cannot fit one sequence: a token holds
@@ -308,8 +273,8 @@ class Generator:
     def complete(self, prompts: list[str | list[int]], req: GenerationRequest, prompt_param: str = "prompt",
                  **submit) -> Generation:
         """Plain-text prompts (BOS added if the model wants it) or token-id prompts (used as
-        they are). Raises as :class:`Generation`; InvalidRequest for a token id outside the
-        vocabulary."""
+        they are). Raises as :class:`Generation` and :meth:`Generation.submit`; InvalidRequest
+        for a token id outside the vocabulary."""
         check_choices(self.engine, len(prompts), req.n, submit.get("tenant", DEFAULT_TENANT))  # before tokenizing
         self._fits_at_all([p for p in prompts if isinstance(p, str)], prompt_param)
         ids = []
@@ -327,4 +292,5 @@ class Generator:
                                      prompt_param)
             else:
                 ids.append(list(prompt))
-        return Generation(self.engine, self.tokenizer.pieces, ids, req, prompt_param, limiter=self.limiter, **submit)
+        return Generation(self.engine, self.tokenizer.pieces, ids, req, prompt_param, limiter=self.limiter,
+                          **submit).submit()

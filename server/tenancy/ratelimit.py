@@ -30,7 +30,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from engine.errors import RateLimited
-from server.tenants import Rate, Tenant
+from server.tenancy.tenants import Rate, Tenant
 
 log = logging.getLogger("ratelimit")
 

@@ -1,8 +1,8 @@
 """``GET /openapi.json``: this server's own OpenAPI 3.1 document.
 
-The document is ``server/openapi.json`` (package data), written by hand and kept true by
+The document is ``server/http/openapi.json`` (package data), written by hand and kept true by
 ``tests/test_openapi.py``: its routes are the app's, its request fields are those
-``server/params.py`` and ``server/infer.py`` take, with their bounds, and schemathesis runs it
+``server/api/requests.py`` and ``server/api/infer.py`` take, with their bounds, and schemathesis runs it
 against a real server. It is served as it is, except for routes this app does not serve on its
 port (``/metrics`` with ``--no-metrics`` or ``--metrics-port``), so it describes what a client
 can reach here.
@@ -17,7 +17,7 @@ import falcon
 
 def load() -> dict:
     """The document as shipped (every route)."""
-    return json.loads(importlib.resources.files("server").joinpath("openapi.json").read_text(encoding="utf-8"))
+    return json.loads(importlib.resources.files("server.http").joinpath("openapi.json").read_text(encoding="utf-8"))
 
 
 class OpenAPIDocument:

@@ -1,20 +1,18 @@
-"""The Falcon WSGI app, built with injected dependencies (no globals, no monkey-patching)."""
+"""The HTTP front end's Falcon middleware, in the order a request meets it: :class:`VaryOrigin`
+(with CORS origins) and :class:`MetricsPort` (with ``--metrics-port``), :class:`Observe`
+(request ids and telemetry),
+:class:`Authenticate` (API keys: every route but the public ones runs as the tenant its key
+names, ``server/tenancy/tenants.py``) and :class:`Admission` (a saturated server refuses before
+parsing); :class:`ClosingStream` finishes a stream's telemetry when its body closes."""
 from __future__ import annotations
 
 import falcon
 
 from engine.client import EngineClient
-from engine.errors import Saturated
+from engine.errors import Saturated, Unauthenticated
 from server import errors
-from server.auth import Authenticate
-from server.completions import ChatCompletions, Completions
-from server.config import ServerConfig
-from server.generation import Generator
-from server.infer import Infer
-from server.openapi import OpenAPIDocument
-from server.status import Health, Models
-from server.telemetry import Telemetry
-from server.tenants import TenantRegistry, Tenants
+from server.observability.telemetry import Telemetry
+from server.tenancy.tenants import TenantRegistry, key_of
 
 
 class VaryOrigin:
@@ -102,46 +100,24 @@ class MetricsPort:
             raise falcon.HTTPNotFound()
 
 
-def create_app(config: ServerConfig, generator: Generator, tenants: TenantRegistry | None = None,
-               telemetry: Telemetry | None = None) -> falcon.App:
-    """Routes: ``/v1/chat/completions``, ``/v1/completions``, ``/v1/models``,
-    ``/v1/models/{model}``, ``/health`` (= ``/health/ready``), ``/health/live``, ``/infer``, and
-    ``/metrics`` with metrics on (on its own port with ``--metrics-port``), and ``/openapi.json``
-    (:mod:`server.openapi`). Errors follow :mod:`server.errors`.
+class Authenticate:
+    """Falcon middleware: sets ``req.context.tenant`` from ``Authorization: Bearer <key>`` or
+    ``X-Tenant-ID: <key>``.
 
-    Args:
-        config: validated settings. generator: the request path over an engine client (a real
-            engine process under gunicorn; an in-process engine in contract tests).
-        tenants: API keys and limits (None: no tenant file, everyone is the default tenant).
-        telemetry: request metrics and logs (None: as ``config`` says).
+    Raises:
+        Unauthenticated: a tenant file is loaded and the key is missing or unknown (401). The
+        message never repeats the key.
     """
-    tenants = tenants or TenantRegistry(Tenants([]))
-    telemetry = telemetry or Telemetry(config.metrics, config.log_prompts)
-    middleware = [Observe(telemetry), Authenticate(tenants), Admission(generator.engine)]
-    if config.metrics_port:
-        middleware.insert(0, MetricsPort(config.metrics_port))
-    if config.cors_origins:
-        # Falcon's own CORS: preflight OPTIONS answered with Access-Control-Allow-Methods and
-        # -Headers (it echoes the requested headers, Authorization included), and the
-        # Access-Control-Allow-Origin header added to every response, errors and streams too.
-        middleware.insert(0, falcon.CORSMiddleware(allow_origins=config.cors_origins, expose_headers="*"))
-        if config.cors_origins != "*":
-            middleware.insert(0, VaryOrigin())
-    app = falcon.App(middleware=middleware)
-    errors.install(app)
-    app.add_route("/v1/chat/completions", ChatCompletions(config, generator))
-    app.add_route("/v1/completions", Completions(config, generator))
-    models = Models(config)
-    app.add_route("/v1/models", models)
-    app.add_route("/v1/models/{model:path}", models, suffix="one")  # names may hold "/"
-    health = Health(generator.engine)
-    app.add_route("/health", health)
-    app.add_route("/health/ready", health)
-    app.add_route("/health/live", health, suffix="live")
-    app.add_route("/infer", Infer(config, generator, tenants))
-    if telemetry.metrics is not None:
-        from server.metrics import Scrape
-        app.add_route("/metrics", Scrape(generator.engine))
-    metrics_here = telemetry.metrics is not None and not config.metrics_port
-    app.add_route("/openapi.json", OpenAPIDocument(() if metrics_here else ("/metrics",)))
-    return app
+
+    def __init__(self, tenants: TenantRegistry):
+        self.tenants = tenants
+
+    def process_resource(self, req: falcon.Request, resp: falcon.Response, resource, params) -> None:
+        if resource is None or getattr(resource, "public", False) or req.method == "OPTIONS":
+            return  # a CORS preflight carries no credentials
+        key = key_of(req.get_header("Authorization"), req.get_header("X-Tenant-ID"))
+        tenant = self.tenants.authenticate(key)
+        if tenant is None:
+            raise Unauthenticated("missing API key: send Authorization: Bearer <key>" if key is None
+                                  else "unknown API key")
+        req.context.tenant = tenant

@@ -22,6 +22,7 @@ import logging
 import math
 import tomllib
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from engine.config import ConfigError
 from engine.errors import InvalidRequest
@@ -41,8 +42,9 @@ class Rate:
 @dataclass(frozen=True)
 class Tenant:
     """One tenant. ``index`` is its fair-share identity in the engine (stable across processes
-    and reloads: a CRC-32 of the id; 0 is the keyless default tenant). A limit of None means
-    unlimited. ``priority`` is a ceiling: a request may ask for a lower class, never a higher one.
+    and reloads: 62 bits of the id's SHA-256, :func:`tenant_index`; 0 is the keyless default
+    tenant). A limit of None means unlimited. ``priority`` is a ceiling: a request may ask for a
+    lower class, never a higher one.
     """
 
     id: str
@@ -56,6 +58,21 @@ class Tenant:
     def priority_for(self, asked: Priority) -> Priority:
         """The class a request runs at: the one it asked for, capped at the tenant's."""
         return Priority(max(asked, self.priority))
+
+    def share(self, asked: Priority) -> EngineShare:
+        """What the engine needs of this tenant for a request that asked for class ``asked``."""
+        return EngineShare(self.priority_for(asked), self.index, self.weight, self.max_concurrent)
+
+
+class EngineShare(NamedTuple):
+    """A tenant as the engine sees one of its sequences, its fields named as the keywords of
+    :meth:`engine.client.EngineClient.submit`: the class it runs at, its fair-share identity and
+    weight (VTC), and the most sequences it may have in flight on this node (None: no limit)."""
+
+    priority: Priority
+    tenant: int
+    weight: float
+    max_concurrent: int | None
 
 
 DEFAULT_TENANT = Tenant("default", 0)

@@ -20,7 +20,6 @@ class Tokenizer:
         self._model = load_model(model_path, vocab_only=True)
         self.vocab = llama_cpp.llama_model_get_vocab(self._model)
         self.n_vocab = llama_cpp.llama_vocab_n_tokens(self.vocab)
-        self.bos = llama_cpp.llama_vocab_bos(self.vocab)
         self.add_bos = bool(llama_cpp.llama_vocab_get_add_bos(self.vocab))
         # Every token's bytes, precomputed once: detokenizing is then a list lookup.
         # Special tokens render as empty bytes (they are control, not text).

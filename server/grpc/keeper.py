@@ -1,4 +1,4 @@
-"""The gunicorn master's keeper of the gRPC sidecar (``python -m server.grpc_server``).
+"""The gunicorn master's keeper of the gRPC sidecar (``python -m server.grpc.server``).
 
 gRPC's core does not survive ``fork`` once it is loaded, so the sidecar is a new interpreter
 (``subprocess``: fork then exec, from the master, which never imports grpc), not a forked
@@ -43,7 +43,7 @@ class Sidecar:
         self._thread.start()
 
     def _spawn(self) -> None:
-        self.proc = subprocess.Popen([sys.executable, "-m", "server.grpc_server"], env=self.env)
+        self.proc = subprocess.Popen([sys.executable, "-m", "server.grpc.server"], env=self.env)
 
     def _keep(self) -> None:
         while True:

@@ -1,7 +1,7 @@
 """``inference.v1.InferenceService`` (``proto/inference.proto``): the gRPC front end.
 
 A request message becomes the same dict an HTTP body would be (:func:`message_body`) and goes
-through the same parsers (``server.params``, ``server.infer``), the same :class:`Generator`
+through the same parsers (``server.api.requests``, ``server.api.infer``), the same :class:`Generator`
 (tokenizer, chat template, engine client, detokenizer with stop strings, rate limits) and the same
 error mapping (``server.errors.grpc_error``) as the HTTP routes, so the two front ends accept
 and refuse the same requests.
@@ -22,13 +22,14 @@ from engine.errors import DeadlineExceeded, EngineError, InvalidRequest, Request
 from engine.request import DEADLINE_MS_BOUNDS
 from proto import inference_pb2 as pb
 from proto import inference_pb2_grpc
+from server.api.infer import infer_result, parse_infer
+from server.api.requests import check_model, parse_generation, parse_messages, render_options
 from server.config import ServerConfig
 from server.errors import grpc_error
-from server.generation import Delta, Generation, Generator
-from server.infer import infer_result, parse_infer
-from server.params import check_model, parse_generation, parse_messages, render_options
-from server.telemetry import RequestRecord, Telemetry
-from server.tenants import Tenant, TenantRegistry, key_of
+from server.generation.pipeline import Generation, Generator
+from server.generation.request import Delta
+from server.observability.telemetry import RequestRecord, Telemetry
+from server.tenancy.tenants import Tenant, TenantRegistry, key_of
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["InferenceService"].full_name
 
@@ -241,8 +242,8 @@ def _check_deadline(gen: Generation, token_lists) -> None:
 
 def _usage(gen: Generation) -> pb.Usage:
     u = gen.usage()
-    return pb.Usage(prompt_tokens=u["prompt_tokens"], completion_tokens=u["completion_tokens"],
-                    total_tokens=u["total_tokens"], cached_tokens=u["prompt_tokens_details"]["cached_tokens"])
+    return pb.Usage(prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens,
+                    total_tokens=u.total_tokens, cached_tokens=u.cached_tokens)
 
 
 def _with_usage(gen: Generation):

@@ -8,22 +8,15 @@ import time
 from typing import Iterator
 
 import falcon
-import ujson
 
 from engine.errors import ClientDisconnected
+from server.api.requests import check_model, parse_generation, parse_messages, parse_prompt, render_options
 from server.config import ServerConfig
 from server.errors import http_error
-from server.generation import Choice, Delta, Generation, GenerationRequest, Generator
-from server.params import (check_model, parse_generation, parse_messages, parse_prompt, read_json,
-                           render_options)
-
-
-def dumps(obj) -> str:
-    return ujson.dumps(obj, ensure_ascii=False, escape_forward_slashes=False)
-
-
-def sse(obj) -> bytes:
-    return f"data: {dumps(obj)}\n\n".encode("utf-8")
+from server.generation.pipeline import Generation, Generator
+from server.generation.request import Choice, Delta, GenerationRequest
+from server.http.body import read_json
+from server.http.json import dumps, sse
 
 
 class _Completions:
@@ -32,7 +25,7 @@ class _Completions:
     chat = False
     object_name = ""
     id_prefix = ""
-    observed = True  # telemetry (server/app.py, Observe)
+    observed = True  # telemetry (server/http/middleware.py, Observe)
 
     def __init__(self, config: ServerConfig, generator: Generator):
         self.config, self.generator, self.tokenizer = config, generator, generator.tokenizer
@@ -52,7 +45,7 @@ class _Completions:
             return
         choices = gen.collect()
         resp.content_type = falcon.MEDIA_JSON
-        resp.text = dumps({**meta, "object": self.object_name, "usage": gen.usage(),
+        resp.text = dumps({**meta, "object": self.object_name, "usage": gen.usage().openai(),
                            "choices": [self.choice(i, c, greq) for i, c in enumerate(choices)]})
 
     def start(self, body: dict, greq: GenerationRequest, **submit) -> Generation:
@@ -78,7 +71,7 @@ class _Completions:
                     continue
                 yield sse({**chunk, "choices": [self.chunk_choice(d, greq, state)]})
             if greq.include_usage:
-                yield sse({**chunk, "choices": [], "usage": gen.usage()})
+                yield sse({**chunk, "choices": [], "usage": gen.usage().openai()})
         except ClientDisconnected:
             return
         except Exception as e:  # noqa: BLE001 - headers are sent: the error becomes an event

@@ -1,24 +1,22 @@
-"""``POST /infer``: the original endpoint.
+"""``/infer``, the original endpoint, protocol-neutral: the body's parser and the response.
 
 Request: ``{"tenant_id", "payload", "priority": "high|normal|low", "deadline_ms",
 "max_new_tokens"}``; ``payload`` is the user's message, rendered with the chat template, decoded
 greedily. Response: ``{"tenant_id", "text", "tokens", "cached_tokens",
-"finish_reason": "stop|length|deadline", "queue_wait_ms", "latency_ms"}``. The gRPC ``Infer``
-method shares :func:`parse_infer` and :func:`infer_result`.
+"finish_reason": "stop|length|deadline", "queue_wait_ms", "latency_ms"}``. The HTTP route
+(``server/http/infer.py``) and the gRPC ``Infer`` method share :func:`parse_infer` and
+:func:`infer_result`.
 """
 from __future__ import annotations
 
 import time
 
-import falcon
-
 from engine.errors import InvalidRequest, PermissionDenied
 from engine.request import DEADLINE_MS_BOUNDS, Priority, SamplingParams
-from server.completions import dumps
-from server.config import ServerConfig
-from server.generation import Choice, Generation, GenerationRequest, Generator
-from server.params import check_fields, number, read_json, sampling_field
-from server.tenants import Tenant, TenantRegistry
+from server.api.requests import check_fields, number, sampling_field
+from server.generation.pipeline import Generation
+from server.generation.request import Choice, GenerationRequest
+from server.tenancy.tenants import Tenant, TenantRegistry
 
 INFER_FIELDS = {"tenant_id", "payload", "priority", "deadline_ms", "max_new_tokens"}
 
@@ -54,27 +52,7 @@ def infer_result(tenant_id: str, choice: Choice, gen: Generation, started: float
     timings = gen.timings()
     admitted = timings.admitted or timings.finished
     usage = gen.usage()
-    return {"tenant_id": tenant_id, "text": choice.text, "tokens": usage["completion_tokens"],
-            "cached_tokens": usage["prompt_tokens_details"]["cached_tokens"], "finish_reason": choice.finish_reason,
+    return {"tenant_id": tenant_id, "text": choice.text, "tokens": usage.completion_tokens,
+            "cached_tokens": usage.cached_tokens, "finish_reason": choice.finish_reason,
             "queue_wait_ms": round(max(0.0, admitted - timings.queued) * 1000, 3),
             "latency_ms": round((time.monotonic() - started) * 1000, 3)}
-
-
-class Infer:
-    """The HTTP route (:func:`parse_infer`, :func:`infer_result`)."""
-
-    observed = True  # telemetry (server/app.py, Observe)
-
-    def __init__(self, config: ServerConfig, generator: Generator, tenants: TenantRegistry):
-        self.config, self.generator, self.tenants = config, generator, tenants
-
-    def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
-        started = req.context.record.started
-        body = read_json(req, self.config.max_body_bytes)
-        tenant_id, greq, messages = parse_infer(body, req.context.tenant, self.tenants)
-        gen = self.generator.chat(messages, greq, "payload", tenant=req.context.tenant,
-                                  watch_socket=req.env.get("gunicorn.socket"))
-        req.context.record.attach(gen, body["payload"])
-        (choice,) = gen.collect()
-        resp.content_type = falcon.MEDIA_JSON
-        resp.text = dumps(infer_result(tenant_id, choice, gen, started))

@@ -1,4 +1,4 @@
-"""What every finished request leaves behind: its metrics (``server/metrics.py``) and one JSON
+"""What every finished request leaves behind: its metrics (``server/observability/metrics.py``) and one JSON
 log line, from one :class:`RequestRecord` filled along the request path, whatever the protocol.
 
 The log line (logger ``inference.requests``, on stdout) holds ``request_id``, ``tenant``,
@@ -23,8 +23,9 @@ from dataclasses import dataclass, field
 import ujson
 
 from engine.errors import ClientDisconnected, DeadlineExceeded, RateLimited
-from server.generation import Generation
-from server.tenants import DEFAULT_TENANT, Tenant
+from server.generation.pipeline import Generation
+from server.generation.request import Usage
+from server.tenancy.tenants import DEFAULT_TENANT, Tenant
 
 log = logging.getLogger("inference.requests")
 #: A client's ``X-Request-ID`` is kept when it is this short and printable; otherwise a new id
@@ -92,7 +93,7 @@ class Telemetry:
     def __init__(self, metrics: bool = True, log_prompts: bool = False):
         self.metrics = None
         if metrics:
-            from server import metrics as m  # imported only then: its mode is fixed at import
+            from server.observability import metrics as m  # imported only then: its mode is fixed at import
             self.metrics = m
             # Exported from the start (at 0), so dashboards and alerts see them before any event.
             m.DEADLINE_EXCEEDED.labels(DEFAULT_TENANT.id)
@@ -120,26 +121,24 @@ class Telemetry:
         now = time.monotonic()
         gen = record.generation
         reason = finish_reason(gen, error)
-        usage = gen.usage() if gen is not None else {"prompt_tokens": 0, "completion_tokens": 0,
-                                                     "prompt_tokens_details": {"cached_tokens": 0}}
-        cached = usage["prompt_tokens_details"]["cached_tokens"]
+        usage = gen.usage() if gen is not None else Usage()
         timings = gen.timings() if gen is not None and gen.streams else None
         queue_wait = timings.admitted - timings.queued if timings is not None and timings.admitted else None
         ttft = gen.first_token_at - record.started if gen is not None and gen.first_token_at else None
         latency = now - record.started
         deadline = reason == "deadline" or (gen is not None and "deadline" in gen.finish_reasons)
         if self.metrics is not None:
-            self._observe(record, status, reason, error, usage, cached, queue_wait, ttft, latency, deadline)
+            self._observe(record, status, reason, error, usage, queue_wait, ttft, latency, deadline)
         line = {"request_id": record.request_id, "tenant": record.tenant.id, "route": record.route,
-                "status": status, "finish_reason": reason, "prompt_tokens": usage["prompt_tokens"],
-                "cached_tokens": cached, "completion_tokens": usage["completion_tokens"],
+                "status": status, "finish_reason": reason, "prompt_tokens": usage.prompt_tokens,
+                "cached_tokens": usage.cached_tokens, "completion_tokens": usage.completion_tokens,
                 "queue_wait_s": _round(queue_wait), "time_to_first_token_s": _round(ttft),
                 "latency_s": _round(latency)}
         if self.log_prompts:
             line["prompt"] = record.prompt
         log.info(ujson.dumps(line, ensure_ascii=False, escape_forward_slashes=False))
 
-    def _observe(self, record, status, reason, error, usage, cached, queue_wait, ttft, latency, deadline) -> None:
+    def _observe(self, record, status, reason, error, usage: Usage, queue_wait, ttft, latency, deadline) -> None:
         m, tenant = self.metrics, record.tenant.id
         m.REQUESTS.labels(tenant, record.route, status, reason).inc()
         m.LATENCY.labels(record.route, reason).observe(latency)
@@ -150,12 +149,12 @@ class Telemetry:
         if record.generation is not None:
             for gap in record.generation.token_gaps:
                 m.INTER_TOKEN_LATENCY.observe(gap)
-        if usage["prompt_tokens"]:
-            m.PROMPT_TOKENS.labels(tenant).inc(usage["prompt_tokens"])
-        if cached:
-            m.CACHED_PROMPT_TOKENS.labels(tenant).inc(cached)
-        if usage["completion_tokens"]:
-            m.GENERATED_TOKENS.labels(tenant).inc(usage["completion_tokens"])
+        if usage.prompt_tokens:
+            m.PROMPT_TOKENS.labels(tenant).inc(usage.prompt_tokens)
+        if usage.cached_tokens:
+            m.CACHED_PROMPT_TOKENS.labels(tenant).inc(usage.cached_tokens)
+        if usage.completion_tokens:
+            m.GENERATED_TOKENS.labels(tenant).inc(usage.completion_tokens)
         if deadline:
             m.DEADLINE_EXCEEDED.labels(tenant).inc()
         if isinstance(error, RateLimited):

@@ -15,7 +15,7 @@
   close does, the rest is read and thrown away, up to ``--max-discard-bytes`` and
   :data:`LINGER_S` seconds.
 
-Use it as ``worker_class = "server.worker.Worker"`` (``server.gunicorn_conf`` does).
+Use it as ``worker_class = "server.http.worker.Worker"`` (``server.gunicorn_conf`` does).
 """
 from __future__ import annotations
 

@@ -1,0 +1,73 @@
+"""What a generation is asked and what it answers, protocol-neutral: :class:`GenerationRequest`
+(the parsed request), :class:`Delta` and :class:`Choice` (its output) and :class:`Usage` (its
+token counts). Every front end builds the first and reads the others."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.request import Priority, SamplingParams
+from engine.stream import Token
+
+
+@dataclass
+class GenerationRequest:
+    """What one request asks of the engine, before its prompt is tokenized.
+
+    Attributes:
+        sampling: the engine's settings (``max_new_tokens`` None = up to the sequence limit).
+        max_tokens: as asked; 0 generates nothing (each choice ends at once with ``length``).
+        max_tokens_param: the request field ``max_new_tokens`` came from (named in errors).
+        stop: stop strings (text, applied here). n: choices, each its own sequence.
+        stream, include_usage: the response's shape (read by the protocol, not here).
+        priority, deadline_ms: admission class and deadline (None = none).
+    """
+
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    max_tokens: int | None = None
+    max_tokens_param: str = "max_tokens"
+    stop: list[str] = field(default_factory=list)
+    n: int = 1
+    stream: bool = False
+    include_usage: bool = False
+    priority: Priority = Priority.NORMAL
+    deadline_ms: float | None = None
+
+
+@dataclass
+class Delta:
+    """A piece of one choice: ``text`` (may be ''), the tokens' logprob entries, and the
+    ``finish_reason`` on the choice's last delta (None before)."""
+
+    index: int
+    text: str = ""
+    tokens: list[Token] = field(default_factory=list)
+    finish_reason: str | None = None
+
+
+@dataclass
+class Choice:
+    """One finished choice: its whole text, its tokens (for logprobs), its finish reason."""
+
+    text: str = ""
+    tokens: list[Token] = field(default_factory=list)
+    finish_reason: str | None = None
+
+
+@dataclass(frozen=True)
+class Usage:
+    """A generation's token counts: ``prompt_tokens`` (each prompt once), ``completion_tokens``
+    (every choice's), and ``cached_tokens``, the prompt tokens the prefix cache gave every choice
+    of their prompt. A request that submitted nothing has all three at 0."""
+
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+    def openai(self) -> dict:
+        """OpenAI's ``usage`` object (CompletionUsage), ``prompt_tokens_details`` included."""
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+                "total_tokens": self.total_tokens, "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}

@@ -1,0 +1,62 @@
+"""The Falcon WSGI app, built with injected dependencies (no globals, no monkey-patching): its
+routes and its middleware (``server/http/middleware.py``)."""
+from __future__ import annotations
+
+import falcon
+
+from server import errors
+from server.config import ServerConfig
+from server.generation.pipeline import Generator
+from server.http.completions import ChatCompletions, Completions
+from server.http.health import Health
+from server.http.infer import Infer
+from server.http.middleware import Admission, Authenticate, MetricsPort, Observe, VaryOrigin
+from server.http.models import Models
+from server.http.openapi import OpenAPIDocument
+from server.observability.telemetry import Telemetry
+from server.tenancy.tenants import TenantRegistry, Tenants
+
+
+def create_app(config: ServerConfig, generator: Generator, tenants: TenantRegistry | None = None,
+               telemetry: Telemetry | None = None) -> falcon.App:
+    """Routes: ``/v1/chat/completions``, ``/v1/completions``, ``/v1/models``,
+    ``/v1/models/{model}``, ``/health`` (= ``/health/ready``), ``/health/live``, ``/infer``, and
+    ``/metrics`` with metrics on (on its own port with ``--metrics-port``), and ``/openapi.json``
+    (:mod:`server.http.openapi`). Errors follow :mod:`server.errors`.
+
+    Args:
+        config: validated settings. generator: the request path over an engine client (a real
+            engine process under gunicorn; an in-process engine in contract tests).
+        tenants: API keys and limits (None: no tenant file, everyone is the default tenant).
+        telemetry: request metrics and logs (None: as ``config`` says).
+    """
+    tenants = tenants or TenantRegistry(Tenants([]))
+    telemetry = telemetry or Telemetry(config.metrics, config.log_prompts)
+    middleware = [Observe(telemetry), Authenticate(tenants), Admission(generator.engine)]
+    if config.metrics_port:
+        middleware.insert(0, MetricsPort(config.metrics_port))
+    if config.cors_origins:
+        # Falcon's own CORS: preflight OPTIONS answered with Access-Control-Allow-Methods and
+        # -Headers (it echoes the requested headers, Authorization included), and the
+        # Access-Control-Allow-Origin header added to every response, errors and streams too.
+        middleware.insert(0, falcon.CORSMiddleware(allow_origins=config.cors_origins, expose_headers="*"))
+        if config.cors_origins != "*":
+            middleware.insert(0, VaryOrigin())
+    app = falcon.App(middleware=middleware)
+    errors.install(app)
+    app.add_route("/v1/chat/completions", ChatCompletions(config, generator))
+    app.add_route("/v1/completions", Completions(config, generator))
+    models = Models(config)
+    app.add_route("/v1/models", models)
+    app.add_route("/v1/models/{model:path}", models, suffix="one")  # names may hold "/"
+    health = Health(generator.engine)
+    app.add_route("/health", health)
+    app.add_route("/health/ready", health)
+    app.add_route("/health/live", health, suffix="live")
+    app.add_route("/infer", Infer(config, generator, tenants))
+    if telemetry.metrics is not None:
+        from server.observability.metrics import Scrape
+        app.add_route("/metrics", Scrape(generator.engine))
+    metrics_here = telemetry.metrics is not None and not config.metrics_port
+    app.add_route("/openapi.json", OpenAPIDocument(() if metrics_here else ("/metrics",)))
+    return app

@@ -1,0 +1,35 @@
+"""``GET /v1/models`` and ``GET /v1/models/{model}`` (OpenAI API reference: Models)."""
+from __future__ import annotations
+
+import time
+
+import falcon
+
+from engine.errors import ModelNotFound
+from server.config import ServerConfig
+
+
+class Models:
+    """The served model under each of its names, with ``context_length``: the real per-sequence
+    token limit. Every GET answers HEAD too (HTTP requires it)."""
+
+    def __init__(self, config: ServerConfig):
+        self.config = config
+        self.created = int(time.time())
+
+    def card(self, name: str) -> dict:
+        return {"id": name, "object": "model", "created": self.created,
+                "owned_by": "local", "context_length": self.config.max_seq_len}
+
+    def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
+        resp.media = {"object": "list", "data": [self.card(name) for name in self.config.model_ids]}
+
+    def on_get_one(self, req: falcon.Request, resp: falcon.Response, model: str) -> None:
+        if not model:  # "/v1/models/": no model named, so no such route
+            raise falcon.HTTPNotFound()
+        if model not in self.config.model_ids:
+            raise ModelNotFound(f"The model {model!r} does not exist", "model")
+        resp.media = self.card(model)
+
+    on_head = on_get
+    on_head_one = on_get_one
