@@ -77,7 +77,7 @@ def main(argv=None) -> int:
     from bench.http import prompt_text
     from engine.config import default_model_path
     from proto import inference_pb2_grpc
-    from server.text.tokenizer import Tokenizer
+    from engine.llama.tokenizer import Tokenizer
     from tests.conftest import running_server
 
     p = argparse.ArgumentParser(prog="python -m bench.grpc", description=__doc__.split("\n")[0])

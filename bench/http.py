@@ -63,7 +63,7 @@ def workload(a) -> tuple[list[str], list[str]]:
     (a slot per client, room for prompt and generation, ``a.workers`` and ``a.engine_threads``),
     from the parsed flags of :func:`bench.common.parser` plus ``--workers``."""
     from engine.config import default_model_path
-    from server.text.tokenizer import Tokenizer
+    from engine.llama.tokenizer import Tokenizer
 
     B, P, G = a.batch, a.prompt_tokens, a.gen_tokens
     tokenizer = Tokenizer(default_model_path())
@@ -90,7 +90,7 @@ def throughput(port: int, prompts: list[str], gen: int, key: str | None = None) 
 def main(argv=None) -> int:
     from bench.common import limit, parser, report
     from engine.config import default_model_path
-    from server.text.tokenizer import Tokenizer
+    from engine.llama.tokenizer import Tokenizer
     from tests.conftest import running_server
 
     p = parser("python -m bench.http", __doc__, "--clients")

@@ -297,7 +297,7 @@ def table(result: dict) -> str:
 def main(argv=None) -> int:
     from bench.common import limit, limit_mix, save
     from engine.config import default_model_path, default_threads
-    from server.text.tokenizer import Tokenizer
+    from engine.llama.tokenizer import Tokenizer
     from tests.conftest import running_server
 
     p = argparse.ArgumentParser(prog="bench/run_bench.sh", description=__doc__.split("\n")[0])

@@ -143,7 +143,7 @@ def main(argv=None) -> int:
     import argparse
 
     from engine.config import default_model_path
-    from server.text.tokenizer import Tokenizer
+    from engine.llama.tokenizer import Tokenizer
     from tests.conftest import free_port, running_server
 
     p = argparse.ArgumentParser(prog="python -m bench.prefix", description=__doc__.split("\n")[0])

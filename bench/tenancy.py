@@ -20,7 +20,7 @@ def main(argv=None) -> int:
     from bench.common import parser, save
     from bench.http import prompt_text, stream_completion, throughput
     from engine.config import default_model_path
-    from server.text.tokenizer import Tokenizer
+    from engine.llama.tokenizer import Tokenizer
     from tests.conftest import redis_server, running_server
 
     p = parser("python -m bench.tenancy", __doc__, "--clients")

@@ -47,7 +47,7 @@ def log_probs(model_path: str, weights: str, tokens: np.ndarray) -> np.ndarray:
 def main(argv=None) -> int:
     from bench.common import limit, save
     from engine.config import default_model_path
-    from server.text.tokenizer import Tokenizer
+    from engine.llama.tokenizer import Tokenizer
 
     p = argparse.ArgumentParser(prog="python -m bench.weights", description=__doc__.split("\n")[0])
     p.add_argument("--formats", default="file,q8_0,bf16,f16")

@@ -17,7 +17,7 @@ from server.http.app import create_app
 from server.tenancy.ratelimit import RateLimiter
 from server.tenancy.tenants import TenantRegistry
 from server.text.chat_template import ChatTemplate
-from server.text.tokenizer import Tokenizer
+from engine.llama.tokenizer import Tokenizer
 
 config = ServerConfig.from_env()
 tenants = TenantRegistry(accepted_tenants())

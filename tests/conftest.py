@@ -21,7 +21,7 @@ def model_path() -> str:
 
 @pytest.fixture(scope="session")
 def tokenizer(model_path):
-    from server.text.tokenizer import Tokenizer
+    from engine.llama.tokenizer import Tokenizer
     return Tokenizer(model_path)
 
 

@@ -5,5 +5,7 @@
 * :mod:`engine.llama.weights`: the weight format computed with (a copy converted once);
 * :mod:`engine.llama.model`: one context and its KV cache (``Model.from_config``);
 * :mod:`engine.llama.batch`: the ``llama_batch`` the engine fills;
-* :mod:`engine.llama.sampler`: per-sequence sampler chains and log-probabilities.
+* :mod:`engine.llama.sampler`: per-sequence sampler chains, the constraint slot, log-probabilities;
+* :mod:`engine.llama.tokenizer`: the front ends' tokenizer (the GGUF loaded ``vocab_only``): the
+  engine sees token ids only, but every call into llama.cpp lives in this package.
 """

@@ -23,7 +23,7 @@ from server.tenancy.ratelimit import RateLimiter
 from server.tenancy.tenants import DEFAULT_TENANT, Tenant
 from server.text.chat_template import ChatTemplate
 from server.text.detokenizer import Detokenizer
-from server.text.tokenizer import Tokenizer
+from engine.llama.tokenizer import Tokenizer
 
 #: The text of OpenAI's default prompt: the document separator, a new document's start.
 DOCUMENT_START = "<|endoftext|>"

@@ -30,7 +30,7 @@ from server.grpc.service import SERVICE_NAME, InferenceService
 from server.tenancy.ratelimit import RateLimiter
 from server.tenancy.tenants import TenantRegistry, Tenants
 from server.text.chat_template import ChatTemplate
-from server.text.tokenizer import Tokenizer
+from engine.llama.tokenizer import Tokenizer
 
 log = logging.getLogger("grpc")
 GRACE_S = 5.0

@@ -12,7 +12,7 @@ import secrets
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from engine.errors import InvalidRequest
-from server.text.tokenizer import Tokenizer
+from engine.llama.tokenizer import Tokenizer
 
 # Roles as the template sees them: OpenAI's "developer" is the system role of older models.
 ROLE_ALIASES = {"developer": "system"}
