@@ -85,6 +85,20 @@ def test_stubs_are_generated_from_the_proto(tmp_path):
             f"proto/{name} is stale: regenerate it (see proto/inference.proto)"
 
 
+def test_logit_bias_over_grpc(tenant_server, tokenizer):
+    """ChatRequest.logit_bias is OpenAI's logit_bias: -100 bans the greedy token, +100 forces one,
+    an id outside the vocabulary is INVALID_ARGUMENT naming the field."""
+    _, stub, _ = tenant_server
+    greedy = stub.ChatComplete(_chat("Write a haiku about rain.", 1), metadata=ALPHA).choices[0].token_ids[0]
+    banned = stub.ChatComplete(_chat("Write a haiku about rain.", 1, logit_bias={greedy: -100}), metadata=ALPHA)
+    assert banned.choices[0].token_ids[0] != greedy
+    forced = stub.ChatComplete(_chat("Write a haiku about rain.", 3, logit_bias={42: 100}), metadata=ALPHA)
+    assert list(forced.choices[0].token_ids) == [42, 42, 42]
+    with pytest.raises(grpc.RpcError) as e:
+        stub.ChatComplete(_chat("Hi", 1, logit_bias={tokenizer.n_vocab: 1}), metadata=ALPHA)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "logit_bias" in e.value.details()
+
+
 def test_unary_and_streaming_calls_agree(tenant_server):
     _, stub, _ = tenant_server
     infer = stub.Infer(pb.InferRequest(payload="Tell a story about a red fox.", max_new_tokens=16), metadata=ALPHA)

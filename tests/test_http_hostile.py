@@ -150,13 +150,36 @@ def test_legacy_logprobs_byte_tokens_and_text_offsets(server):
 @pytest.mark.parametrize("path,extra,param", [
     (CHAT, {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
     (CHAT, {"response_format": {"type": "json_object"}}, "response_format"),
-    (CHAT, {"logit_bias": {"50256": -100}}, "logit_bias"),
-    ("/v1/completions", {"logit_bias": {"50256": -100}}, "logit_bias"),
 ])
 def test_unimplemented_options_are_refused(server, path, extra, param):
     body = {"messages": HI} if path == CHAT else {"prompt": "Hi"}
     status, _, reply = post(server, path, {**body, "max_tokens": 2, **extra})
     assert status == 400 and assert_error_shape(reply)["param"] == param
+
+
+def _first_text(server, path, logit_bias=None) -> str:
+    body = {"messages": HI} if path == CHAT else {"prompt": "The sea is"}
+    body = {**body, "max_tokens": 1, "temperature": 0, **({"logit_bias": logit_bias} if logit_bias else {})}
+    status, _, reply = post(server, path, body)
+    assert status == 200, reply
+    choice = reply["choices"][0]
+    return choice["message"]["content"] if path == CHAT else choice["text"]
+
+
+@pytest.mark.parametrize("path", [CHAT, "/v1/completions"])
+def test_logit_bias_bans_the_greedy_token_and_forces_another(server, tokenizer, path):
+    """OpenAI's logit_bias through llama.cpp's logit-bias sampler: -100 on the greedy first token
+    changes it, +100 on a token makes it the first; ids outside the vocabulary are a 400."""
+    greedy = _first_text(server, path)
+    (greedy_id,) = tokenizer.encode(greedy, special=False, add_bos=False)
+    assert _first_text(server, path, {str(greedy_id): -100}) != greedy
+    (forced_id,) = tokenizer.encode(" banana", special=False, add_bos=False)
+    assert _first_text(server, path, {str(forced_id): 100, str(greedy_id): -5}) == " banana"
+    body = {"messages": HI} if path == CHAT else {"prompt": "Hi"}
+    for bad in ({str(tokenizer.n_vocab): 5}, {"-1": 5}, {"x": 5}, {"5": 101}, {"5": "high"}, [5]):
+        status, _, reply = post(server, path, {**body, "max_tokens": 2, "logit_bias": bad})
+        assert status == 400 and assert_error_shape(reply)["param"] == "logit_bias", (bad, reply)
+    server.wait_idle()
 
 
 def test_compressed_body_is_415_and_head_health_is_200(server):

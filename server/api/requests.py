@@ -8,7 +8,8 @@ from __future__ import annotations
 import ujson
 
 from engine.errors import InvalidRequest, ModelNotFound
-from engine.request import DEADLINE_MS_BOUNDS, INT32_MAX, Priority, SamplingParams, check_number, reduce_seed
+from engine.request import (DEADLINE_MS_BOUNDS, INT32_MAX, LOGIT_BIAS_BOUNDS, Priority, SamplingParams, check_number,
+                            reduce_seed, shown)
 from server.generation.request import GenerationRequest
 
 CHAT_ROLES = ("system", "developer", "user", "assistant")
@@ -70,7 +71,6 @@ COMPLETION_FIELDS = _COMMON | {"prompt", "best_of", "echo", "suffix"}
 # field -> (values served, why others are refused): a field at one of these values (or null)
 # changes nothing; any other value asks for a feature this server does not implement.
 _DEFAULT_ONLY = {
-    "logit_bias": ([{}], "logit_bias is not supported"),
     "tools": ([[]], "tools are not supported by this server"),
     "functions": ([[]], "functions are not supported by this server"),
     "tool_choice": (["none", "auto"], "tool_choice other than none/auto is not supported (no tools)"),
@@ -138,7 +138,7 @@ def parse_generation(body: dict, *, chat: bool) -> GenerationRequest:
     seed = number(body, "seed", lo=-2**64, hi=2**64, integer=True)
     r.sampling = SamplingParams(
         max_new_tokens=max_tokens or None, seed=None if seed is None else reduce_seed(seed),
-        ignore_eos=boolean(body, "ignore_eos"), logprobs=_logprobs(body, chat),
+        ignore_eos=boolean(body, "ignore_eos"), logprobs=_logprobs(body, chat), logit_bias=_logit_bias(body),
         **{k: v for k, v in kwargs.items() if v is not None})
     r.stop = _stops(body.get("stop"))
     r.n = number(body, "n", lo=1, hi=MAX_N, integer=True, default=1)
@@ -157,6 +157,24 @@ def parse_generation(body: dict, *, chat: bool) -> GenerationRequest:
     r.priority = Priority.parse(body.get("priority"))
     r.deadline_ms = number(body, "deadline_ms", **DEADLINE_MS_BOUNDS)
     return r
+
+
+def _logit_bias(body: dict) -> tuple[tuple[int, float], ...]:
+    """OpenAI's ``logit_bias``: an object mapping token ids (decimal strings, as JSON keys are) to
+    a bias in [-100, 100], added to the token's logit before sampling (-100 bans it, 100 forces
+    it). The ids are checked against the vocabulary by the generator, which knows it."""
+    value = body.get("logit_bias")
+    if value is None:
+        return ()
+    if not isinstance(value, dict):
+        raise InvalidRequest("logit_bias must be an object mapping token ids to numbers", "logit_bias")
+    out = []
+    for key, bias in value.items():
+        if not (isinstance(key, str) and key.isascii() and key.isdecimal() and len(key) <= 10):
+            raise InvalidRequest(f"logit_bias keys must be token ids (non-negative integers), got {shown(key)}",
+                                 "logit_bias")
+        out.append((int(key), check_number("logit_bias", bias, **LOGIT_BIAS_BOUNDS)))
+    return tuple(out)
 
 
 _SAMPLING = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repeat_penalty")

@@ -249,10 +249,22 @@ class Generator:
         (``render``: :meth:`ChatTemplate.encode`'s options). ``submit``: ``tenant``,
         ``watch_socket``. Raises as :class:`Generation` and :meth:`Generation.submit`."""
         render = render or {}
+        self._check_logit_bias(req)
         self._fits_at_all([m["content"] for m in messages], prompt_param,
                           len(messages) * self.template.tokens_per_message)
         return Generation(self.engine, self.tokenizer.pieces, [self.template.encode(messages, **render)], req,
                           prompt_param, limiter=self.limiter, **submit).submit()
+
+    def _check_logit_bias(self, req: GenerationRequest) -> None:
+        """Every token ``logit_bias`` names is in the vocabulary.
+
+        Raises:
+            InvalidRequest: naming ``logit_bias``.
+        """
+        outside = [t for t, _ in req.sampling.logit_bias if t >= self.tokenizer.n_vocab]
+        if outside:
+            raise InvalidRequest(f"logit_bias names token id {outside[0]}, outside the vocabulary "
+                                 f"(0..{self.tokenizer.n_vocab - 1})", "logit_bias")
 
     def _fits_at_all(self, texts: list[str], prompt_param: str, template_tokens: int = 0) -> None:
         """Refuse, before rendering or tokenizing, text that cannot fit one sequence: a token holds
@@ -276,6 +288,7 @@ class Generator:
         they are). Raises as :class:`Generation` and :meth:`Generation.submit`; InvalidRequest
         for a token id outside the vocabulary."""
         check_choices(self.engine, len(prompts), req.n, submit.get("tenant", DEFAULT_TENANT))  # before tokenizing
+        self._check_logit_bias(req)
         self._fits_at_all([p for p in prompts if isinstance(p, str)], prompt_param)
         ids = []
         for i, prompt in enumerate(prompts):

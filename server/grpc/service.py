@@ -39,7 +39,7 @@ def message_body(message) -> dict:
     ``*_UNSPECIFIED`` enums and empty repeated fields are left out (the default applies); a
     plain string is always there (proto3 cannot tell ``""`` from unset, and ``""`` is what HTTP
     gets for an empty payload or message); ``Priority`` becomes ``high | normal | low``; nested
-    messages become dicts.
+    messages become dicts, and maps objects with string keys (``logit_bias``).
 
     Raises:
         InvalidRequest: an enum number the proto does not define.
@@ -50,7 +50,12 @@ def message_body(message) -> dict:
         if field.is_repeated:
             if not value:
                 continue
-            value = [message_body(v) for v in value] if field.message_type is not None else list(value)
+            if field.message_type is not None and field.message_type.GetOptions().map_entry:
+                value = {str(k): v for k, v in value.items()}  # a JSON object: string keys, as HTTP sends
+            elif field.message_type is not None:
+                value = [message_body(v) for v in value]
+            else:
+                value = list(value)
         elif field.has_presence:  # optional scalars and messages
             if not message.HasField(field.name):
                 continue
