@@ -7,6 +7,7 @@ Every other module of :mod:`engine.llama` and the front ends' tokenizer load mod
 from __future__ import annotations
 
 import ctypes
+import faulthandler
 import functools
 import hashlib
 import os
@@ -93,6 +94,9 @@ def _amx_probe(path: str) -> bool:
     pid = os.fork()
     if pid == 0:  # the probe: any failure but the instruction fault counts as "no fault"
         try:
+            faulthandler.disable()  # its death is the answer, not an error to print
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, 2)
             model = _load(path, vocab_only=False, extra_buffers=True)
             params = llama_cpp.llama_context_default_params()
             params.n_ctx, params.n_batch, params.n_threads, params.n_threads_batch = 64, 64, 1, 1
