@@ -3,9 +3,9 @@ nothing else wants them, fewer while other processes keep some busy (docs/perfor
 
 Why adapt: llama.cpp's threads meet at a barrier after every operation of the graph. Threads
 that spin at it are fastest on an idle machine; but when another process holds one of the
-CPUs, a spinning thread waits for a partner that is not running, and throughput collapses (a
-512-token prefill on two threads beside one busy process took over 30 s here, against 1 s on
-one thread). With one thread there is no barrier at all. So the engine spins (libgomp's default
+CPUs, a spinning thread waits for a partner that is not running, and throughput collapses (to
+about half of one thread's here: docs/performance.md "Threads"). With one thread there is no
+barrier at all. So the engine spins (libgomp's default
 when no ``OMP_WAIT_POLICY`` is set: 300,000 spins, then sleep) and drops to fewer threads while
 other processes use the CPUs it runs on.
 
@@ -22,9 +22,9 @@ so a short burst (a request's tokenization) moves nothing, and a lasting one is 
 about a second. A sample alone decides when it is as good as that: one that spans at least
 ``AGREE * SAMPLE_S`` seconds, or one taken while the engine was idle (its own threads then
 compete with nothing). Until the first sample the count is 1: a decode on one thread is at
-worst about half as fast on an idle machine, while two threads beside a busy process can be
-thirty times slower, and the first decode after start is often the largest (every queued
-prompt's prefill).
+worst about half as fast on an idle machine, while two spinning threads beside a busy process
+are slower still, and the first decode after start is often the largest (every queued prompt's
+prefill).
 """
 from __future__ import annotations
 
