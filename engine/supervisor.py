@@ -23,6 +23,18 @@ log = logging.getLogger("supervisor")
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def stop_child(proc: subprocess.Popen, timeout: float) -> None:
+    """SIGTERM ``proc``, SIGKILL it if it has not exited after ``timeout`` seconds, and reap it."""
+    if proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 def pid_alive(pid: int) -> bool:
     """True if a process with ``pid`` exists and is not a zombie."""
     try:
@@ -177,13 +189,8 @@ class EngineSupervisor:
         sequence with ``ErrorCode.SHUTDOWN``, and what it left is failed the same way. The
         transport stays (front ends read those endings). Idempotent."""
         self._stopping.set()
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        if self.proc is not None:
+            stop_child(self.proc, timeout)
         if self._thread is not None:
             self._thread.join(timeout)
         if self.t.mailboxes is not None:

@@ -13,6 +13,8 @@ import sys
 import threading
 from typing import Callable
 
+from engine.supervisor import stop_child
+
 log = logging.getLogger("sidecar")
 RESTART_S = 0.5
 STOP_S = 10.0
@@ -69,10 +71,5 @@ class Sidecar:
             self._stopping.set()
         if self.proc is None:
             return
-        self.proc.terminate()
-        try:
-            self.proc.wait(STOP_S)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        stop_child(self.proc, STOP_S)
         self._thread.join(STOP_S)
