@@ -5,7 +5,6 @@ Run with ``make bench`` (pytest-benchmark); p50/p99 go to ``extra_info``.
 """
 from __future__ import annotations
 
-import shutil
 import time
 
 import numpy as np
@@ -14,7 +13,7 @@ import pytest
 from server.tenancy.ratelimit import RateLimiter
 from server.tenancy.tenants import Rate, Tenant
 from shm import Layout, Transport
-from tests.conftest import redis_server
+from tests.conftest import needs_redis, redis_server
 
 ROUNDS = 5000
 TENANT = Tenant("bench", 42, requests_per_second=Rate(1e9, 1e9), tokens_per_second=Rate(1e12, 1e12))
@@ -48,7 +47,7 @@ def test_local_fallback_latency(benchmark, shared_buckets):
     measure(benchmark, RateLimiter(shared_buckets), "node's shared buckets")
 
 
-@pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server is not installed")
+@needs_redis
 def test_redis_latency(benchmark, shared_buckets):
     with redis_server() as (url, _):
         limiter = RateLimiter(shared_buckets, url)

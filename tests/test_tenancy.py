@@ -1,9 +1,11 @@
 """Tenancy: tenant files, API keys, token buckets (local and in a real Redis), fail-open, fair
 share and the tenant limits through HTTP, SIGHUP reloads.
 
-Every Redis is a real ``redis-server`` started here on a free port. Rates are checked by
-counting (requests admitted, tokens charged), never by asserting on wall-clock durations; the
-one bound on time is a generous safety net against a request hanging on a dead Redis.
+Every Redis is a real ``redis-server`` started here on a free port: the system's, else the one the
+test extra installs (``tests.conftest.redis_server_executable``); only the tests marked
+``needs_redis`` start one. Rates are checked by counting (requests admitted, tokens charged),
+never by asserting on wall-clock durations; the one bound on time is a generous safety net
+against a request hanging on a dead Redis.
 """
 from __future__ import annotations
 
@@ -11,7 +13,6 @@ import contextlib
 import http.client
 import json
 import os
-import shutil
 import signal
 import subprocess
 import threading
@@ -27,9 +28,8 @@ from server.errors import http_error
 from server.tenancy.ratelimit import RateLimiter
 from server.tenancy.tenants import Rate, Tenant, Tenants
 from shm import Layout, Transport
-from tests.conftest import AppServer, free_port, redis_server, running_server
+from tests.conftest import AppServer, free_port, needs_redis, redis_server, running_server
 
-pytestmark = pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server is not installed")
 COMPLETIONS = "/v1/completions"
 
 
@@ -122,6 +122,7 @@ def test_local_token_bucket_goes_into_debt_and_refunds(buckets):
     assert limiter.admit(tenant, 0).buckets["tokens"][1] == 50
 
 
+@needs_redis
 def test_redis_bucket_is_shared_atomic_and_expires(buckets):
     with redis_server() as (url, _):
         a, b = RateLimiter(buckets, url), RateLimiter(buckets, url)  # two replicas
@@ -139,6 +140,7 @@ def test_redis_bucket_is_shared_atomic_and_expires(buckets):
         assert float(r.hget(keys[1], "level")) == pytest.approx(1000 - 100, abs=1)
 
 
+@needs_redis
 def test_fail_open_when_redis_refuses_or_freezes_and_back_when_it_answers(buckets):
     port = free_port()
     tenant = Tenant("t", 10, requests_per_second=Rate(1000, 1000))
@@ -354,6 +356,7 @@ def wait_until(predicate, timeout: float = 30.0) -> None:
 
 
 # -- real servers -------------------------------------------------------------------------------------
+@needs_redis
 def test_two_servers_share_one_redis_bucket(tmp_path):
     path = write_tenants(tmp_path / "t.json", [{"id": "a", "api_keys": ["key-a"],
                                                 "requests_per_second": {"rate": 5, "burst": 5}}])
@@ -387,6 +390,7 @@ def test_two_servers_share_one_redis_bucket(tmp_path):
             assert "key-a" not in open(s.log).read()
 
 
+@needs_redis
 @pytest.mark.parametrize("outage", ["kill", "freeze"])
 def test_redis_outage_under_load_fails_open_and_recovers(tmp_path, outage):
     path = write_tenants(tmp_path / "t.json", [{"id": "a", "api_keys": ["key-a"],
