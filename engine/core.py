@@ -16,6 +16,7 @@ import time
 import numpy as np
 
 from engine.config import EngineConfig
+from engine.llama.backend import Backend
 from engine.llama.batch import Batch
 from engine.llama.model import DecodeError, Model
 from engine.llama.sampler import Sampler, logprobs
@@ -42,16 +43,25 @@ MIN_REUSE_TOKENS = 8
 PROGRESS_HOOK_TOKENS = 64
 
 
+def adaptive_threads(config: EngineConfig, backend: Backend) -> AdaptiveThreads | None:
+    """The adaptive thread count for an engine (``n_threads`` 0, where the backend computes on
+    the CPUs; engine/threads.py), or None. Made before the model loads, so its first sample spans
+    the load and can decide alone."""
+    return AdaptiveThreads(config.threads) if config.n_threads == 0 and backend.adaptive_threads else None
+
+
 class EngineCore:
     """Owns the scheduler and the batch; talks to the front ends only through the transport.
 
     Args:
         config: sizes and policy. transport: attached shared memory. model: loaded llama.cpp
-        model; its backend profile sets the prefill chunk, the one-thread rule and whether
-        threads adapt (:mod:`engine.llama.backend`).
+        model; its backend profile sets the prefill chunk and the one-thread rule
+        (:mod:`engine.llama.backend`). adaptive: the adaptive thread count (None: the
+        configured count), made by :func:`adaptive_threads` before the model loaded.
     """
 
-    def __init__(self, config: EngineConfig, transport: Transport, model: Model):
+    def __init__(self, config: EngineConfig, transport: Transport, model: Model,
+                 adaptive: AdaptiveThreads | None = None):
         self.config = config
         self.t = transport
         self.boxes = transport.mailboxes
@@ -66,10 +76,7 @@ class EngineCore:
         self.holds_for_prefixes = self.cache is not None and config.policy == "continuous"
         self.stopping = False
         self.step_no = transport.control.step
-        # n_threads 0: adapt to what other processes leave free (engine/threads.py), where the
-        # backend's compute runs on the CPUs.
-        self.adaptive = AdaptiveThreads(config.threads) \
-            if config.n_threads == 0 and self.backend.adaptive_threads else None
+        self.adaptive = adaptive
         model.on_progress(transport.control.beat)
         self.step_log = StepLog(config.step_log) if config.step_log else None
         self.cancelled: list[tuple[int, int]] = []  # (mailbox, lease) cancelled this step, for the step log
@@ -85,7 +92,7 @@ class EngineCore:
             if not self.sched.running and not self.sched.waiting:
                 woken, _ = self.t.wakeups.wait([Wakeups.ENGINE], timeout=SAMPLE_S)
                 if not woken and self.adaptive is not None:  # sample while idle: the next decode starts right
-                    self.adaptive.threads(idle=True)
+                    self.adaptive.threads()
             self.step()
 
     def stop(self) -> None:

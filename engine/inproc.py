@@ -21,16 +21,19 @@ class InprocEngine:
     """
 
     def __init__(self, config: EngineConfig):
-        from engine.core import EngineCore  # llama.cpp loads only where an engine runs
+        from engine.core import EngineCore, adaptive_threads  # llama.cpp loads only where an engine runs
+        from engine.llama.backend import detect
         from engine.llama.model import Model
 
         self.transport = Transport.create(config.layout())
         try:
-            self.model = Model.from_config(config)
+            backend = detect()
+            adaptive = adaptive_threads(config, backend)
+            self.model = Model.from_config(config, backend)
         except BaseException:
             self.transport.close()
             raise
-        self.core = EngineCore(config, self.transport, self.model)
+        self.core = EngineCore(config, self.transport, self.model, adaptive)
         self.transport.control.set_state(EngineState.READY, pid=os.getpid())
         self._thread = threading.Thread(target=self.core.run, name="inproc-engine", daemon=True)
         self._thread.start()

@@ -29,11 +29,14 @@ def main(argv: list[str]) -> int:
     control.set_state(EngineState.STARTING, pid=os.getpid())
     # Imported here: llama.cpp (and its OpenMP runtime) must load after the environment the
     # supervisor prepared, and only in this process.
-    from engine.core import EngineCore
+    from engine.core import EngineCore, adaptive_threads
+    from engine.llama.backend import detect
     from engine.llama.model import Model
 
-    model = Model.from_config(config)
-    core = EngineCore(config, transport, model)
+    backend = detect()
+    adaptive = adaptive_threads(config, backend)
+    model = Model.from_config(config, backend)
+    core = EngineCore(config, transport, model, adaptive)
     signal.signal(signal.SIGTERM, lambda *_: core.stop())
     # Ctrl-C reaches the whole process group; the supervisor stops the engine (SIGTERM) when
     # the server stops, so the engine outlives no server and no server loses its engine early.

@@ -17,14 +17,15 @@ others keep busy (rounded), at least 1, at most the configured maximum and at mo
 CPUs of the cgroup's CPU quota (a container's ``cpu.max``: threads beyond it only get the
 container throttled; re-read every sample, so a resized container is followed).
 
-Which samples decide: a change needs :data:`AGREE` samples in a row while the engine decodes,
-so a short burst (a request's tokenization) moves nothing, and a lasting one is followed within
-about a second. A sample alone decides when it is as good as that: one that spans at least
-``AGREE * SAMPLE_S`` seconds, or one taken while the engine was idle (its own threads then
-compete with nothing). Until the first sample the count is 1: a decode on one thread is at
-worst about half as fast on an idle machine, while two spinning threads beside a busy process
-are slower still, and the first decode after start is often the largest (every queued prompt's
-prefill).
+Which samples decide: a change needs :data:`AGREE` samples in a row, so a short burst (a
+request's tokenization, a client process starting) moves nothing, and a lasting one is followed
+within about a second; the engine's idle loop samples too, so the count is current when the
+first decode after an idle spell comes. A sample alone decides when it is as good as that: one
+that spans at least ``AGREE * SAMPLE_S`` seconds, and the first one, which the engine process
+starts before it loads the model, so it spans the load. Until that first sample the count is 1:
+a decode on one thread is at worst about half as fast on an idle machine, while two spinning
+threads beside a busy process are slower still, and the first decode after start is often the
+largest (every queued prompt's prefill).
 """
 from __future__ import annotations
 
@@ -131,13 +132,9 @@ class AdaptiveThreads:
         busy, total = self.read_cpus(self.cpus)
         return self.clock(), busy, total, self.read_own()
 
-    def threads(self, idle: bool = False) -> int:
-        """The thread count to decode with now (samples when :data:`SAMPLE_S` has passed).
-
-        Args:
-            idle: the engine had nothing to decode since the last call (its idle loop calls
-                this between waits); such a sample decides alone (module doc).
-        """
+    def threads(self) -> int:
+        """The thread count to decode with now (samples when :data:`SAMPLE_S` has passed; the
+        engine calls it before every decode and at every idle wait that times out)."""
         now = self.clock()
         if now - self._last[0] < SAMPLE_S:
             return self.current
@@ -152,7 +149,7 @@ class AdaptiveThreads:
         self.others = others / (total1 - total0) * len(self.cpus)
         taken = int(self.others + (1 - TAKEN_ABOVE))  # rounds at TAKEN_ABOVE
         wanted = max(1, min(self._cap(), len(self.cpus) - taken))
-        decides_alone = idle or not self._sampled or t1 - t0 >= AGREE * SAMPLE_S
+        decides_alone = not self._sampled or t1 - t0 >= AGREE * SAMPLE_S
         self._sampled = True
         if wanted == self.current:
             self._votes = 0

@@ -322,18 +322,22 @@ def test_adaptive_threads_start_at_one_and_let_a_sample_they_can_trust_decide_al
     fake = _FakeCpus()
     adaptive = AdaptiveThreads(2, cpus={0, 1}, clock=fake.clock, read_cpus=fake.cpus, read_own=fake.own)
     assert adaptive.threads() == 1  # nothing sampled yet: one thread is safe under any contention
-    fake.advance(1.0, own=0.0)  # a busy neighbour from the start
-    assert adaptive.threads() == 1  # the first sample decides alone
-    fake.advance(0.0, own=0.0)
-    assert adaptive.threads(idle=True) == 2  # the neighbour left while the engine idled: one idle sample
-    fake.advance(1.0, own=0.0)
-    assert adaptive.threads(idle=True) == 1  # ... and back, before the next decode
-    fake.advance(0.0, own=2.0, seconds=1.0)  # one sample over a long interval decides alone too
-    assert adaptive.threads() == 2
-    fake.advance(1.0, own=1.0)  # a short sample while decoding still needs a second one
-    assert adaptive.threads() == 2
-    fake.advance(1.0, own=1.0)
+    fake.advance(1.0, own=0.0)  # a busy neighbour while the model loads
+    assert adaptive.threads() == 1  # the first sample (it spans the load) decides alone
+    fake.advance(0.0, own=0.0)  # the neighbour left while the engine idled: idle samples vote
     assert adaptive.threads() == 1
+    fake.advance(0.0, own=0.0)
+    assert adaptive.threads() == 2  # two in a row, before any decode
+    fake.advance(1.0, own=0.0)  # a burst while idle (a client process starting) moves nothing
+    assert adaptive.threads() == 2
+    fake.advance(0.0, own=0.0)
+    assert adaptive.threads() == 2
+    fake.advance(1.0, own=1.0, seconds=1.0)  # one sample over a long interval decides alone
+    assert adaptive.threads() == 1
+    fake.advance(0.0, own=2.0)  # a short sample while decoding needs a second one
+    assert adaptive.threads() == 1
+    fake.advance(0.0, own=2.0)
+    assert adaptive.threads() == 2
 
 
 @pytest.mark.parametrize("files,expected", [
