@@ -24,6 +24,11 @@ import sys
 import time
 
 
+#: Seconds after a ceiling run before the server is measured again: two of the engine's 0.5 s
+#: samples of the CPUs' use (engine/threads.py), so it is back to its idle-machine thread count.
+SETTLE_S = 1.5
+
+
 def stream_completion(port: int, prompt: str, max_tokens: int, key: str | None = None) -> tuple[float, float, int]:
     """One streaming request (with API ``key`` if given); returns (seconds to first token,
     seconds to [DONE], tokens)."""
@@ -107,6 +112,9 @@ def main(argv=None) -> int:
             runs.append(throughput(server.port, prompts, G))
             server.wait_idle()
             limits.append(limit(B, P, G, a.engine_threads))
+            # The idle engine saw the ceiling take the CPUs (engine/threads.py samples while idle);
+            # let it see them free again, as a server on an otherwise idle machine would.
+            time.sleep(SETTLE_S)
 
         ttft, prefill = [], []
         boxes = server.engine.t.mailboxes.boxes
