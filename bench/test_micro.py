@@ -10,6 +10,8 @@ Token delivery (publish -> reader awake) is ``bench/test_delivery.py``; the rate
 """
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 
@@ -31,9 +33,9 @@ def test_ring_submit_and_ingest(benchmark, transport):
     request = EngineRequest(np.arange(1000, 1064, dtype=np.int32), SamplingParams(max_new_tokens=16)).resolved(512)
 
     def round_trip():
-        transport.ring.push(0, 1, request.encode)
+        transport.ring.push(0, 1, functools.partial(request.encode, max_seq_len=512))
         (rec,) = transport.ring.pop_all()
-        return EngineRequest.decode(rec.payload)
+        return EngineRequest.decode(rec.payload, 512)
 
     got = benchmark(round_trip)
     assert np.array_equal(got.prompt, request.prompt) and got.sampling.max_new_tokens == 16

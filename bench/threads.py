@@ -110,10 +110,20 @@ class CpuQuota:
         finally:
             self._write("cgroup.procs", str(os.getpid()), self.root)
 
-    def close(self) -> None:
+    def close(self, timeout: float = 10.0) -> None:
+        """Remove the cgroup once its processes have gone (a stopped server's last ones may take
+        a moment to be reaped)."""
         import os
 
-        os.rmdir(self.path)  # its processes have ended (the server stopped)
+        end = time.monotonic() + timeout
+        while True:
+            try:
+                os.rmdir(self.path)
+                return
+            except OSError:
+                if time.monotonic() > end:
+                    raise
+                time.sleep(0.1)
 
 
 def fixed_workload(n: int, gen: int) -> list[Request]:
@@ -184,8 +194,10 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true", help="a short run (CI checks that it runs)")
     p.add_argument("--clients", type=int, default=None, help="default 16; --quick 4")
     p.add_argument("--requests", type=int, default=None, help="per run (default 32; --quick 8)")
-    p.add_argument("--settings", default=",".join(SETTINGS), help="comma-separated: " + ", ".join(SETTINGS))
-    p.add_argument("--conditions", default=",".join(CONDITIONS), help="comma-separated: " + ", ".join(CONDITIONS))
+    p.add_argument("--settings", default=None,
+                   help="comma-separated: " + ", ".join(SETTINGS) + " (default all; --quick adaptive,1)")
+    p.add_argument("--conditions", default=None,
+                   help="comma-separated: " + ", ".join(CONDITIONS) + " (default all; --quick all but quota)")
     p.add_argument("--repeat", type=int, default=1,
                    help="rounds over the settings, alternating; each cell is the median of its rounds")
     p.add_argument("--no-ceiling", action="store_true", help="skip the bench.limit ceilings")
@@ -199,8 +211,8 @@ def main(argv=None) -> int:
     fixed, mix = fixed_workload(n, gen), workload(n, seed=99)
     if a.quick:
         mix = [Request(r.prompt, min(r.max_tokens, 32)) for r in mix]
-    names = [] if a.switch_only else a.settings.split(",")
-    conditions = a.conditions.split(",")
+    names = [] if a.switch_only else (a.settings or ("adaptive,1" if a.quick else ",".join(SETTINGS))).split(",")
+    conditions = (a.conditions or ",".join(c for c in CONDITIONS if c != "quota" or not a.quick)).split(",")
     result: dict = {"clients": a.clients, "requests": n, "repeat": a.repeat, "settings": {}, "runs": {},
                     "errors": {}, "restarts": {}}
     for _ in range(a.repeat):
@@ -226,7 +238,7 @@ def main(argv=None) -> int:
                                      if failed else "none"))
     if "adaptive" in names or a.switch_only:
         with running_server(*_server_flags(a)) as server:
-            spans = (5, 8, 8) if a.quick else (10, 20, 20)
+            spans = (3, 5, 5) if a.quick else (10, 20, 20)
             result["switch"] = switch(server.port, a.clients, *spans)
         s = result["switch"]
         print(f"switch (adaptive): tokens/s per second {s['tokens_per_s_bins']}")
