@@ -162,7 +162,9 @@ def parse_generation(body: dict, *, chat: bool) -> GenerationRequest:
 def _logit_bias(body: dict) -> tuple[tuple[int, float], ...]:
     """OpenAI's ``logit_bias``: an object mapping token ids (decimal strings, as JSON keys are) to
     a bias in [-100, 100], added to the token's logit before sampling (-100 bans it, 100 forces
-    it). The ids are checked against the vocabulary by the generator, which knows it."""
+    it). A key is the id as the tokenizer writes it, without leading zeros: "021285" and
+    "21285" would otherwise be two entries for one token, and llama.cpp would add both biases up.
+    The ids are checked against the vocabulary by the generator, which knows it."""
     value = body.get("logit_bias")
     if value is None:
         return ()
@@ -170,9 +172,10 @@ def _logit_bias(body: dict) -> tuple[tuple[int, float], ...]:
         raise InvalidRequest("logit_bias must be an object mapping token ids to numbers", "logit_bias")
     out = []
     for key, bias in value.items():
-        if not (isinstance(key, str) and key.isascii() and key.isdecimal() and len(key) <= 10):
-            raise InvalidRequest(f"logit_bias keys must be token ids (non-negative integers), got {shown(key)}",
-                                 "logit_bias")
+        if not (isinstance(key, str) and key.isascii() and key.isdecimal() and len(key) <= 10
+                and key == str(int(key))):
+            raise InvalidRequest(f"logit_bias keys must be token ids (non-negative decimal integers without leading "
+                                 f"zeros), got {shown(key)}", "logit_bias")
         out.append((int(key), check_number("logit_bias", bias, **LOGIT_BIAS_BOUNDS)))
     return tuple(out)
 
