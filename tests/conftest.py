@@ -14,6 +14,7 @@ import pytest
 from engine.client import EngineClient
 from engine.config import EngineConfig, default_model_path
 from engine.supervisor import EngineSupervisor
+from shm.wakeup import Wakeups
 
 
 @pytest.fixture(scope="session")
@@ -48,11 +49,15 @@ def running_engine(supervisor_args: dict | None = None, **overrides):
 
 
 def wait_steps(client: EngineClient, n: int = 1, timeout: float = 10.0) -> None:
-    """Block until the engine completed ``n`` more steps (its control block is then fresh)."""
+    """Block until the engine completed ``n`` more steps (its control block is then fresh).
+
+    An idle engine steps only when woken (or every 0.5 s, engine.core.SAMPLE_S): ring its FIFO so
+    the wait costs a step, not a timeout."""
     target = client.step() + n
     end = time.monotonic() + timeout
     while client.step() < target:
         assert time.monotonic() < end, "engine made no progress"
+        client.t.wakeups.wake(Wakeups.ENGINE)
         time.sleep(0.005)
 
 

@@ -184,7 +184,13 @@ def test_gauges_read_the_engine_at_scrape_time(metered):
         {"Content-Type": "application/json", "Authorization": "Bearer key-a"}), timeout=60)
     try:
         stream.readline()
-        assert total(scrape(metered.url), "inference_kv_slot_utilization") == 0.25  # 1 of 4 slots
+        # The first token can reach the client before the engine publishes the step's control
+        # block (end of step): wait for that, do not race it.
+        end = time.monotonic() + 10
+        while (utilization := total(scrape(metered.url), "inference_kv_slot_utilization")) != 0.25 \
+                and time.monotonic() < end:
+            time.sleep(0.02)
+        assert utilization == 0.25  # 1 of 4 slots
     finally:
         stream.close()
 
