@@ -21,7 +21,8 @@ serve: install
 	$(VENV)/bin/inference-server $(ARGS)
 
 test: install
-	$(PY) -m pytest
+	# Two workers, a test file to each at a time (tests/conftest.py orders the files).
+	$(PY) -m pytest -n 2 --dist loadfile
 
 bench: install
 	$(PY) -m pip install -q -e '.[test,bench]'

@@ -17,6 +17,17 @@ from engine.supervisor import EngineSupervisor
 from shm.wakeup import Wakeups
 
 
+# `make test` runs the suite on two pytest-xdist workers, a file to a worker (--dist loadfile):
+# the files that take longest go first, so that none of them starts last and runs alone.
+LONGEST_FIRST = ("test_soak.py", "test_prefix_cache.py", "test_tenancy.py", "test_bench_threads.py",
+                 "test_engine.py", "test_http_contract.py")
+
+
+def pytest_collection_modifyitems(items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order
+
+
 @pytest.fixture(scope="session")
 def model_path() -> str:
     return default_model_path()
