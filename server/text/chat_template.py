@@ -75,7 +75,23 @@ class ChatTemplate:
 
     def encode(self, messages: list[dict], add_generation_prompt: bool = True,
                continue_final_message: bool = False, tools: list[dict] | None = None) -> list[int]:
-        """Prompt token ids for ``messages``.
+        """Prompt token ids for ``messages``: :meth:`render`'s pieces, the template's with
+        special tokens parsed, the data's without.
+
+        Raises:
+            InvalidRequest: the template refuses the messages (its ``raise_exception``).
+        """
+        ids: list[int] = []
+        for k, part in enumerate(self.render(messages, add_generation_prompt, continue_final_message, tools)):
+            if k % 2:
+                ids += self.tokenizer.encode(part, special=False)
+            elif part:
+                ids += self.tokenizer.encode(part, special=True, add_bos=(k == 0))
+        return ids
+
+    def render(self, messages: list[dict], add_generation_prompt: bool = True,
+               continue_final_message: bool = False, tools: list[dict] | None = None) -> list[str]:
+        """The prompt's text as ``[template text, datum, template text, ..., template text]``.
 
         Args:
             add_generation_prompt: end with the opening of a new assistant turn.
@@ -101,16 +117,8 @@ class ChatTemplate:
         extra = {"tools": marks.data(tools)} if tools else {}
         rendered = self.template.render(messages=marked, add_generation_prompt=add_generation_prompt,
                                         bos_token="", eos_token="", **extra)
-        parts = marks.split(rendered)  # [text, datum, text, datum, ..., text]
-        if continue_final_message:
-            parts = parts[:-1]  # the template text after the final message's text
-        ids: list[int] = []
-        for k, part in enumerate(parts):
-            if k % 2:
-                ids += self.tokenizer.encode(part, special=False)
-            elif part:
-                ids += self.tokenizer.encode(part, special=True, add_bos=(k == 0))
-        return ids
+        parts = marks.split(rendered)
+        return parts[:-1] if continue_final_message else parts  # drop what follows the final text
 
 
 class _Marks:
