@@ -7,7 +7,7 @@ this class, its parser and the sampler, nothing else. As vLLM v1 carries one ``S
 inside ``EngineCoreRequest``; the record replaces its msgpack.
 
 A record has a fixed part (numbers, the prompt's token ids) and a bounded variable section
-(``extras``): fields declared ``wire="blob"`` (``logit_bias`` today; a constraint's source next)
+(``extras``): fields declared ``wire="blob"`` (``logit_bias``, ``grammar``)
 travel there as one JSON object, length-prefixed. Its bound is set at start-up
 (``EngineConfig.max_request_extras_bytes``, sized into the ring as the rest is), and a request
 that needs more is refused before it is queued (:meth:`EngineRequest.resolved`).
@@ -131,6 +131,10 @@ class SamplingParams:
         stop_ids: extra token ids that end the sequence (EOS/EOG always do unless ignore_eos).
         logit_bias: ``((token id, bias), ...)`` added to those tokens' logits before sampling,
             bias in [-100, 100] (OpenAI's ``logit_bias``; llama.cpp's logit-bias sampler).
+        grammar: what the sequence may generate, as an llguidance grammar (its JSON form,
+            ``{"grammars": [...]}``: Lark, JSON schema or regex; ``engine/llama/grammar.py``),
+            or None: anything. Each sequence walks it on its own; when it is complete the
+            sequence stops. Checked by the front end (``engine.llama.grammar.check``).
     Raises:
         InvalidRequest: a value out of its bounds (the same bounds the HTTP parser checks).
     """
@@ -149,6 +153,7 @@ class SamplingParams:
     logprobs: int | None = _field(None, "i1", 0, MAX_TOP_LOGPROBS)
     stop_ids: tuple[int, ...] = _field((), f"({MAX_STOP_IDS},)i4")
     logit_bias: tuple[tuple[int, float], ...] = _field((), "blob")
+    grammar: str | None = _field(None, "blob")
 
     def __post_init__(self):
         for f in fields(self):
@@ -156,6 +161,9 @@ class SamplingParams:
             if f.name == "logit_bias":
                 value = tuple((check_number("logit_bias", t, lo=0, integer=True),
                                check_number("logit_bias", b, **LOGIT_BIAS_BOUNDS)) for t, b in value)
+            elif f.name == "grammar":
+                if value is not None and not isinstance(value, str):
+                    raise InvalidRequest("grammar must be a string", "grammar")
             elif _is_array(f):
                 size = np.dtype(wire).shape[0]
                 if len(value) > size:

@@ -25,9 +25,15 @@ class Constraint(Protocol):
     """What a sequence may generate next (a grammar, a JSON schema's automaton...).
 
     The engine calls :meth:`allows` on the token the chain picked, :meth:`mask` only when that
-    token was refused, then :meth:`accept` on the token finally chosen. The structured-outputs
-    work fills this in; :class:`AllowAll` is the no-op one.
+    token was refused, then :meth:`accept` on the token finally chosen, and reads ``error`` and
+    ``complete`` after it: a constraint with an ``error`` (str, "" when none) ends its sequence
+    with an error, never unconstrained; a ``complete`` one (bool) ends it with ``stop``.
+    :class:`engine.llama.grammar.GrammarConstraint` is the grammar one (llguidance);
+    :class:`AllowAll` is the no-op one.
     """
+
+    error: str
+    complete: bool
 
     def allows(self, token: int) -> bool:
         """Whether ``token`` may come next."""
@@ -45,6 +51,8 @@ class Constraint(Protocol):
 
 class AllowAll:
     """The constraint that allows every token (no-op; tests check the constrained path with it)."""
+
+    error, complete = "", False
 
     def allows(self, token: int) -> bool:
         return True
