@@ -262,3 +262,82 @@ def test_a_tool_loop_parses():
     assert messages[0]["name"] == "ann"
     assert messages[1]["tool_calls"][0]["function"]["arguments"] == {"city": "Paris"}
     assert messages[1]["content"] is None and messages[2]["content"] == "21"
+
+
+# -- the grammar, walked by llguidance over the bundled model's vocabulary ------------------------
+@pytest.fixture(scope="module")
+def ll_tokenizer(tokenizer):
+    from engine.llama.grammar import tokenizer_from_vocab
+    return tokenizer_from_vocab(tokenizer.vocab, tokenizer.n_vocab, tokenizer.encode("<|im_end|>", special=True))
+
+
+W = Tool("get_weather", "", {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]})
+T = Tool("get_time", "", {"type": "object", "properties": {"zone": {"type": "string"}}, "required": ["zone"]})
+HERMES_CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+GRAMMAR_CASES = [
+    (formats.HERMES, "required", True, HERMES_CALL, True),
+    (formats.HERMES, "required", True, HERMES_CALL + "\n" + HERMES_CALL, True),
+    (formats.HERMES, "required", False, HERMES_CALL + "\n" + HERMES_CALL, False),
+    (formats.HERMES, "required", True, "Hello", False),
+    (formats.HERMES, "get_time", True, HERMES_CALL, False),
+    (formats.HERMES, "auto", True, "Hello there", True),
+    (formats.HERMES, "auto", True, "Let me see. " + HERMES_CALL, True),
+    (formats.HERMES, "auto", True, "Let me see. <tool_call>\nnot json", False),
+    (formats.HERMES, "auto", True, 'Hi <tool_call>\n{"name": "nope", "arguments": {}}', False),
+    (formats.HERMES, "auto", True, 'Hi <tool_call>\n{"name": "get_weather", "arguments": {"town": 1}}', False),
+    (formats.MISTRAL, "auto", True, 'ok [TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}, '
+                                    '{"name": "get_time", "arguments": {"zone": "UTC"}}]', True),
+    (formats.MISTRAL, "auto", True, "ok [TOOL_CALLS]nope", False),
+    (formats.MISTRAL, "required", True, "Sure.", False),
+    (formats.LLAMA3_JSON, "auto", True, "Sure, it is nice.", True),
+    (formats.LLAMA3_JSON, "auto", True, '{"name": "get_weather", "parameters": {"city": "Paris"}}', True),
+    (formats.LLAMA3_JSON, "auto", True, '{"foo": 1}', False),
+    (formats.GENERIC, "required", True, '{"tool_calls": [{"name": "get_weather", "arguments": {"city": "Paris"}}]}',
+     True),
+    (formats.GENERIC, "required", False, '{"tool_calls": [{"name": "get_time", "arguments": {"zone": "a"}}, '
+                                         '{"name": "get_time", "arguments": {"zone": "b"}}]}', False),
+    (formats.GENERIC, "auto", True, '{"response": "hi"}', True),
+    (formats.GENERIC, "required", True, '{"response": "hi"}', False),
+]
+
+
+def walk(ll_tokenizer, grammar: str, ids: list[int]) -> bool:
+    import llguidance
+
+    from engine.llama.grammar import limits
+    matcher = llguidance.LLMatcher(ll_tokenizer, grammar, limits=limits())
+    assert not matcher.get_error(), matcher.get_error()
+    return all(matcher.consume_token(t) for t in ids) and matcher.is_accepting()
+
+
+@pytest.mark.parametrize("fmt,choice,parallel,text,accepted", GRAMMAR_CASES,
+                         ids=[f"{c[0].name}-{c[1]}-{i}" for i, c in enumerate(GRAMMAR_CASES)])
+def test_the_grammar_admits_what_the_choice_allows(tokenizer, ll_tokenizer, fmt, choice, parallel, text, accepted):
+    from server.tools.grammar import tool_grammar
+    from server.tools.spec import ToolRequest
+    request = ToolRequest((W, T), "named" if choice == "get_time" else choice,
+                          choice if choice == "get_time" else None, parallel)
+    assert walk(ll_tokenizer, tool_grammar(fmt, request), tokenizer.encode(text)) is accepted
+    if accepted and choice != "auto":  # what it admits is read back into the calls
+        assert read(fmt, text, 5)[1]
+
+
+def test_a_marker_that_is_a_special_token_is_named_as_the_token(tokenizer, ll_tokenizer):
+    """As Qwen2.5's ``<tool_call>`` is one token: here ``<|im_start|>`` stands in for it."""
+    from server.tools.grammar import tool_grammar
+    from server.tools.spec import ToolRequest
+    marker = tokenizer.encode("<|im_start|>", special=True)
+    grammar = tool_grammar(formats.HERMES, ToolRequest((W,), "auto"), {"<tool_call>": marker[0]})
+    call = tokenizer.encode('\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>')
+    assert walk(ll_tokenizer, grammar, tokenizer.encode("Sure ") + marker + call)
+    assert not walk(ll_tokenizer, grammar, tokenizer.encode("Sure ") + marker + tokenizer.encode("\nxyz"))
+    assert walk(ll_tokenizer, grammar, tokenizer.encode("Sure <tool_call> as text"))
+
+
+def test_parameters_llguidance_cannot_compile_are_refused_by_name():
+    from server.tools.grammar import tool_grammar
+    from server.tools.spec import ToolRequest
+    bad = Tool("bad", "", {"type": "object", "properties": {"x": {"type": "string", "pattern": "(?<=a)b"}}})
+    with pytest.raises(InvalidRequest) as e:
+        tool_grammar(formats.GENERIC, ToolRequest((W, bad), "required"))
+    assert e.value.param == "tools[1].function.parameters"

@@ -14,9 +14,6 @@ from server.tools.spec import AUTO, NAMED, NONE, REQUIRED, Tool, ToolRequest
 #: OpenAI's rule for a function's name, and its limit on a request's tools.
 NAME_RE = re.compile(r"[a-zA-Z0-9_-]{1,64}")
 MAX_TOOLS = 128
-#: The choices this server can enforce. ``required`` and a named function need the output
-#: grammar (docs/api.md "Tool calling"); until it exists they are refused, never served loosely.
-ENFORCED_CHOICES = (NONE, AUTO)
 
 
 def parse_tools(body: dict) -> ToolRequest | None:
@@ -46,9 +43,6 @@ def parse_tools(body: dict) -> ToolRequest | None:
         if choice not in (NONE, AUTO):
             raise InvalidRequest("tool_choice requires tools", "tool_choice")
         return None
-    if choice not in ENFORCED_CHOICES:
-        raise InvalidRequest(f"tool_choice {'a named function' if choice == NAMED else repr(choice)} is not "
-                             "supported by this server yet: it would not be enforced", "tool_choice")
     return ToolRequest(tools, choice, name, True if parallel is None else parallel)
 
 

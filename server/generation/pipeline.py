@@ -25,6 +25,7 @@ from server.tenancy.tenants import DEFAULT_TENANT, Tenant
 from server.text.chat_template import ChatTemplate
 from server.text.detokenizer import Detokenizer
 from server.tools.formats import ToolFormat, detect, generic_messages
+from server.tools.grammar import tool_grammar
 from server.tools.parser import ToolCallParser
 from server.tools.spec import NONE
 
@@ -85,6 +86,7 @@ class Generation:
         # output loop (None: its own end), when the first token reached us, and the gaps
         # between consecutive tokens of each choice (seconds).
         self.finish_reasons: list[str | None] = [None] * self.n_choices
+        self.tool_calls = [0] * self.n_choices  # calls each choice made
         self.error: BaseException | None = None
         self.first_token_at: float | None = None
         self.token_gaps: list[float] = []
@@ -189,6 +191,7 @@ class Generation:
         calls = []
         if parser is not None:
             text, calls = parser.feed(text, final=True)
+            self.tool_calls[k] = parser.n_calls
             if parser.n_calls and reason == "stop":
                 reason = "tool_calls"
         self.finish_reasons[k] = reason
@@ -274,6 +277,17 @@ class Generator:
         self.engine, self.tokenizer, self.template, self.limiter = engine, tokenizer, template, limiter
         #: How the template's model writes tool calls (``server/tools/formats.py``).
         self.tool_format = detect(template.source, template.takes_tools)
+        #: Its fixed texts that are one special token here, and the pieces a tool-calling
+        #: answer is read with: those tokens as their text (a control token is otherwise no
+        #: text at all, and the parser would never see ``[TOOL_CALLS]``).
+        self.tool_specials: dict[str, int] = {}
+        for text in self.tool_format.literals:
+            ids = tokenizer.encode(text, special=True) if text in tokenizer.special_texts else []
+            if len(ids) == 1:
+                self.tool_specials[text] = ids[0]
+        self.tool_pieces = list(tokenizer.pieces) if self.tool_specials else tokenizer.pieces
+        for text, token in self.tool_specials.items():
+            self.tool_pieces[token] = text.encode()
 
     def chat(self, messages: list[dict], req: GenerationRequest, prompt_param: str = "messages",
              render: dict | None = None, **submit) -> Generation:
@@ -287,12 +301,18 @@ class Generator:
         offered = req.tools.tools if req.tools is not None and req.tools.choice != NONE else ()
         texts = [m["content"] or "" for m in messages] + [json.dumps(t.parameters) for t in offered]
         self._fits_at_all(texts, prompt_param, len(messages) * self.template.tokens_per_message)
+        if offered:
+            if req.sampling.grammar is not None:
+                raise InvalidRequest("tools cannot be combined with response_format", "response_format")
+            req.sampling = dataclasses.replace(req.sampling, grammar=tool_grammar(self.tool_format, req.tools,
+                                                                                  self.tool_specials))
         if self.tool_format.native:
             ids = self.template.encode(messages, tools=[t.openai() for t in offered] or None, **render)
         else:
             ids = self.template.encode(generic_messages(messages, offered), **render)
-        return Generation(self.engine, self.tokenizer.pieces, [ids], req, prompt_param, limiter=self.limiter,
-                          tool_format=self.tool_format if offered else None, **submit).submit()
+        return Generation(self.engine, self.tool_pieces if offered else self.tokenizer.pieces, [ids], req,
+                          prompt_param, limiter=self.limiter, tool_format=self.tool_format if offered else None,
+                          **submit).submit()
 
     def _check_logit_bias(self, req: GenerationRequest) -> None:
         """Every token ``logit_bias`` names is in the vocabulary.

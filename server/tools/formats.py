@@ -39,6 +39,8 @@ class ToolFormat:
     Attributes:
         name: as in the table above. native: the template renders ``tools`` itself (otherwise
             the generic prompt does). markers: texts that open a call section in free text.
+        literals: every fixed text of its call syntax that a model's vocabulary may hold as one
+            special token (markers and closing tags).
         args_keys: the call object's key for its arguments. id_length: a call id's length when
             the template demands one (Mistral's 9 alphanumerics), else 0 (``call_`` + 24 hex).
     """
@@ -46,6 +48,7 @@ class ToolFormat:
     name: str
     native: bool
     markers: tuple[str, ...] = ()
+    literals: tuple[str, ...] = ()
     args_keys: tuple[str, ...] = ("arguments",)
     id_length: int = 0
 
@@ -62,9 +65,10 @@ class ToolFormat:
         return _PARSERS[self.name](self, text, final)
 
 
-HERMES = ToolFormat("hermes", True, ("<tool_call>",))
-MISTRAL = ToolFormat("mistral", True, ("[TOOL_CALLS]",), id_length=9)
-LLAMA3_JSON = ToolFormat("llama3_json", True, ("<|python_tag|>",), args_keys=("parameters", "arguments"))
+HERMES = ToolFormat("hermes", True, ("<tool_call>",), ("<tool_call>", "</tool_call>"))
+MISTRAL = ToolFormat("mistral", True, ("[TOOL_CALLS]",), ("[TOOL_CALLS]",), id_length=9)
+LLAMA3_JSON = ToolFormat("llama3_json", True, ("<|python_tag|>",), ("<|python_tag|>",),
+                         args_keys=("parameters", "arguments"))
 GENERIC = ToolFormat("generic", False)
 
 
