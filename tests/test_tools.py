@@ -341,3 +341,23 @@ def test_parameters_llguidance_cannot_compile_are_refused_by_name():
     with pytest.raises(InvalidRequest) as e:
         tool_grammar(formats.GENERIC, ToolRequest((W, bad), "required"))
     assert e.value.param == "tools[1].function.parameters"
+
+
+def test_nested_definitions_of_each_function_are_kept_apart(tokenizer, ll_tokenizer):
+    """pydantic's ``$defs`` and ``#/$defs/...`` references (and ``#`` recursion), of two
+    functions that both name a definition ``Item``."""
+    from server.tools.grammar import tool_grammar
+    from server.tools.spec import ToolRequest
+    order = Tool("order", "", {"type": "object", "properties": {"items": {"type": "array", "items": {"$ref": "#/$defs/Item"}}},
+                               "required": ["items"], "$defs": {"Item": {"type": "object", "properties": {
+                                   "sku": {"type": "integer"}}, "required": ["sku"], "additionalProperties": False}}})
+    tree = Tool("tree", "", {"type": "object", "properties": {"kids": {"type": "array", "items": {"$ref": "#"}},
+                                                              "tag": {"$ref": "#/definitions/Item"}},
+                             "required": ["tag"], "additionalProperties": False,
+                             "definitions": {"Item": {"type": "string", "enum": ["x", "y"]}}})
+    grammar = tool_grammar(formats.GENERIC, ToolRequest((order, tree), "required"))
+    ok = '{"tool_calls": [{"name": "order", "arguments": {"items": [{"sku": 3}]}}, ' \
+         '{"name": "tree", "arguments": {"kids": [{"tag": "y"}], "tag": "x"}}]}'
+    assert walk(ll_tokenizer, grammar, tokenizer.encode(ok))
+    assert not walk(ll_tokenizer, grammar, tokenizer.encode('{"tool_calls": [{"name": "order", "arguments": {"items": [{"sku": "a"}]}}]}'))
+    assert not walk(ll_tokenizer, grammar, tokenizer.encode('{"tool_calls": [{"name": "tree", "arguments": {"tag": "z"}}]}'))

@@ -30,16 +30,50 @@ from server.tools.spec import AUTO, ToolRequest
 COMPACT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
-def call_schema(fmt: ToolFormat, request: ToolRequest) -> dict:
-    """One call of any function the request lets the model call."""
-    schemas = [{"type": "object", "properties": {"name": {"const": t.name}, fmt.args_keys[0]: t.parameters},
+def call_schema(fmt: ToolFormat, request: ToolRequest, defs: dict) -> dict:
+    """One call of any function the request lets the model call. Each function's definitions
+    (``$defs``, ``definitions``: what pydantic writes for nested models) move into ``defs``,
+    which goes to the root of the whole grammar's schema, under names of their own."""
+    schemas = [{"type": "object", "properties": {"name": {"const": t.name}, fmt.args_keys[0]: _hoist(t.parameters, i, defs)},
                 "required": ["name", fmt.args_keys[0]], "additionalProperties": False}
-               for t in request.callable()]
+               for i, t in enumerate(request.callable())]
     return schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
 
 
-def _json(schema: dict) -> str:
-    return "%json " + json.dumps({**schema, "x-guidance": COMPACT})
+def _hoist(parameters: dict, i: int, defs: dict) -> dict:
+    """``parameters`` with its local references (``#``, ``#/$defs/X``, ``#/definitions/X``)
+    pointing at ``#/$defs/f<i>.X`` (its root at ``#/$defs/f<i>.``), those definitions added to
+    ``defs``: embedded in a larger schema, they would otherwise resolve against its root."""
+    prefix, seen = f"f{i}.", []
+
+    def walk(node):
+        if isinstance(node, list):
+            return [walk(v) for v in node]
+        if not isinstance(node, dict):
+            return node
+        out = {}
+        for key, value in node.items():
+            if key == "$ref" and value == "#":
+                seen.append(True)
+                value = f"#/$defs/{prefix}"
+            elif key == "$ref" and isinstance(value, str):
+                for section in ("#/$defs/", "#/definitions/"):
+                    if value.startswith(section):
+                        value = f"#/$defs/{prefix}{value[len(section):]}"
+            elif key in ("$defs", "definitions") and node is parameters and isinstance(value, dict):
+                defs.update((f"{prefix}{name}", walk(d)) for name, d in value.items())
+                continue
+            out[key] = walk(value)
+        return out
+
+    hoisted = walk(parameters)
+    if seen:
+        defs[prefix] = hoisted
+    return hoisted
+
+
+def _json(schema: dict, defs: dict) -> str:
+    return "%json " + json.dumps({**schema, **({"$defs": defs} if defs else {}), "x-guidance": COMPACT})
 
 
 def tool_grammar(fmt: ToolFormat, request: ToolRequest, specials: dict[str, int] | None = None) -> str:
@@ -55,7 +89,8 @@ def tool_grammar(fmt: ToolFormat, request: ToolRequest, specials: dict[str, int]
         InvalidRequest: a function's ``parameters`` llguidance cannot compile (naming it).
     """
     required = request.choice != AUTO
-    call = _json(call_schema(fmt, request))
+    defs: dict = {}
+    call = _json(call_schema(fmt, request, defs), defs)
     specials = specials or {}
 
     def lit(text: str) -> str:
@@ -65,7 +100,8 @@ def tool_grammar(fmt: ToolFormat, request: ToolRequest, specials: dict[str, int]
         return (f"head: TEXT {lit(marker)}\n" if marker in specials else
                 f"head[lazy]: TEXT {lit(marker)}\n") + "TEXT: /(.|\\n)*/\n"
     if fmt.name == "generic":
-        calls = {"type": "array", "items": call_schema(fmt, request), "minItems": 1}
+        defs = {}
+        calls = {"type": "array", "items": call_schema(fmt, request, defs), "minItems": 1}
         if not request.parallel:
             calls["maxItems"] = 1
         envelope = {"type": "object", "properties": {"tool_calls": calls}, "required": ["tool_calls"],
@@ -73,7 +109,7 @@ def tool_grammar(fmt: ToolFormat, request: ToolRequest, specials: dict[str, int]
         if not required:
             envelope = {"anyOf": [envelope, {"type": "object", "properties": {"response": {"type": "string"}},
                                              "required": ["response"], "additionalProperties": False}]}
-        lark = f"start: {_json(envelope)}\n"
+        lark = f"start: {_json(envelope, defs)}\n"
     elif fmt.name == "hermes":
         if required:
             repeat = ' ("\\n" tool_call)*' if request.parallel else ""
@@ -90,8 +126,12 @@ def tool_grammar(fmt: ToolFormat, request: ToolRequest, specials: dict[str, int]
         lark = f"start: call{repeat}\n" if required else f"start: calls | TEXT\ncalls: call{repeat}\nTEXT: /([^{{ \\n](.|\\n)*)?/\n"
     else:
         raise ValueError(f"no grammar for format {fmt.name}")
-    grammar = llguidance.grammar_from("lark", f"%llguidance {{}}\n{lark}call: {call}\n")
-    error = check(grammar)
+    try:
+        grammar = llguidance.grammar_from("lark", f"%llguidance {{}}\n{lark}call: {call}\n")
+    except ValueError as e:
+        grammar, error = None, str(e)
+    else:
+        error = check(grammar)
     if error:
         raise InvalidRequest(f"the tools cannot be enforced: {error}", _culprit(fmt, request))
     return grammar
@@ -101,7 +141,12 @@ def _culprit(fmt: ToolFormat, request: ToolRequest) -> str:
     """The field to blame: the first function whose parameters do not compile alone."""
     for i, tool in enumerate(request.tools):
         if tool in request.callable():
-            alone = llguidance.grammar_from("lark", f"%llguidance {{}}\nstart: {_json(tool.parameters)}\n")
-            if check(alone):
+            defs: dict = {}
+            schema = _hoist(tool.parameters, 0, defs)
+            try:
+                alone = check(llguidance.grammar_from("lark", f"%llguidance {{}}\nstart: {_json(schema, defs)}\n"))
+            except ValueError as e:
+                alone = str(e)
+            if alone:
                 return f"tools[{i}].function.parameters"
     return "tools"
