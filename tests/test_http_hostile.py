@@ -148,7 +148,7 @@ def test_legacy_logprobs_byte_tokens_and_text_offsets(server):
 
 
 @pytest.mark.parametrize("path,extra,param", [
-    (CHAT, {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    (CHAT, {"functions": [{"name": "f"}]}, "functions"),
     (CHAT, {"response_format": {"type": "json_object"}}, "response_format"),
 ])
 def test_unimplemented_options_are_refused(server, path, extra, param):

@@ -13,7 +13,8 @@ from engine.request import (DEADLINE_MS_BOUNDS, INT32_MAX, LOGIT_BIAS_BOUNDS, Pr
 from server.api.tools import message_tool_fields, parse_tools
 from server.generation.request import GenerationRequest
 
-CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+CHAT_ROLES = ("system", "developer", "user", "assistant")
+ROLES = (*CHAT_ROLES, "tool")  # a tool message must answer an earlier call
 MAX_N = 128  # OpenAI's bound; what fits is bounded by the server's capacity (a 400 beyond it)
 MAX_STOPS = 4
 
@@ -227,8 +228,8 @@ def parse_messages(body: dict, max_messages: int) -> list[dict]:
         if role == "function":
             raise InvalidRequest(f"{where}.role 'function' (deprecated) is not supported: send role 'tool'",
                                  f"{where}.role")
-        if role not in CHAT_ROLES:
-            raise InvalidRequest(f"{where}.role must be one of {', '.join(CHAT_ROLES)}, got {ujson.dumps(role)}",
+        if role not in ROLES:
+            raise InvalidRequest(f"{where}.role must be one of {', '.join(ROLES)}, got {ujson.dumps(role)}",
                                  f"{where}.role")
         for key in sorted(set(m) - {"role", "content", "name", "tool_calls", "tool_call_id"}):
             if m[key] is not None:  # function_call, refusal, audio: not implemented

@@ -9,8 +9,8 @@ separators ``json.dumps`` uses (what the templates show the model). Per ``tool_c
 - ``required`` / a named function: the answer is the format's call section and nothing else,
   one or more calls (exactly one when ``parallel_tool_calls`` is false);
 - ``auto``: free text, and once the format's marker appears (``<tool_call>``,
-  ``[TOOL_CALLS]``) the call grammar: a lazy lexeme, as in llguidance's docs/syntax.md "Tool
-  calling" and llama.cpp's grammar triggers. Llama 3's calls are the whole answer, so its
+  ``[TOOL_CALLS]``) the call grammar: a lazy lexeme, as in the "Tool
+  calling" section of llguidance's syntax guide and llama.cpp's grammar triggers. Llama 3's calls are the whole answer, so its
   ``auto`` is text that does not start with ``{``, or calls. The generic format's ``auto`` is
   llama.cpp's: the envelope is always JSON, calls or ``{"response": <text>}``;
 - ``none``: no grammar (and no tools in the prompt).
