@@ -7,7 +7,7 @@ carried on the request as ``SamplingParams.grammar``. The front end checks it wi
 ``LLMatcher`` over the model's vocabulary (:class:`Grammars`, on a thread of its own and cached
 per tenant), and each sequence walks its own copy (:class:`GrammarConstraint`), which
 ``engine/llama/sampler.py`` consults as llama.cpp's ``common_sampler`` consults its grammar:
-the chain's token first, the mask only when it is refused.
+the chain's token first, the allowed tokens only when it is refused.
 
 Limits (docs/api.md "Structured outputs"): the grammar must fit the request's variable section
 (``--max-request-extras-bytes``, 32 KiB by default), and compiling it is bounded by
@@ -77,6 +77,32 @@ def tokenizer_from_vocab(vocab, n_vocab: int, eos: list[int]) -> llguidance.LLTo
                                                 eos_token=eos, slices=None)
 
 
+class CheckedGrammars:
+    """A front end's memo of :func:`check`: the last ``capacity`` verdicts, per (tenant,
+    grammar), so a tenant's repeated schema costs a dictionary lookup (and no tenant learns from
+    a response's time which grammars another used). Thread-safe."""
+
+    def __init__(self, capacity: int = 256):
+        self.capacity = capacity
+        self._verdicts: OrderedDict[tuple[int, str], str] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def check(self, tenant: int, grammar: str) -> str:
+        """:func:`check`'s answer for ``tenant``'s ``grammar``."""
+        key = (tenant, grammar)
+        with self._lock:
+            verdict = self._verdicts.get(key)
+            if verdict is not None:
+                self._verdicts.move_to_end(key)
+                return verdict
+        verdict = check(grammar)  # outside the lock: other threads' cached checks do not wait
+        with self._lock:
+            self._verdicts[key] = verdict
+            while len(self._verdicts) > self.capacity:
+                self._verdicts.popitem(last=False)
+        return verdict
+
+
 class GrammarConstraint:
     """One sequence's position in a grammar (the :class:`engine.llama.sampler.Constraint`
     protocol), over an ``LLMatcher`` of its own.
@@ -97,10 +123,11 @@ class GrammarConstraint:
     def allows(self, token: int) -> bool:
         return not self.error and self.matcher.validate_tokens([token]) == 1
 
-    def mask(self, logits: np.ndarray) -> None:
+    def allowed(self) -> np.ndarray:
+        """llguidance's bitmask of the next tokens, as ids."""
         self.matcher.unsafe_compute_mask_ptr(self._bits.ctypes.data, self._bits.nbytes)
-        allowed = np.unpackbits(self._bits.view(np.uint8), bitorder="little", count=self.n_vocab)
-        logits[allowed == 0] = -np.inf
+        bits = np.unpackbits(self._bits.view(np.uint8), bitorder="little", count=self.n_vocab)
+        return np.flatnonzero(bits).astype(np.int32)
 
     def accept(self, token: int) -> None:
         if self.error:

@@ -16,6 +16,7 @@ import time
 
 from engine.client import EngineClient
 from engine.errors import InvalidRequest, PromptTooLong
+from engine.llama.grammar import CheckedGrammars
 from engine.request import reduce_seed
 from engine.stream import Stream, Timings, follow
 from server.generation.request import Choice, Delta, GenerationRequest, Usage
@@ -120,6 +121,8 @@ class Generation:
                 e.param = req.max_tokens_param if e.max_new_tokens is not None else self.prompt_param
             elif isinstance(e, InvalidRequest) and e.param == "prompt":
                 e.param = self.prompt_param
+            elif isinstance(e, InvalidRequest) and e.param == "grammar":
+                e.param = req.grammar_param
             raise
         return self
 
@@ -242,6 +245,7 @@ class Generator:
     def __init__(self, engine: EngineClient, tokenizer: Tokenizer, template: ChatTemplate,
                  limiter: RateLimiter | None = None):
         self.engine, self.tokenizer, self.template, self.limiter = engine, tokenizer, template, limiter
+        self.grammars = CheckedGrammars()
 
     def chat(self, messages: list[dict], req: GenerationRequest, prompt_param: str = "messages",
              render: dict | None = None, **submit) -> Generation:
@@ -250,6 +254,7 @@ class Generator:
         ``watch_socket``. Raises as :class:`Generation` and :meth:`Generation.submit`."""
         render = render or {}
         self._check_logit_bias(req)
+        self._check_grammar(req, submit.get("tenant", DEFAULT_TENANT))
         self._fits_at_all([m["content"] for m in messages], prompt_param,
                           len(messages) * self.template.tokens_per_message)
         return Generation(self.engine, self.tokenizer.pieces, [self.template.encode(messages, **render)], req,
@@ -265,6 +270,26 @@ class Generator:
         if outside:
             raise InvalidRequest(f"logit_bias names token id {outside[0]}, outside the vocabulary "
                                  f"(0..{self.tokenizer.n_vocab - 1})", "logit_bias")
+
+    def _check_grammar(self, req: GenerationRequest, tenant: Tenant) -> None:
+        """The request's grammar fits the record's variable section, then compiles within
+        llguidance's limits (``engine.llama.grammar.check``, memoized per tenant), so the engine
+        never sees one that does not.
+
+        Raises:
+            InvalidRequest: naming ``req.grammar_param``, with the library's message.
+        """
+        grammar = req.sampling.grammar
+        if grammar is None:
+            return
+        try:
+            req.sampling.check_extras(self.engine.max_extras_bytes)
+        except InvalidRequest as e:
+            e.param = req.grammar_param
+            raise
+        error = self.grammars.check(tenant.index, grammar)
+        if error:
+            raise InvalidRequest(f"{req.grammar_param} cannot be enforced: {error}", req.grammar_param)
 
     def _fits_at_all(self, texts: list[str], prompt_param: str, template_tokens: int = 0) -> None:
         """Refuse, before rendering or tokenizing, text that cannot fit one sequence: a token holds
@@ -289,6 +314,7 @@ class Generator:
         for a token id outside the vocabulary."""
         check_choices(self.engine, len(prompts), req.n, submit.get("tenant", DEFAULT_TENANT))  # before tokenizing
         self._check_logit_bias(req)
+        self._check_grammar(req, submit.get("tenant", DEFAULT_TENANT))
         self._fits_at_all([p for p in prompts if isinstance(p, str)], prompt_param)
         ids = []
         for i, prompt in enumerate(prompts):
