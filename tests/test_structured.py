@@ -164,3 +164,57 @@ def test_json_object_regex_and_choice_on_both_routes(srv):
     assert all(s == 1.0 for s, (_, body) in zip(stopped, jobs) if "structured_outputs" in body
                and ("json" not in body["structured_outputs"] and "json_object" not in body["structured_outputs"]))
     srv.wait_idle()
+
+
+def test_over_grpc(srv):
+    """ChatRequest.response_format / structured_outputs: the same grammars as HTTP, unary and
+    streamed, n = 3, at temperature 0 and 1; a bad schema is INVALID_ARGUMENT naming the field."""
+    import grpc
+
+    from proto import inference_pb2 as pb
+    from proto import inference_pb2_grpc
+    from tests.test_grpc import _wait_serving
+
+    channel = grpc.insecure_channel(f"127.0.0.1:{srv.grpc_port}")
+    grpc.channel_ready_future(channel).result(timeout=60)
+    _wait_serving(channel)
+    stub = inference_pb2_grpc.InferenceServiceStub(channel)
+    person = CORPUS[0]["schema"]
+    date = r"20[0-9]{2}-(0[1-9]|1[0-2])-(0[1-9]|[12][0-9])"
+    cases = [
+        ({"response_format": pb.ResponseFormat(type="json_schema", json_schema=pb.JsonSchema(
+            name="person", schema=json.dumps(person), strict=True))},
+         lambda t: jsonschema.validate(json.loads(t), person)),
+        ({"response_format": pb.ResponseFormat(type="json_object")}, lambda t: isinstance(json.loads(t), dict) or
+         pytest.fail(t)),
+        ({"structured_outputs": pb.StructuredOutputs(regex=date)}, lambda t: re.fullmatch(date, t) or pytest.fail(t)),
+        ({"structured_outputs": pb.StructuredOutputs(choice=["yes", "no"])}, lambda t: t in ("yes", "no") or
+         pytest.fail(t)),
+    ]
+
+    def one(job):
+        fields, stream, temperature = job
+        request = pb.ChatRequest(messages=[pb.ChatMessage(role="user", content="A person as JSON.")], n=N,
+                                 max_tokens=MAX_TOKENS, temperature=temperature, seed=7, **fields)
+        if not stream:
+            return [(c.text, c.finish_reason) for c in stub.ChatComplete(request, timeout=300).choices]
+        texts, reasons = [""] * N, [None] * N
+        for chunk in stub.ChatCompleteStream(request, timeout=300):
+            texts[chunk.index] += chunk.text
+            reasons[chunk.index] = chunk.finish_reason or reasons[chunk.index]
+        return list(zip(texts, reasons))
+
+    jobs = [(fields, stream, t) for fields, _ in cases for stream in (False, True) for t in (0.0, 1.0)]
+    with ThreadPoolExecutor(8) as pool:
+        outputs = list(pool.map(one, jobs))
+    for (fields, _, _), choices in zip(jobs, outputs):
+        valid = next(v for f, v in cases if f is fields)
+        check_endings([choices], valid)
+    with pytest.raises(grpc.RpcError) as e:
+        stub.ChatComplete(pb.ChatRequest(messages=[pb.ChatMessage(role="user", content="x")], max_tokens=4,
+                                         response_format=pb.ResponseFormat(type="json_schema", json_schema=pb.JsonSchema(
+                                             name="x", schema='{"type": "strin"}'))), timeout=60)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "Invalid type" in e.value.details()
+    assert ("param", "response_format.json_schema.schema") in tuple(e.value.trailing_metadata())
+    channel.close()
+    srv.wait_idle()
