@@ -35,6 +35,11 @@ LIMITS = dict(initial_lexer_fuel=1_000_000, max_grammar_size=200_000, step_lexer
 CACHE_ENTRIES = 64
 
 
+_BIT = np.arange(32)
+#: Masks with more non-zero 32-token words than this are unpacked whole (cheaper then).
+SPARSE_WORDS = 128
+
+
 def limits() -> llguidance.LLParserLimits:
     return llguidance.LLParserLimits(**LIMITS)
 
@@ -124,10 +129,17 @@ class GrammarConstraint:
         return not self.error and self.matcher.validate_tokens([token]) == 1
 
     def allowed(self) -> np.ndarray:
-        """llguidance's bitmask of the next tokens, as ids."""
+        """llguidance's bitmask of the next tokens (bit ``t % 32`` of word ``t // 32``), as ids.
+        A sparse mask (the usual one after a refusal: a quote, a comma, a digit...) has only its
+        non-zero words unpacked: measured 23 against 194 us for the whole 49k-token mask."""
         self.matcher.unsafe_compute_mask_ptr(self._bits.ctypes.data, self._bits.nbytes)
-        bits = np.unpackbits(self._bits.view(np.uint8), bitorder="little", count=self.n_vocab)
-        return np.flatnonzero(bits).astype(np.int32)
+        words = np.flatnonzero(self._bits)
+        if len(words) > SPARSE_WORDS:
+            bits = np.unpackbits(self._bits.view(np.uint8), bitorder="little", count=self.n_vocab)
+            return np.flatnonzero(bits).astype(np.int32)
+        bits = np.unpackbits(self._bits[words].view(np.uint8), bitorder="little").reshape(-1, 32)
+        ids = (words[:, None] * 32 + _BIT)[bits.astype(bool)]
+        return ids[ids < self.n_vocab].astype(np.int32)
 
     def accept(self, token: int) -> None:
         if self.error:

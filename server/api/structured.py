@@ -93,13 +93,15 @@ def _structured_outputs(so) -> tuple[str, str]:
     if not isinstance(so, dict):
         raise InvalidRequest(f"{where} must be an object with one of {', '.join(_VLLM_KINDS)}", where)
     _known(so, set(_VLLM_KINDS), where)
-    given = [k for k in _VLLM_KINDS if so.get(k) is not None]
+    given = [k for k in _VLLM_KINDS if k in so]
     if len(given) != 1:
         raise InvalidRequest(f"{where} must hold exactly one of {', '.join(_VLLM_KINDS)}, got "
                              f"{', '.join(given) or 'none'}", where)
     kind, value = given[0], so[given[0]]
     param = f"{where}.{kind}"
     if kind == "json":
+        if value is None:
+            raise InvalidRequest(f"{param} must be a JSON Schema or its JSON text", param)
         if isinstance(value, str):
             try:
                 value = json.loads(value)
