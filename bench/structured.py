@@ -162,7 +162,8 @@ def main() -> None:
     alone = constraint_alone()
     print(f"constraint alone: check {alone['check_us']:.1f} us, allowed set on a refusal "
           f"{alone['allowed_on_refusal_us']:.1f} us, accept {alone['accept_us']:.1f} us per token; "
-          f"compile {alone['compile_ms']:.2f} ms (first, with the tokenizer: {alone['first_compile_ms_with_tokenizer']:.0f} ms)")
+          f"compile {alone['compile_ms']:.2f} ms (first, with the tokenizer: "
+          f"{alone['first_compile_ms_with_tokenizer']:.0f} ms)")
     with running_server("--max-slots", str(a.clients), "--max-seq-len", "256", "--max-queued", str(a.clients),
                         "--workers", "2", "--threads", str(2 * a.clients)) as server:
         port = server.port

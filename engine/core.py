@@ -200,7 +200,7 @@ class EngineCore:
         whose grammar did not compile (the front end checks grammars, so only a corrupt record)."""
         for seq in list(self.sched.waiting):
             reason, error = self._expiry(seq, now), ErrorCode.NONE
-            if not reason and seq.grammar is not None and seq.grammar.done() and seq.grammar.result().is_error():
+            if not reason and seq.grammar is not None and seq.grammar.done() and self.grammars.failed(seq.grammar):
                 reason, error = Finish.ERROR, ErrorCode.BAD_REQUEST
             if reason:
                 self.sched.drop_waiting(seq)

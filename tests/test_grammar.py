@@ -67,7 +67,8 @@ def test_a_grammar_that_fails_ends_the_sequence_with_an_error(engine, tokenizer)
     # Only the end of generation may come, and ignore_eos bans it: nothing the grammar allows is
     # left to sample. The sequence must end with an error, never go on unconstrained.
     with pytest.raises(ConstraintFailed):
-        _run(engine, tokenizer, "x", max_new_tokens=8, ignore_eos=True, grammar=llguidance.LLMatcher.grammar_from_regex(""))
+        _run(engine, tokenizer, "x", max_new_tokens=8, ignore_eos=True,
+             grammar=llguidance.LLMatcher.grammar_from_regex(""))
     assert engine.client.mailboxes_in_use() == 0
 
 

@@ -22,6 +22,7 @@ CORPUS = json.loads((Path(__file__).parent / "structured" / "schemas.json").read
 MAX_TOKENS = 32
 N = 3
 CHAT, LEGACY = "/v1/chat/completions", "/v1/completions"
+FORMATS = jsonschema.Draft202012Validator.FORMAT_CHECKER
 
 
 @pytest.fixture(scope="module")
@@ -121,7 +122,7 @@ def test_schema_corpus_every_stop_validates(srv):
     outputs = run_all(srv, jobs)
     stopped, greedy = 0.0, {}
     for schema, choices, (_, body) in zip(schemas, outputs, jobs):
-        validator = jsonschema.Draft202012Validator(schema, format_checker=jsonschema.Draft202012Validator.FORMAT_CHECKER)
+        validator = jsonschema.Draft202012Validator(schema, format_checker=FORMATS)
         stopped += check_endings([choices], lambda text: validator.validate(json.loads(text)))
         if body["temperature"] == 0:  # greedy: the n choices are one text, streamed or not
             assert len(set(choices)) == 1, choices
@@ -136,13 +137,13 @@ def test_json_object_regex_and_choice_on_both_routes(srv):
 
     date = r"20[0-9]{2}-(0[1-9]|1[0-2])-(0[1-9]|[12][0-9])"
     choices = ["red", "green", "blue"]
+    counter = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"],
+               "additionalProperties": False}
     cases = [
         ({"response_format": {"type": "json_object"}}, is_object),
         ({"response_format": {"type": "json_schema", "json_schema": {"name": "anything"}}}, is_object),
-        ({"response_format": {"type": "json_object", "schema": {"type": "object", "properties": {"n": {"type": "integer"}},
-                                                                "required": ["n"], "additionalProperties": False}}},
-         lambda t: jsonschema.validate(json.loads(t), {"required": ["n"], "additionalProperties": False,
-                                                       "properties": {"n": {"type": "integer"}}})),
+        ({"response_format": {"type": "json_object", "schema": counter}},
+         lambda t: jsonschema.validate(json.loads(t), counter)),
         ({"structured_outputs": {"json_object": True}}, is_object),
         ({"structured_outputs": {"json": json.dumps({"type": "array", "items": {"type": "integer"}, "maxItems": 3})}},
          lambda t: jsonschema.validate(json.loads(t), {"type": "array", "items": {"type": "integer"}, "maxItems": 3})),
@@ -210,10 +211,10 @@ def test_over_grpc(srv):
     for (fields, _, _), choices in zip(jobs, outputs):
         valid = next(v for f, v in cases if f is fields)
         check_endings([choices], valid)
+    bad = pb.ResponseFormat(type="json_schema", json_schema=pb.JsonSchema(name="x", schema='{"type": "strin"}'))
     with pytest.raises(grpc.RpcError) as e:
         stub.ChatComplete(pb.ChatRequest(messages=[pb.ChatMessage(role="user", content="x")], max_tokens=4,
-                                         response_format=pb.ResponseFormat(type="json_schema", json_schema=pb.JsonSchema(
-                                             name="x", schema='{"type": "strin"}'))), timeout=60)
+                                         response_format=bad), timeout=60)
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "Invalid type" in e.value.details()
     assert ("param", "response_format.json_schema.schema") in tuple(e.value.trailing_metadata())
     channel.close()

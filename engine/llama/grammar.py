@@ -196,6 +196,12 @@ class Grammars:
     def _build(self, grammar: str) -> llguidance.LLMatcher:
         return llguidance.LLMatcher(self._tokenizer.result(), grammar, log_level=0, limits=limits())
 
+    @staticmethod
+    def failed(future: Future) -> bool:
+        """Whether a finished :meth:`compile` gave nothing to constrain with: the grammar did not
+        compile, or compiling raised."""
+        return future.exception() is not None or future.result().is_error()
+
     def constraint(self, future: Future) -> GrammarConstraint:
         """A fresh sequence's constraint from a finished :meth:`compile`."""
         return GrammarConstraint(future.result().deep_copy(), self.n_vocab)
