@@ -139,10 +139,11 @@ class Sampler:
         if self._candidates is None:
             self._buffer = (llama_cpp.llama_token_data * self.n_vocab)()
             self._candidates = np.frombuffer(self._buffer, _TOKEN_DATA)
+            self._ids = np.arange(self.n_vocab, dtype=np.int32)
         n = self.n_vocab if ids is None else len(ids)
         c = self._candidates[:n]
         if ids is None:
-            c["id"], c["logit"] = np.arange(self.n_vocab, dtype=np.int32), logits
+            c["id"], c["logit"] = self._ids, logits
         else:
             c["id"], c["logit"] = ids, logits[ids]
         c["p"] = 0.0
