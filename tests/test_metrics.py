@@ -227,7 +227,7 @@ def test_request_log_lines_carry_the_id_and_no_secrets(metered):
     assert line["completion_tokens"] == 3 and line["prompt_tokens"] > 0 and line["finish_reason"] == "length"
     assert line["latency_s"] >= line["time_to_first_token_s"] >= line["queue_wait_s"] >= 0
     assert set(line) == {"request_id", "tenant", "route", "status", "finish_reason", "prompt_tokens", "cached_tokens",
-                         "completion_tokens", "queue_wait_s", "time_to_first_token_s", "latency_s"}
+                         "completion_tokens", "tool_calls", "queue_wait_s", "time_to_first_token_s", "latency_s"}
     assert mine[generated]["route"] == "/v1/completions"
     log = open(metered.log).read()
     assert secret not in log and "key-a" not in log
