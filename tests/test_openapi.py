@@ -31,7 +31,7 @@ from schemathesis.specs.openapi.checks import (content_type_conformance, negativ
 from engine.request import DEADLINE_MS_BOUNDS, SamplingParams
 from server import errors
 from server.api import requests as params
-from server.api.infer import INFER_FIELDS
+from server.api.infer import INFER_FIELDS, MAX_NEW_TOKENS_BOUNDS
 from server.http.openapi import load
 from tests.conftest import AppServer, running_server
 from tests.test_http_contract import Reply, parse_sse, post, request
@@ -208,7 +208,7 @@ def test_numeric_bounds_are_the_parsers_bounds(component):
         elif name in props:
             assert served == [] and props[name]["type"] == "null", name
     assert _bounds(schema_of("InferRequest")["properties"]["max_new_tokens"])[:2] == \
-        (SamplingParams.bounds("max_new_tokens")["lo"], SamplingParams.bounds("max_new_tokens")["hi"])
+        (MAX_NEW_TOKENS_BOUNDS["lo"], MAX_NEW_TOKENS_BOUNDS["hi"])
 
 
 def test_error_types_are_the_error_contracts():

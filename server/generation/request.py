@@ -20,6 +20,8 @@ class GenerationRequest:
         stop: stop strings (text, applied here). n: choices, each its own sequence.
         stream, include_usage: the response's shape (read by the protocol, not here).
         priority, deadline_ms: admission class and deadline (None = none).
+        echo: each choice starts with its prompt (legacy completions); with logprobs, the
+            prompt is scored too (the engine's scoring kind), its entries first.
     """
 
     sampling: SamplingParams = field(default_factory=SamplingParams)
@@ -31,6 +33,12 @@ class GenerationRequest:
     include_usage: bool = False
     priority: Priority = Priority.NORMAL
     deadline_ms: float | None = None
+    echo: bool = False
+
+    @property
+    def scores(self) -> bool:
+        """The prompt's log-probabilities are asked for (``echo`` with ``logprobs``)."""
+        return self.echo and self.sampling.logprobs is not None
 
 
 @dataclass
