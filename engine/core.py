@@ -277,7 +277,8 @@ class EngineCore:
         return finished
 
     def sample_and_publish(self, rows: list[tuple[Sequence, int]], now: float) -> list[tuple[Sequence, Finish]]:
-        """Sample one token per row and publish every token to its mailbox (one wake-up each).
+        """Sample one token per row and publish every token to its mailbox (one wake-up each); a
+        stop token is published only for a scoring request, whose log-probabilities need it.
 
         Returns:
             the sequences that finished (a stop or end-of-generation token, or their length),
@@ -290,11 +291,15 @@ class EngineCore:
             if k == 0:
                 self.boxes.prefill_done(seq.mailbox, now)
             self.sched.charge(seq, 1)
-            if tok in sampling.stop_ids or (tok in self.model.eog and not sampling.ignore_eos):
+            stops = tok in sampling.stop_ids or (tok in self.model.eog and not sampling.ignore_eos)
+            if stops and not seq.scoring:
                 finished.append((seq, Finish.STOP))
                 continue
             lp = None if sampling.logprobs is None else self.logprobs.one(self.model.logits(row), tok, sampling.logprobs)
             published.append(Published(seq.mailbox, k, tok, lp))
+            if stops:  # a scoring request reports the token that ended it, as vLLM does (lm-eval counts on it)
+                finished.append((seq, Finish.STOP))
+                continue
             seq.generated(tok)
             if seq.n_generated >= sampling.max_new_tokens:
                 finished.append((seq, Finish.LENGTH))
