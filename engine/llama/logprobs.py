@@ -89,13 +89,15 @@ class LogProbs:
             x, e = logits[a:b], buf[:b - a]
             best[a:b] = x.argmax(axis=1)
             m = x[np.arange(b - a), best[a:b]]
-            if m.min() >= lo and m.max() <= hi:
-                np.exp(x, out=e)
-                out[a:b] = np.log(e.sum(axis=1, dtype=np.float32).astype(np.float64))
-            else:
-                np.subtract(x, m[:, None], out=e)
+            # Each row's result depends on that row alone (the choice is per row), so a token
+            # scored in a block of eight gets the number it gets generated, alone.
+            shift = np.where((m >= lo) & (m <= hi), np.float32(0), m)
+            if shift.any():
+                np.subtract(x, shift[:, None], out=e)
                 np.exp(e, out=e)
-                out[a:b] = np.log(e.sum(axis=1, dtype=np.float32).astype(np.float64)) + m
+            else:
+                np.exp(x, out=e)
+            out[a:b] = np.log(e.sum(axis=1, dtype=np.float32).astype(np.float64)) + shift
 
     def close(self) -> None:
         if self.pool is not None:
