@@ -12,6 +12,9 @@ hold a slot) and measures, alternating with the ceiling so machine noise hits bo
 * scoring: ``--prompts`` distinct token-id prompts scored by ``--clients`` concurrent clients,
   one prompt per request (lm-eval's shape); prompt tokens/s over the wall time, every answer
   checked to hold one entry per prompt token.
+* engine prefill: as many other prompts of the same length, each generating one token
+  (``max_tokens: 1``, no echo): what the engine's own chunked prefill reaches through HTTP,
+  so scoring's cost over it (the logits of every prompt row) shows apart from the engine's.
 * generation alone: ``--clients`` streams, each ``--gen-requests`` requests of ``--gen-tokens``
   greedy tokens (``ignore_eos``) after a short prompt; generated tokens/s. Run before and after
   the mixed run.
@@ -28,6 +31,7 @@ import argparse
 import http.client
 import json
 import statistics
+import sys
 import threading
 import time
 
@@ -65,6 +69,21 @@ def scoring(port: int, prompts: list[list[int]], clients: int) -> float:
                     return
                 prompt = todo.pop()
             score(port, prompt)
+    wall = concurrently(clients, work)
+    return sum(len(p) for p in prompts) / wall
+
+
+def prefill(port: int, prompts: list[list[int]], clients: int) -> float:
+    """Prompt tokens/s of one generated token per prompt, ``clients`` at a time."""
+    lock, todo = threading.Lock(), list(prompts)
+
+    def work(_):
+        while True:
+            with lock:
+                if not todo:
+                    return
+                prompt = todo.pop()
+            post(port, {"prompt": [prompt], "max_tokens": 1, "temperature": 0, "ignore_eos": True})
     wall = concurrently(clients, work)
     return sum(len(p) for p in prompts) / wall
 
@@ -111,19 +130,24 @@ def mixed(port: int, prompts: list[list[int]], clients: int, requests: int, toke
             "score_share": in_window / (in_window + generated)}
 
 
+def log(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(prog="bench.score", description=__doc__.split("\n")[0])
     p.add_argument("--prompts", type=int, default=256)
     p.add_argument("--prompt-tokens", type=int, default=200)
     p.add_argument("--clients", type=int, default=8)
-    p.add_argument("--gen-requests", type=int, default=4)
-    p.add_argument("--gen-tokens", type=int, default=64)
+    p.add_argument("--gen-requests", type=int, default=1)
+    p.add_argument("--gen-tokens", type=int, default=32)
     p.add_argument("--json", default=None)
     args = p.parse_args()
     from tests.conftest import running_server
 
     c = args.clients
-    prompts = prompt_tokens(args.prompts, args.prompt_tokens, 49152)
+    both = prompt_tokens(2 * args.prompts, args.prompt_tokens, 49152)  # distinct: no prefix cache hits
+    prompts, others = both[:args.prompts], both[args.prompts:]
     ceilings, alone = [], []
     with running_server("--max-slots", str(2 * c), "--max-queued", str(2 * c), "--max-seq-len", "512",
                         "--workers", "2", "--threads", str(4 * c)) as server:
@@ -131,21 +155,29 @@ def main() -> None:
         score(port, prompts[0])  # warm up
         run = lambda: limit(c, args.prompt_tokens, 1)  # noqa: E731
         ceilings.append(run())
+        log(f"ceiling {ceilings[-1]['prefill_seconds']:.2f} s")
         score_tps = scoring(port, prompts, c)
+        log(f"scoring {score_tps:.0f} tok/s")
+        prefill_tps = prefill(port, others, c)
+        log(f"engine prefill {prefill_tps:.0f} tok/s")
         ceilings.append(run())
         alone.append(generation(port, c, args.gen_requests, args.gen_tokens, salt=0)[0])
+        log(f"generation alone {alone[-1]:.1f} tok/s")
         mix = mixed(port, prompts, c, args.gen_requests, args.gen_tokens)
+        log(f"generation beside scoring {mix['gen_tokens_per_s']:.1f} tok/s")
         alone.append(generation(port, c, args.gen_requests, args.gen_tokens, salt=1)[0])
     prefill = [r["batch"] * r["prompt_tokens"] / r["prefill_seconds"] for r in ceilings]
     ceiling = statistics.mean(prefill)
     gen_alone = statistics.mean(alone)
     result = {"prompts": args.prompts, "prompt_tokens": args.prompt_tokens, "clients": c,
               "score_tokens_per_s": score_tps, "prefill_ceiling_tokens_per_s": ceiling, "prefill_ceiling_runs": prefill,
-              "score_ratio": score_tps / ceiling,
+              "score_ratio": score_tps / ceiling, "engine_prefill_tokens_per_s": prefill_tps,
+              "score_to_engine_prefill": score_tps / prefill_tps,
               "gen_alone_tokens_per_s": gen_alone, "gen_alone_runs": alone, **mix,
               "gen_mixed_ratio": mix["gen_tokens_per_s"] / gen_alone, "gen_fair_ratio": 1 - mix["score_share"]}
     print(f"scoring: {score_tps:.0f} prompt tok/s; prefill ceiling {ceiling:.0f} tok/s (runs "
-          f"{prefill[0]:.0f}, {prefill[1]:.0f}); ratio {result['score_ratio']:.3f}")
+          f"{prefill[0]:.0f}, {prefill[1]:.0f}); ratio {result['score_ratio']:.3f}; the engine's own prefill "
+          f"{prefill_tps:.0f} tok/s: scoring / it {result['score_to_engine_prefill']:.3f}")
     print(f"generation: alone {gen_alone:.1f} tok/s (runs {alone[0]:.1f}, {alone[1]:.1f}), beside scoring "
           f"{mix['gen_tokens_per_s']:.1f} tok/s: ratio {result['gen_mixed_ratio']:.3f}; scoring's share of the "
           f"tokens {mix['score_share']:.3f}, so its fair ratio {result['gen_fair_ratio']:.3f}")

@@ -109,8 +109,8 @@ class EngineCore:
         plan = self.sched.schedule(now, lambda seq: self.start(seq, now),
                                    self.awaits_prefix if self.holds_for_prefixes else None)
         rows, scored = self.execute(plan)
-        now = time.monotonic()
-        for seq, reason in self.score(scored, now) + self.sample_and_publish(rows, now):
+        decoded = time.monotonic()
+        for seq, reason in self.score(scored, decoded) + self.sample_and_publish(rows, decoded):
             self.retire(seq, reason)
         self.publish_control()
         if self.step_log is not None:
