@@ -141,6 +141,7 @@ def main() -> None:
     p.add_argument("--clients", type=int, default=8)
     p.add_argument("--gen-requests", type=int, default=1)
     p.add_argument("--gen-tokens", type=int, default=32)
+    p.add_argument("--engine-threads", type=int, default=0, help="the server's --engine-threads (0: adaptive)")
     p.add_argument("--json", default=None)
     args = p.parse_args()
     from tests.conftest import running_server
@@ -150,10 +151,10 @@ def main() -> None:
     prompts, others = both[:args.prompts], both[args.prompts:]
     ceilings, alone = [], []
     with running_server("--max-slots", str(2 * c), "--max-queued", str(2 * c), "--max-seq-len", "512",
-                        "--workers", "2", "--threads", str(4 * c)) as server:
+                        "--workers", "2", "--threads", str(4 * c), "--engine-threads", str(args.engine_threads)) as server:
         port = server.port
         score(port, prompts[0])  # warm up
-        run = lambda: limit(c, args.prompt_tokens, 1)  # noqa: E731
+        run = lambda: limit(c, args.prompt_tokens, 1, args.engine_threads)  # noqa: E731
         ceilings.append(run())
         log(f"ceiling {ceilings[-1]['prefill_seconds']:.2f} s")
         score_tps = scoring(port, prompts, c)
@@ -166,17 +167,17 @@ def main() -> None:
         mix = mixed(port, prompts, c, args.gen_requests, args.gen_tokens)
         log(f"generation beside scoring {mix['gen_tokens_per_s']:.1f} tok/s")
         alone.append(generation(port, c, args.gen_requests, args.gen_tokens, salt=1)[0])
-    prefill = [r["batch"] * r["prompt_tokens"] / r["prefill_seconds"] for r in ceilings]
-    ceiling = statistics.mean(prefill)
+    ceiling_runs = [r["batch"] * r["prompt_tokens"] / r["prefill_seconds"] for r in ceilings]
+    ceiling = statistics.mean(ceiling_runs)
     gen_alone = statistics.mean(alone)
-    result = {"prompts": args.prompts, "prompt_tokens": args.prompt_tokens, "clients": c,
-              "score_tokens_per_s": score_tps, "prefill_ceiling_tokens_per_s": ceiling, "prefill_ceiling_runs": prefill,
+    result = {"prompts": args.prompts, "engine_threads": args.engine_threads, "prompt_tokens": args.prompt_tokens, "clients": c,
+              "score_tokens_per_s": score_tps, "prefill_ceiling_tokens_per_s": ceiling, "prefill_ceiling_runs": ceiling_runs,
               "score_ratio": score_tps / ceiling, "engine_prefill_tokens_per_s": prefill_tps,
               "score_to_engine_prefill": score_tps / prefill_tps,
               "gen_alone_tokens_per_s": gen_alone, "gen_alone_runs": alone, **mix,
               "gen_mixed_ratio": mix["gen_tokens_per_s"] / gen_alone, "gen_fair_ratio": 1 - mix["score_share"]}
     print(f"scoring: {score_tps:.0f} prompt tok/s; prefill ceiling {ceiling:.0f} tok/s (runs "
-          f"{prefill[0]:.0f}, {prefill[1]:.0f}); ratio {result['score_ratio']:.3f}; the engine's own prefill "
+          f"{ceiling_runs[0]:.0f}, {ceiling_runs[1]:.0f}); ratio {result['score_ratio']:.3f}; the engine's own prefill "
           f"{prefill_tps:.0f} tok/s: scoring / it {result['score_to_engine_prefill']:.3f}")
     print(f"generation: alone {gen_alone:.1f} tok/s (runs {alone[0]:.1f}, {alone[1]:.1f}), beside scoring "
           f"{mix['gen_tokens_per_s']:.1f} tok/s: ratio {result['gen_mixed_ratio']:.3f}; scoring's share of the "
