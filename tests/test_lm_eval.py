@@ -41,7 +41,8 @@ def evaluation(server, tmp_path_factory, request):
 def reference():
     """Loglikelihoods from llama-cpp-python's own ``Llama`` over the engine's weight file
     (Q8_0, converted as the engine converts it: engine/llama/weights.py), in prompt chunks of
-    at most 63 tokens with flash attention, as the engine decodes."""
+    at most 63 tokens with flash attention, as the engine decodes (each row's logits do not
+    depend on what else a decode holds: docs/architecture.md, "Prefix cache")."""
     import llama_cpp
     import llama_cpp.llama_cpp as low
 
@@ -69,8 +70,13 @@ def reference():
         if not ctx:
             ctx = [llm.token_bos()]
         tokens = ctx + cont
-        llm.reset()
-        llm.eval(tokens)
+        # The choices of one question share its context: keep the cells (and logits rows) of
+        # the tokens the last call shared, as llama-cpp-python's own generate does.
+        keep = 0
+        while keep < min(llm.n_tokens, len(tokens) - 1) and llm.input_ids[keep] == tokens[keep]:
+            keep += 1
+        llm.n_tokens = keep
+        llm.eval(tokens[keep:])
         logits = np.asarray(llm.scores[:len(tokens)], np.float64)
         rows = logits[len(ctx) - 1:len(tokens) - 1]
         lse = rows.max(1) + np.log(np.exp(rows - rows.max(1, keepdims=True)).sum(1))
