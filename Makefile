@@ -24,7 +24,8 @@ serve: install
 	$(VENV)/bin/inference-server $(ARGS)
 
 test: install
-	$(PY) -m pytest
+	# Two workers, a test file to each at a time (tests/conftest.py orders the files).
+	$(PY) -m pytest -n 2 --dist loadfile
 
 bench: install
 	$(PY) -m pip install -q -e '.[test,bench]'
@@ -35,6 +36,7 @@ bench: install
 	$(PY) -m bench.http --json bench/results/http.json
 	$(PY) -m bench.tenancy --json bench/results/tenancy.json
 	$(PY) -m bench.prefix --json bench/results/prefix.json
+	$(PY) -m bench.structured --json bench/results/structured.json
 	$(PY) -m bench.grpc --json bench/results/grpc.json
 	$(PY) -m bench.metrics --json bench/results/metrics.json
 	$(PY) -m bench.overload --ramp 1 --json bench/results/overload.json

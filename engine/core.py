@@ -10,6 +10,7 @@ middle planned as a value (vLLM v1's ``schedule() -> execute_model() -> update_f
 """
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import time
 
@@ -18,6 +19,7 @@ import numpy as np
 from engine.config import EngineConfig
 from engine.llama.backend import Backend
 from engine.llama.batch import Batch
+from engine.llama.grammar import Grammars
 from engine.llama.model import DecodeError, Model
 from engine.llama.logprobs import LogProbs
 from engine.llama.sampler import Sampler
@@ -37,6 +39,9 @@ log = logging.getLogger("engine")
 #: Shortest prefix worth reusing. Copying a stream costs about as much as prefilling this many
 #: tokens (measured: 5 ms per 2048-cell stream of SmolLM2-135M; docs/architecture.md).
 MIN_REUSE_TOKENS = 8
+#: Longest the loop waits, when only sequences whose grammar is compiling are left, before it
+#: looks at its FIFO again.
+COMPILE_WAIT_S = 0.005
 #: Decodes of at least this many tokens report progress from inside llama.cpp (a heartbeat per
 #: graph node, Model.on_progress), so the supervisor's watchdog does not take a long prefill step
 #: under contention for a hung engine. Smaller decodes last milliseconds, and there the hook's
@@ -76,6 +81,7 @@ class EngineCore:
         # Waiting for a sibling's prefill (awaits_prefix) suits continuous batching only: static
         # and fifo would run the sibling alone.
         self.holds_for_prefixes = self.cache is not None and config.policy == "continuous"
+        self.grammars = Grammars(model.vocab, model.eog, model.n_vocab)
         self.stopping = False
         self.step_no = transport.control.step
         self.adaptive = adaptive
@@ -95,6 +101,10 @@ class EngineCore:
                 woken, _ = self.t.wakeups.wait([Wakeups.ENGINE], timeout=SAMPLE_S)
                 if not woken and self.adaptive is not None:  # sample while idle: the next decode starts right
                     self.adaptive.threads()
+            elif not self.sched.running and all(self.compiling(seq) for seq in self.sched.waiting):
+                # nothing to decode until a grammar is compiled: wait for it, not spin
+                concurrent.futures.wait([seq.grammar for seq in self.sched.waiting], COMPILE_WAIT_S,
+                                        concurrent.futures.FIRST_COMPLETED)
             self.step()
 
     def stop(self) -> None:
@@ -106,12 +116,11 @@ class EngineCore:
         now = time.monotonic()
         self.ingest(now)
         self.expire(now)
-        plan = self.sched.schedule(now, lambda seq: self.start(seq, now),
-                                   self.awaits_prefix if self.holds_for_prefixes else None)
+        plan = self.sched.schedule(now, lambda seq: self.start(seq, now), self.hold)
         rows, scored = self.execute(plan)
         decoded = time.monotonic()
-        for seq, reason in self.score(scored, decoded) + self.sample_and_publish(rows, decoded):
-            self.retire(seq, reason)
+        for seq, reason, error in self.score(scored, decoded) + self.sample_and_publish(rows, decoded):
+            self.retire(seq, reason, error)
         self.publish_control()
         if self.step_log is not None:
             self.step_log.write(self.step_no, now, [(s.mailbox, s.lease) for s, _ in rows], self.cancelled)
@@ -168,24 +177,41 @@ class EngineCore:
             if request is None or not self.servable(request):
                 self.boxes.finish(rec.mailbox, rec.lease, Finish.ERROR, ErrorCode.BAD_REQUEST, self.step_no)
                 continue
-            self.sched.add(Sequence(rec.mailbox, rec.lease, request, now))
+            seq = Sequence(rec.mailbox, rec.lease, request, now)
+            if request.sampling.grammar is not None:
+                seq.grammar = self.grammars.compile(request.tenant, request.sampling.grammar)
+            self.sched.add(seq)
 
     def servable(self, request: EngineRequest) -> bool:
         """Defensive: the client checked the request; a corrupt record must not reach llama.cpp
-        (a length beyond the slot, a biased token outside the vocabulary). Only a scoring
-        request may generate nothing."""
+        (a length beyond the slot, a biased token outside the vocabulary, a grammar that is not
+        text). Only a scoring request may generate nothing."""
         n, m = len(request.prompt), request.sampling.max_new_tokens or 0
         least = 0 if request.kind == RequestKind.SCORE else 1
         return (1 <= n < self.config.max_seq_len and m >= least and n + m <= self.config.max_seq_len
-                and all(0 <= t < self.model.n_vocab for t, _ in request.sampling.logit_bias))
+                and all(0 <= t < self.model.n_vocab for t, _ in request.sampling.logit_bias)
+                and isinstance(request.sampling.grammar, (str, type(None))))
+
+    @staticmethod
+    def compiling(seq: Sequence) -> bool:
+        """Whether ``seq``'s grammar is still being compiled (it cannot be admitted yet)."""
+        return seq.grammar is not None and not seq.grammar.done()
+
+    def hold(self, seq: Sequence) -> bool:
+        """Whether a waiting sequence stays waiting this step, keeping its turn: its grammar is
+        compiling, or it awaits a sibling's prefill (:meth:`awaits_prefix`)."""
+        return self.compiling(seq) or (self.holds_for_prefixes and self.awaits_prefix(seq))
 
     def expire(self, now: float) -> None:
-        """Finish sequences whose client cancelled or whose deadline passed."""
+        """Finish sequences whose client cancelled or whose deadline passed, and waiting ones
+        whose grammar did not compile (the front end checks grammars, so only a corrupt record)."""
         for seq in list(self.sched.waiting):
-            reason = self._expiry(seq, now)
+            reason, error = self._expiry(seq, now), ErrorCode.NONE
+            if not reason and seq.grammar is not None and seq.grammar.done() and self.grammars.failed(seq.grammar):
+                reason, error = Finish.ERROR, ErrorCode.BAD_REQUEST
             if reason:
                 self.sched.drop_waiting(seq)
-                self.boxes.finish(seq.mailbox, seq.lease, reason, step=self.step_no)
+                self.boxes.finish(seq.mailbox, seq.lease, reason, error, self.step_no)
                 if reason == Finish.CANCELLED:
                     self.cancelled.append((seq.mailbox, seq.lease))
         for seq in list(self.sched.running.values()):
@@ -203,10 +229,12 @@ class EngineCore:
         return Finish.NONE
 
     def start(self, seq: Sequence, now: float) -> None:
-        """Bind an admitted sequence to its slot, reuse a cached prefix, build its sampler."""
+        """Bind an admitted sequence to its slot, reuse a cached prefix, build its sampler (with
+        its own copy of its compiled grammar)."""
         sampling = seq.request.sampling
         banned = self.model.eog if sampling.ignore_eos else frozenset()
-        seq.sampler = Sampler(self.model.n_vocab, sampling, banned, seq.prompt)
+        constraint = self.grammars.constraint(seq.grammar) if seq.grammar is not None else None
+        seq.sampler = Sampler(self.model.n_vocab, sampling, banned, seq.prompt, constraint)
         seq.start_history()
         if self.cache is not None and not seq.scoring:  # a scoring sequence needs every position's logits
             self.reuse_prefix(seq)
@@ -252,7 +280,8 @@ class EngineCore:
         self.model.copy_sequence(source, seq.slot, n)
         seq.n_prefilled = seq.n_past = seq.n_cached = n
 
-    def score(self, chunks: list[tuple[Sequence, int, int, int]], now: float) -> list[tuple[Sequence, Finish]]:
+    def score(self, chunks: list[tuple[Sequence, int, int, int]],
+              now: float) -> list[tuple[Sequence, Finish, ErrorCode]]:
         """Publish the log-probability of every prompt token that a scoring chunk's logits
         predict: row ``i`` of a chunk starting at position ``pos`` gives token ``pos + i + 1``
         (with the request's top ``logprobs`` alternatives), through the same
@@ -273,36 +302,43 @@ class EngineCore:
                 self.boxes.publish_prompt_logprobs(seq.mailbox, pos, lp, ids, top)
             if pos + k == len(prompt) and sampling.max_new_tokens == 0:
                 self.boxes.prefill_done(seq.mailbox, now)
-                finished.append((seq, Finish.LENGTH))
+                finished.append((seq, Finish.LENGTH, ErrorCode.NONE))
         return finished
 
-    def sample_and_publish(self, rows: list[tuple[Sequence, int]], now: float) -> list[tuple[Sequence, Finish]]:
+    def sample_and_publish(self, rows: list[tuple[Sequence, int]],
+                           now: float) -> list[tuple[Sequence, Finish, ErrorCode]]:
         """Sample one token per row and publish every token to its mailbox (one wake-up each); a
         stop token is published only for a scoring request, whose log-probabilities need it.
 
         Returns:
-            the sequences that finished (a stop or end-of-generation token, or their length),
-            for :meth:`retire`.
+            the sequences that finished (a stop or end-of-generation token, a complete grammar,
+            their length, or a failed grammar: an error, its token unpublished), for :meth:`retire`.
         """
         published, finished = [], []
         for seq, row in rows:
             tok = seq.sampler.sample(self.model.ctx, row)
-            sampling, k = seq.request.sampling, seq.n_generated
+            sampling, k, constraint = seq.request.sampling, seq.n_generated, seq.sampler.constraint
             if k == 0:
                 self.boxes.prefill_done(seq.mailbox, now)
             self.sched.charge(seq, 1)
+            if constraint is not None and constraint.error:
+                log.warning("sequence in mailbox %d: its grammar failed: %s", seq.mailbox, constraint.error)
+                finished.append((seq, Finish.ERROR, ErrorCode.CONSTRAINT))
+                continue
             stops = tok in sampling.stop_ids or (tok in self.model.eog and not sampling.ignore_eos)
             if stops and not seq.scoring:
-                finished.append((seq, Finish.STOP))
+                finished.append((seq, Finish.STOP, ErrorCode.NONE))
                 continue
             lp = None if sampling.logprobs is None else self.logprobs.one(self.model.logits(row), tok, sampling.logprobs)
             published.append(Published(seq.mailbox, k, tok, lp))
             if stops:  # a scoring request reports the token that ended it, as vLLM does (lm-eval counts on it)
-                finished.append((seq, Finish.STOP))
+                finished.append((seq, Finish.STOP, ErrorCode.NONE))
                 continue
             seq.generated(tok)
-            if seq.n_generated >= sampling.max_new_tokens:
-                finished.append((seq, Finish.LENGTH))
+            if constraint is not None and constraint.complete:
+                finished.append((seq, Finish.STOP, ErrorCode.NONE))
+            elif seq.n_generated >= sampling.max_new_tokens:
+                finished.append((seq, Finish.LENGTH, ErrorCode.NONE))
         self.boxes.publish(published, now)
         return finished
 
@@ -338,7 +374,8 @@ class EngineCore:
         self.t.control.publish(self.step_no, slots, kv, len(self.sched.waiting), *cached)
 
     def shutdown(self, error: ErrorCode) -> None:
-        """Finish every sequence with ``error`` (engine stopping)."""
+        """Finish every sequence with ``error`` (engine stopping); stop compiling grammars."""
+        self.grammars.close()
         self.logprobs.close()
         for seq in list(self.sched.running.values()):
             self.retire(seq, Finish.ERROR, error)

@@ -74,6 +74,14 @@ class ShuttingDown(EngineUnavailable):
     the end of the drain is ended with this."""
 
 
+class ConstraintFailed(EngineError):
+    """A constrained sequence's grammar failed mid-way (nothing it allows was left to sample, or
+    the constraint library hit a limit): the sequence ended rather than go on unconstrained
+    (HTTP 500 ``constraint_failed``)."""
+
+    code = "constraint_failed"
+
+
 class DeadlineExceeded(EngineError):
     """The request's deadline passed before it produced any token."""
 

@@ -7,7 +7,7 @@ this class, its parser and the sampler, nothing else. As vLLM v1 carries one ``S
 inside ``EngineCoreRequest``; the record replaces its msgpack.
 
 A record has a fixed part (numbers, the prompt's token ids) and a bounded variable section
-(``extras``): fields declared ``wire="blob"`` (``logit_bias`` today; a constraint's source next)
+(``extras``): fields declared ``wire="blob"`` (``logit_bias``, ``grammar``)
 travel there as one JSON object, length-prefixed. Its bound is set at start-up
 (``EngineConfig.max_request_extras_bytes``, sized into the ring as the rest is), and a request
 that needs more is refused before it is queued (:meth:`EngineRequest.resolved`).
@@ -134,6 +134,10 @@ class SamplingParams:
         stop_ids: extra token ids that end the sequence (EOS/EOG always do unless ignore_eos).
         logit_bias: ``((token id, bias), ...)`` added to those tokens' logits before sampling,
             bias in [-100, 100] (OpenAI's ``logit_bias``; llama.cpp's logit-bias sampler).
+        grammar: what the sequence may generate, as an llguidance grammar (its JSON form,
+            ``{"grammars": [...]}``: Lark, JSON schema or regex; ``engine/llama/grammar.py``),
+            or None: anything. Each sequence walks it on its own; when it is complete the
+            sequence stops. Checked by the front end (``engine.llama.grammar.check``).
     Raises:
         InvalidRequest: a value out of its bounds (the same bounds the HTTP parser checks).
     """
@@ -152,6 +156,7 @@ class SamplingParams:
     logprobs: int | None = _field(None, "i1", 0, MAX_TOP_LOGPROBS)
     stop_ids: tuple[int, ...] = _field((), f"({MAX_STOP_IDS},)i4")
     logit_bias: tuple[tuple[int, float], ...] = _field((), "blob")
+    grammar: str | None = _field(None, "blob")
 
     def __post_init__(self):
         for f in fields(self):
@@ -159,6 +164,9 @@ class SamplingParams:
             if f.name == "logit_bias":
                 value = tuple((check_number("logit_bias", t, lo=0, integer=True),
                                check_number("logit_bias", b, **LOGIT_BIAS_BOUNDS)) for t, b in value)
+            elif f.name == "grammar":
+                if value is not None and not isinstance(value, str):
+                    raise InvalidRequest("grammar must be a string", "grammar")
             elif _is_array(f):
                 size = np.dtype(wire).shape[0]
                 if len(value) > size:
@@ -193,6 +201,23 @@ class SamplingParams:
         """The ``blob`` fields that differ from their defaults (the variable section's content)."""
         return {f.name: getattr(self, f.name) for f in fields(self)
                 if _is_blob(f) and getattr(self, f.name) != f.default}
+
+    def extras_bytes(self) -> bytes:
+        """The variable section's bytes: the ``blob`` fields as one JSON object (b"" if none)."""
+        blobs = self.extras()
+        return json.dumps(blobs, separators=(",", ":")).encode() if blobs else b""
+
+    def check_extras(self, extras_bytes: int) -> None:
+        """Raise unless the variable section fits ``extras_bytes``.
+
+        Raises:
+            InvalidRequest: naming the largest ``blob`` field.
+        """
+        if len(extras := self.extras_bytes()) > extras_bytes:
+            blobs = self.extras()
+            name = max(blobs, key=lambda k: len(json.dumps(blobs[k])))
+            raise InvalidRequest(f"{name} needs {len(extras)} bytes of the request's variable section; this "
+                                 f"server carries at most {extras_bytes} (--max-request-extras-bytes)", name)
 
     def encode(self, rec) -> None:
         """Write the fixed fields into a record with :meth:`wire_fields` (None as -1)."""
@@ -257,9 +282,8 @@ class EngineRequest:
                          ("n_extras", "i4"), ("extras", "u1", (extras_bytes,))])
 
     def extras(self) -> bytes:
-        """The variable section's bytes: the ``blob`` fields as one JSON object (b"" if none)."""
-        blobs = self.sampling.extras()
-        return json.dumps(blobs, separators=(",", ":")).encode() if blobs else b""
+        """The variable section's bytes (:meth:`SamplingParams.extras_bytes`)."""
+        return self.sampling.extras_bytes()
 
     def encode(self, payload: np.ndarray, max_seq_len: int) -> None:
         """Write this request into a record's payload bytes (``uint8 [wire_dtype.itemsize]``)."""
@@ -315,11 +339,8 @@ class EngineRequest:
             raise InvalidRequest("prompt is empty", "prompt")
         if max_new == 0 and self.kind != RequestKind.SCORE:
             raise InvalidRequest("max_new_tokens must be at least 1 for a request that generates", "max_tokens")
-        if extras_bytes is not None and len(extras := self.extras()) > extras_bytes:
-            blobs = self.sampling.extras()
-            name = max(blobs, key=lambda k: len(json.dumps(blobs[k])))
-            raise InvalidRequest(f"{name} needs {len(extras)} bytes of the request's variable section; this "
-                                 f"server carries at most {extras_bytes} (--max-request-extras-bytes)", name)
+        if extras_bytes is not None:
+            self.sampling.check_extras(extras_bytes)
         if n > max_seq_len - 1:
             raise PromptTooLong(n, max_seq_len)
         if max_new is None:

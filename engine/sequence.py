@@ -41,6 +41,8 @@ class Sequence:
         history: int32 ``[len(prompt) + max_new_tokens]``, the prompt then each generated token
             (made at admission).
         last_token: token to feed at the next decode step.
+        grammar: ``concurrent.futures.Future`` of the request's compiled grammar while it is
+            compiled and then (None: unconstrained); the sampler's constraint copies it.
         status: see :class:`SequenceStatus`.
     """
 
@@ -57,6 +59,7 @@ class Sequence:
     last_token: int = -1
     history: np.ndarray | None = None
     sampler: object = None
+    grammar: object = None  # a Future of its compiled grammar (engine.llama.grammar.Grammars), if any
     status: SequenceStatus = SequenceStatus.WAITING
 
     @property

@@ -8,7 +8,8 @@ import time
 from dataclasses import dataclass
 from typing import Iterator
 
-from engine.errors import ClientDisconnected, DeadlineExceeded, EngineUnavailable, InvalidRequest, ShuttingDown
+from engine.errors import (ClientDisconnected, ConstraintFailed, DeadlineExceeded, EngineUnavailable, InvalidRequest,
+                           ShuttingDown)
 from shm import ErrorCode, Finish, Lease
 from shm.mailbox import Mailboxes
 
@@ -72,7 +73,7 @@ class Stream:
 
         Raises:
             EngineUnavailable: the engine died or stopped. InvalidRequest: the engine refused
-            the request.
+            the request. ConstraintFailed: the sequence's grammar failed.
         """
         n, done = self.mailboxes.read_new(self.lease)
         tokens = [Token(*self.mailboxes.token(self.lease, k, self.n_logprobs)) for k in range(self.n_generated, n)]
@@ -83,6 +84,9 @@ class Stream:
             if outcome.finish == Finish.ERROR:
                 if outcome.error == ErrorCode.BAD_REQUEST:
                     raise InvalidRequest("engine rejected the request")
+                if outcome.error == ErrorCode.CONSTRAINT:
+                    raise ConstraintFailed("the output's grammar allowed no token the sampler could pick; "
+                                           "the sequence was ended rather than continued unconstrained")
                 if outcome.error == ErrorCode.SHUTDOWN:
                     raise ShuttingDown("the server is shutting down")
                 raise EngineUnavailable(_ERROR_MESSAGES.get(outcome.error, "engine stopped"))

@@ -39,6 +39,10 @@ class ServerConfig:
     host: str = _option("--host", "HOST", "address to listen on", "127.0.0.1")
     port: int = _option("--port", "PORT", "HTTP port", 8080)
     model_path: str | None = _option("--model", "MODEL_PATH", "GGUF model file", None, shown="bundled SmolLM2-135M")
+    chat_template: str = _option("--chat-template", "CHAT_TEMPLATE",
+                                 "Jinja chat template file to use instead of the model's (llama-server's "
+                                 "--chat-template-file); its tool-call format is read from it", "",
+                                 shown="the model's")
     model_id: str = _option("--model-id", "MODEL_ID",
                             "model names clients may send, comma-separated (the first is the default); /v1/models "
                             "lists them all", "local-model")
@@ -163,11 +167,35 @@ class ServerConfig:
         """Raise ConfigError (one line) unless the model file is a readable GGUF."""
         check_model_file(self.resolved_model_path())
 
+    def chat_template_source(self) -> str | None:
+        """The ``--chat-template`` file's text (None: the model's template).
+
+        Raises:
+            ConfigError: the file cannot be read as UTF-8, or it is not Jinja.
+        """
+        if not self.chat_template:
+            return None
+        try:
+            with open(self.chat_template, encoding="utf-8") as f:
+                source = f.read()
+        except (OSError, UnicodeDecodeError) as e:
+            raise ConfigError(f"--chat-template {self.chat_template}: {e}") from None
+        import jinja2
+
+        from server.text.chat_template import environment
+        try:
+            environment().parse(source)
+        except jinja2.TemplateSyntaxError as e:
+            raise ConfigError(f"--chat-template {self.chat_template}: line {e.lineno}: {e.message}") from None
+        return source
+
     def check_files(self) -> None:
-        """Raise ConfigError (one line) unless the model and the tenant file are usable."""
+        """Raise ConfigError (one line) unless the model, the chat template and the tenant file
+        are usable."""
         from server.tenancy.tenants import Tenants
 
         self.check_model()
+        self.chat_template_source()
         Tenants.load(self.tenants_file or None)
 
     def to_env(self) -> dict[str, str]:

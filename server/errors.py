@@ -16,7 +16,7 @@ import ujson
 
 import math
 
-from engine.errors import (ClientDisconnected, DeadlineExceeded, EngineUnavailable, ModelNotFound,
+from engine.errors import (ClientDisconnected, ConstraintFailed, DeadlineExceeded, EngineUnavailable, ModelNotFound,
                            PermissionDenied, RateLimited, RequestError, Saturated, ShuttingDown, Unauthenticated)
 
 log = logging.getLogger("server")
@@ -76,6 +76,8 @@ def http_error(ex: Exception) -> tuple[int, dict, dict]:
     elif isinstance(ex, RequestError):
         message, param, code = ex.message, ex.param, ex.code
         headers = {"WWW-Authenticate": "Bearer"} if status == 401 else {}
+    elif isinstance(ex, ConstraintFailed):
+        message, code = str(ex), ex.code
     elif isinstance(ex, (Saturated, EngineUnavailable)):
         message = str(ex) or "engine unavailable"
         code = ("server_overloaded" if isinstance(ex, Saturated) else

@@ -27,7 +27,7 @@ def build():
     tokenizer = Tokenizer(config.resolved_model_path())
     engine = EngineClient.attach(os.environ["INFERENCE_SHM"])
     limiter = RateLimiter(engine.buckets, config.redis_url)
-    return create_app(config, Generator(engine, tokenizer, ChatTemplate(tokenizer), limiter), tenants)
+    return create_app(config, Generator(engine, tokenizer, ChatTemplate(tokenizer, config.chat_template_source()), limiter), tenants)
 
 
 app = build()

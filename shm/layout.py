@@ -44,6 +44,7 @@ class ErrorCode(IntEnum):
     BAD_REQUEST = 2
     SHUTDOWN = 3
     DECODE = 4
+    CONSTRAINT = 5  #: the sequence's grammar refused every token left (engine/llama/grammar.py)
 
 
 class EngineState(IntEnum):

@@ -14,6 +14,18 @@ import pytest
 from engine.client import EngineClient
 from engine.config import EngineConfig, default_model_path
 from engine.supervisor import EngineSupervisor
+from shm.wakeup import Wakeups
+
+
+# `make test` runs the suite on two pytest-xdist workers, a file to a worker (--dist loadfile):
+# the files that take longest go first, so that none of them starts last and runs alone.
+LONGEST_FIRST = ("test_soak.py", "test_prefix_cache.py", "test_tenancy.py", "test_bench_threads.py",
+                 "test_engine.py", "test_http_contract.py")
+
+
+def pytest_collection_modifyitems(items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order
 
 
 @pytest.fixture(scope="session")
@@ -48,11 +60,15 @@ def running_engine(supervisor_args: dict | None = None, **overrides):
 
 
 def wait_steps(client: EngineClient, n: int = 1, timeout: float = 10.0) -> None:
-    """Block until the engine completed ``n`` more steps (its control block is then fresh)."""
+    """Block until the engine completed ``n`` more steps (its control block is then fresh).
+
+    An idle engine steps only when woken (or every 0.5 s, engine.core.SAMPLE_S): ring its FIFO so
+    the wait costs a step, not a timeout."""
     target = client.step() + n
     end = time.monotonic() + timeout
     while client.step() < target:
         assert time.monotonic() < end, "engine made no progress"
+        client.t.wakeups.wake(Wakeups.ENGINE)
         time.sleep(0.005)
 
 

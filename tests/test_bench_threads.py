@@ -19,10 +19,13 @@ def test_settle_is_the_time_to_reach_the_new_level():
 
 def test_quick_run(tmp_path):
     out = tmp_path / "threads.json"
-    subprocess.run([sys.executable, "-m", "bench.threads", "--quick", "--json", str(out)], check=True, timeout=900,
+    # The default setting only, on the fixed workload: the suite's time goes to what can fail here
+    # (errors, restarts, the output's shape); the comparison between settings is the full run's.
+    subprocess.run([sys.executable, "-m", "bench.threads", "--quick", "--settings", "adaptive", "--no-mix",
+                    "--conditions", "idle,busy-start,busy2-start", "--json", str(out)], check=True, timeout=900,
                    stdout=subprocess.DEVNULL)
     result = json.loads(out.read_text())
-    assert list(result["settings"]) == ["adaptive (default)", "1 thread"]
+    assert list(result["settings"]) == ["adaptive (default)"]
     assert all(v > 0 for row in result["settings"].values() for v in row.values())
     # Contention before the start, while idle, from two processes: nothing fails, no engine restarts.
     assert {"busy-start fixed tok/s", "busy2-start fixed tok/s"} <= set(result["settings"]["adaptive (default)"])

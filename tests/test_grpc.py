@@ -129,6 +129,8 @@ def test_unary_and_streaming_calls_agree(tenant_server):
 @pytest.mark.parametrize("request_, metadata, code, param", [
     (_chat("Hi", temperature=-1), ALPHA, grpc.StatusCode.INVALID_ARGUMENT, "temperature"),
     (pb.ChatRequest(messages=[pb.ChatMessage(role="tool", content="x")]), ALPHA, grpc.StatusCode.INVALID_ARGUMENT,
+     "messages[0].tool_call_id"),
+    (pb.ChatRequest(messages=[pb.ChatMessage(role="function", content="x")]), ALPHA, grpc.StatusCode.INVALID_ARGUMENT,
      "messages[0].role"),
     (_chat("Hi", top_logprobs=3), ALPHA, grpc.StatusCode.INVALID_ARGUMENT, "top_logprobs"),
     (pb.ChatRequest(model="gpt-17", messages=[pb.ChatMessage(role="user", content="x")]), ALPHA,

@@ -344,7 +344,7 @@ def test_11_prompt_longer_than_context(app, chat):
 
 
 def test_12_prompt_plus_max_tokens_too_long(app, chat):
-    text, n_prompt = words_prompt(chat, 100)
+    text, n_prompt = words_prompt(chat, LIMIT - 24)  # near the limit: the exact fit decodes few tokens
     max_tokens = LIMIT - n_prompt + 1
     for stream in (False, True):
         err = error(ask(app, text, max_tokens=max_tokens, stream=stream), 400,

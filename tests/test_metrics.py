@@ -184,7 +184,13 @@ def test_gauges_read_the_engine_at_scrape_time(metered):
         {"Content-Type": "application/json", "Authorization": "Bearer key-a"}), timeout=60)
     try:
         stream.readline()
-        assert total(scrape(metered.url), "inference_kv_slot_utilization") == 0.25  # 1 of 4 slots
+        # The first token can reach the client before the engine publishes the step's control
+        # block (end of step): wait for that, do not race it.
+        end = time.monotonic() + 10
+        while (utilization := total(scrape(metered.url), "inference_kv_slot_utilization")) != 0.25 \
+                and time.monotonic() < end:
+            time.sleep(0.02)
+        assert utilization == 0.25  # 1 of 4 slots
     finally:
         stream.close()
 
@@ -221,7 +227,7 @@ def test_request_log_lines_carry_the_id_and_no_secrets(metered):
     assert line["completion_tokens"] == 3 and line["prompt_tokens"] > 0 and line["finish_reason"] == "length"
     assert line["latency_s"] >= line["time_to_first_token_s"] >= line["queue_wait_s"] >= 0
     assert set(line) == {"request_id", "tenant", "route", "status", "finish_reason", "prompt_tokens", "cached_tokens",
-                         "completion_tokens", "queue_wait_s", "time_to_first_token_s", "latency_s"}
+                         "completion_tokens", "tool_calls", "queue_wait_s", "time_to_first_token_s", "latency_s"}
     assert mine[generated]["route"] == "/v1/completions"
     log = open(metered.log).read()
     assert secret not in log and "key-a" not in log

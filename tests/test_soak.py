@@ -1,9 +1,10 @@
-"""``python -m bench.soak``: how it classifies outcomes, and a 2-minute soak of the real server
-(workers, engine, gRPC sidecar, one engine and one worker SIGKILL) that must leave nothing behind
-and grow no process's RSS by more than 10 %."""
+"""``python -m bench.soak``: how it classifies outcomes, and a soak of the real server (workers,
+engine, gRPC sidecar, one engine and one worker SIGKILL) that must leave nothing behind and grow no
+process's RSS by more than 10 %. It lasts ``SOAK_MINUTES`` (default 1; CI's .ci/run sets 2)."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -49,9 +50,10 @@ def test_refusals_count_as_expected_only_for_requests_built_for_them():
     assert classify(_result("chat", 1, 2, "disconnect", None), [], []) == "unexpected_disconnect"
 
 
-def test_two_minute_soak_leaves_nothing_behind(tmp_path):
+def test_soak_leaves_nothing_behind(tmp_path):
     out = tmp_path / "soak.json"
-    run = subprocess.run([sys.executable, "-m", "bench.soak", "--minutes", "2", "--json", str(out)],
+    minutes = os.environ.get("SOAK_MINUTES", "1")
+    run = subprocess.run([sys.executable, "-m", "bench.soak", "--minutes", minutes, "--json", str(out)],
                          capture_output=True, text=True, timeout=400)
     assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-3000:]
     res = json.loads(out.read_text())

@@ -3,6 +3,7 @@ front end tokenizes and detokenizes while the engine sees token ids only."""
 from __future__ import annotations
 
 import ctypes
+import functools
 
 import llama_cpp
 
@@ -59,6 +60,21 @@ class Tokenizer:
             out = (llama_cpp.llama_token * cap)()
             n = llama_cpp.llama_tokenize(self.vocab, data, len(data), out, cap, add_bos and self.add_bos, special)
         return list(out[:n])
+
+    @functools.cached_property
+    def special_texts(self) -> tuple[str, ...]:
+        """The texts ``encode(special=True)`` reads as one special token (control and
+        user-defined tokens: ``<|im_start|>``), longest first. About 80 ms for a 49k vocabulary,
+        on first use."""
+        buf = ctypes.create_string_buffer(256)
+        texts = set()
+        for t in range(self.n_vocab):
+            if llama_cpp.llama_vocab_get_attr(self.vocab, t) & (llama_cpp.LLAMA_TOKEN_ATTR_CONTROL
+                                                                 | llama_cpp.LLAMA_TOKEN_ATTR_USER_DEFINED):
+                n = llama_cpp.llama_token_to_piece(self.vocab, t, buf, len(buf), 0, True)
+                if n > 0:
+                    texts.add(buf.raw[:n].decode("utf-8", errors="replace"))
+        return tuple(sorted(texts, key=len, reverse=True))
 
     def piece(self, token: int) -> bytes:
         """UTF-8 bytes of one token (possibly part of a code point)."""

@@ -10,9 +10,12 @@ import ujson
 from engine.errors import InvalidRequest, ModelNotFound
 from engine.request import (DEADLINE_MS_BOUNDS, INT32_MAX, LOGIT_BIAS_BOUNDS, Priority, SamplingParams, check_number,
                             reduce_seed, shown)
+from server.api.structured import parse_structured
+from server.api.tools import message_tool_fields, parse_tools
 from server.generation.request import GenerationRequest
 
 CHAT_ROLES = ("system", "developer", "user", "assistant")
+ROLES = (*CHAT_ROLES, "tool")  # a tool message must answer an earlier call
 MAX_N = 128  # OpenAI's bound; what fits is bounded by the server's capacity (a 400 beyond it)
 MAX_STOPS = 4
 
@@ -57,25 +60,25 @@ def check_model(body: dict, model_ids: tuple[str, ...]) -> str:
 #: Fields both routes implement (OpenAI's and this server's extensions).
 _COMMON = {"model", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "stop",
            "presence_penalty", "frequency_penalty", "seed", "logprobs", "logit_bias", "user",
-           "top_k", "min_p", "repeat_penalty", "ignore_eos", "priority", "deadline_ms"}
+           "top_k", "min_p", "repeat_penalty", "ignore_eos", "priority", "deadline_ms",
+           "response_format", "structured_outputs"}
 CHAT_FIELDS = _COMMON | {
     "messages", "max_completion_tokens", "top_logprobs", "continue_final_message", "add_generation_prompt",
+    "tools", "tool_choice", "parallel_tool_calls",  # server/api/tools.py
     # accepted because they cannot change what this server generates (docs/api.md "API"):
     "safety_identifier", "metadata", "service_tier", "prompt_cache_key", "prompt_cache_retention",
-    "prompt_cache_options", "parallel_tool_calls",
+    "prompt_cache_options",
     # served only at their default value, refused otherwise (docs/api.md "API"):
-    "store", "modalities", "tools", "functions", "tool_choice", "function_call", "response_format", "audio",
+    "store", "modalities", "functions", "function_call", "audio",
     "prediction", "web_search_options", "reasoning_effort", "verbosity", "moderation"}
 COMPLETION_FIELDS = _COMMON | {"prompt", "best_of", "echo", "suffix"}
 
 # field -> (values served, why others are refused): a field at one of these values (or null)
 # changes nothing; any other value asks for a feature this server does not implement.
 _DEFAULT_ONLY = {
-    "tools": ([[]], "tools are not supported by this server"),
-    "functions": ([[]], "functions are not supported by this server"),
-    "tool_choice": (["none", "auto"], "tool_choice other than none/auto is not supported (no tools)"),
-    "function_call": (["none", "auto"], "function_call other than none/auto is not supported (no functions)"),
-    "response_format": ([{"type": "text"}], "response_format other than {\"type\": \"text\"} is not supported"),
+    "functions": ([[]], "functions (deprecated) are not supported: send tools"),
+    "function_call": (["none", "auto"], "function_call (deprecated) other than none/auto is not supported: send "
+                                        "tool_choice"),
     "store": ([False], "store is not supported: completions are not stored"),
     "modalities": ([["text"]], "modalities other than [\"text\"] are not supported"),
     "audio": ([], "audio output is not supported"),
@@ -91,7 +94,7 @@ _DEFAULT_ONLY = {
 
 # Accepted fields with no effect here still get OpenAI's types, so a client's mistake is seen.
 _INFORMATIONAL = {"user": str, "safety_identifier": str, "service_tier": str, "prompt_cache_key": str,
-                  "prompt_cache_retention": str, "prompt_cache_options": dict, "parallel_tool_calls": bool}
+                  "prompt_cache_retention": str, "prompt_cache_options": dict}
 
 
 def check_fields(body: dict, fields: set[str]) -> None:
@@ -135,10 +138,11 @@ def parse_generation(body: dict, *, chat: bool) -> GenerationRequest:
     # OpenAI's document bounds seed at ±9223372036854776000 (2**63 as a float); any integer is
     # reduced to a reproducible llama.cpp seed anyway.
     seed = number(body, "seed", lo=-2**64, hi=2**64, integer=True)
+    grammar, r.grammar_param = parse_structured(body)
     r.sampling = SamplingParams(
         max_new_tokens=max_tokens or None, seed=None if seed is None else reduce_seed(seed),
         ignore_eos=boolean(body, "ignore_eos"), logprobs=_logprobs(body, chat), logit_bias=_logit_bias(body),
-        **{k: v for k, v in kwargs.items() if v is not None})
+        grammar=grammar, **{k: v for k, v in kwargs.items() if v is not None})
     r.stop = _stops(body.get("stop"))
     r.n = number(body, "n", lo=1, hi=MAX_N, integer=True, default=1)
     r.stream = boolean(body, "stream")
@@ -153,6 +157,7 @@ def parse_generation(body: dict, *, chat: bool) -> GenerationRequest:
             raise InvalidRequest("stream_options is only allowed when stream is true", "stream_options")
         boolean(options, "include_obfuscation")  # nothing to obfuscate; still a boolean
         r.include_usage = boolean(options, "include_usage")
+    r.tools = parse_tools(body) if chat else None
     r.echo = not chat and boolean(body, "echo")
     r.priority = Priority.parse(body.get("priority"))
     r.deadline_ms = number(body, "deadline_ms", **DEADLINE_MS_BOUNDS)
@@ -205,8 +210,10 @@ def _logprobs(body: dict, chat: bool) -> int | None:
 
 
 def parse_messages(body: dict, max_messages: int) -> list[dict]:
-    """``messages`` -> ``[{"role", "content": str}]``; text parts are joined, others rejected.
-    At most ``max_messages``, checked before anything else is looked at (a refusal is cheap)."""
+    """``messages`` -> ``[{"role", "content": str | None, ...}]``: text parts are joined, other
+    parts rejected; the tool fields (``name``, an assistant's ``tool_calls``, a tool message's
+    ``tool_call_id``) as ``server.api.tools.message_tool_fields`` gives them. At most
+    ``max_messages``, checked before anything else is looked at (a refusal is cheap)."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise InvalidRequest("messages must be a non-empty array", "messages")
@@ -214,20 +221,24 @@ def parse_messages(body: dict, max_messages: int) -> list[dict]:
         raise InvalidRequest(f"messages holds {len(messages)} messages, more than this server's limit of "
                              f"{max_messages}", "messages")
     out = []
+    call_ids: set[str] = set()
     for i, m in enumerate(messages):
         where = f"messages[{i}]"
         if not isinstance(m, dict):
             raise InvalidRequest(f"{where} must be an object", where)
         role = m.get("role")
-        if role in ("tool", "function"):
-            raise InvalidRequest(f"{where}.role {role!r} is not supported: this server has no tools", f"{where}.role")
-        if role not in CHAT_ROLES:
-            raise InvalidRequest(f"{where}.role must be one of {', '.join(CHAT_ROLES)}, got {ujson.dumps(role)}",
+        if role == "function":
+            raise InvalidRequest(f"{where}.role 'function' (deprecated) is not supported: send role 'tool'",
                                  f"{where}.role")
-        for key in sorted(set(m) - {"role", "content"}):
-            if m[key] is not None:  # name, tool_calls, function_call, refusal, audio: not implemented
+        if role not in ROLES:
+            raise InvalidRequest(f"{where}.role must be one of {', '.join(ROLES)}, got {ujson.dumps(role)}",
+                                 f"{where}.role")
+        for key in sorted(set(m) - {"role", "content", "name", "tool_calls", "tool_call_id"}):
+            if m[key] is not None:  # function_call, refusal, audio: not implemented
                 raise InvalidRequest(f"{where}.{key} is not supported by this server", f"{where}.{key}")
-        out.append({"role": role, "content": _content(m.get("content"), f"{where}.content", role)})
+        tool_fields = message_tool_fields(m, where, role, call_ids)
+        content = _content(m.get("content"), f"{where}.content", role, "tool_calls" in tool_fields)
+        out.append({"role": role, "content": content, **tool_fields})
     return out
 
 
@@ -239,7 +250,8 @@ def render_options(body: dict, messages: list[dict]) -> dict:
     Raises:
         InvalidRequest: a combination that cannot be honoured.
     """
-    last_is_assistant = messages[-1]["role"] == "assistant"
+    # An assistant message that made tool calls is answered by tool messages, never continued.
+    last_is_assistant = messages[-1]["role"] == "assistant" and "tool_calls" not in messages[-1]
     add = body.get("add_generation_prompt")
     cont = body.get("continue_final_message")
     for name, value in (("add_generation_prompt", add), ("continue_final_message", cont)):
@@ -258,11 +270,13 @@ def render_options(body: dict, messages: list[dict]) -> dict:
     return {"add_generation_prompt": add, "continue_final_message": cont}
 
 
-def _content(content, where: str, role: str) -> str:
+def _content(content, where: str, role: str, has_calls: bool = False) -> str | None:
+    """A message's text; None only for an assistant message that makes tool calls without text
+    (what a template is given then, as OpenAI's null content)."""
     if isinstance(content, str):
         return content
     if content is None and role == "assistant":
-        return ""
+        return None if has_calls else ""
     if not isinstance(content, list):
         raise InvalidRequest(f"{where} must be a string or an array of text parts", where)
     texts = []

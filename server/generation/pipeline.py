@@ -10,20 +10,25 @@ protocols in one place (``server/errors.py``).
 from __future__ import annotations
 
 import dataclasses
-from typing import Iterator
-
+import json
 import time
+from typing import Iterator
 
 from engine.client import EngineClient
 from engine.errors import InvalidRequest, PromptTooLong
+from engine.llama.grammar import CheckedGrammars
 from engine.request import RequestKind, reduce_seed
 from engine.stream import Stream, Timings, follow
-from server.generation.request import Choice, Delta, GenerationRequest, Usage
+from engine.llama.tokenizer import Tokenizer
+from server.generation.request import Choice, Delta, GenerationRequest, ToolCall, Usage
 from server.tenancy.ratelimit import RateLimiter
 from server.tenancy.tenants import DEFAULT_TENANT, Tenant
 from server.text.chat_template import ChatTemplate
 from server.text.detokenizer import Detokenizer
-from engine.llama.tokenizer import Tokenizer
+from server.tools.formats import ToolFormat, detect, generic_messages
+from server.tools.grammar import tool_grammar
+from server.tools.parser import ToolCallParser
+from server.tools.spec import NONE
 
 #: The text of OpenAI's default prompt: the document separator, a new document's start.
 DOCUMENT_START = "<|endoftext|>"
@@ -61,6 +66,9 @@ class Generation:
         prompts: token ids of each prompt. prompt_param: the request field they came from.
         tenant: who asks. limiter: its rate limits (None: none).
         watch_socket: the client connection; when it closes, every choice is cancelled.
+        tool_format: read each choice's text for tool calls in this format (None: no tools, or
+            ``tool_choice: "none"``); ``req.tools.parallel`` False reads one call at most, and
+            the choice ends (``tool_calls``) once it is complete.
         echo_texts: with ``req.echo``, each prompt's text, which starts each of its choices.
     Raises:
         InvalidRequest: more choices than the capacity or the tenant's ``max_concurrent``.
@@ -68,8 +76,10 @@ class Generation:
 
     def __init__(self, engine: EngineClient, pieces: list[bytes], prompts: list[list[int]],
                  req: GenerationRequest, prompt_param: str, tenant: Tenant = DEFAULT_TENANT,
-                 limiter: RateLimiter | None = None, watch_socket=None, echo_texts: list[str] | None = None):
+                 limiter: RateLimiter | None = None, watch_socket=None, tool_format: ToolFormat | None = None,
+                 echo_texts: list[str] | None = None):
         self.n_choices = check_choices(engine, len(prompts), req.n, tenant)
+        self.tool_format = tool_format
         self.engine, self.prompts, self.prompt_param = engine, prompts, prompt_param
         self.req, self.pieces, self.watch_socket = req, pieces, watch_socket
         self.tenant, self.limiter = tenant, limiter
@@ -84,6 +94,7 @@ class Generation:
         # output loop (None: its own end), when the first token reached us, and the gaps
         # between consecutive tokens of each choice (seconds).
         self.finish_reasons: list[str | None] = [None] * self.n_choices
+        self.tool_calls = [0] * self.n_choices  # calls each choice made
         self.error: BaseException | None = None
         self.first_token_at: float | None = None
         self.token_gaps: list[float] = []
@@ -130,6 +141,8 @@ class Generation:
                 e.param = req.max_tokens_param if e.max_new_tokens is not None else self.prompt_param
             elif isinstance(e, InvalidRequest) and e.param == "prompt":
                 e.param = self.prompt_param
+            elif isinstance(e, InvalidRequest) and e.param == "grammar":
+                e.param = req.grammar_param
             raise
         return self
 
@@ -147,6 +160,7 @@ class Generation:
             yield from (Delta(k, self._echo_text(k), [], "length") for k in range(self.n_choices))
             return
         detoks = [Detokenizer(self.pieces, self.req.stop) for _ in self.streams]
+        parsers = [self._tool_parser() for _ in self.streams]
         ended = [False] * len(self.streams)
         echoed = [not self.req.echo] * len(self.streams)
         try:
@@ -161,22 +175,23 @@ class Generation:
                     echoed[k] = True
                     yield self._echo(k)
                 self._arrived(k, len(tokens))
+                parser = parsers[k]
                 for token in tokens:
                     self.counts[k] += 1
-                    text = detoks[k].push(token.id)
-                    if text or token.logprob is not None:
-                        yield Delta(k, text, [token])
-                    if detoks[k].stopped:
+                    text, calls = detoks[k].push(token.id), []
+                    if parser is not None:
+                        text, calls = parser.feed(text)
+                    if text or calls or token.logprob is not None:
+                        yield Delta(k, text, [token], tool_calls=calls)
+                    if detoks[k].stopped or (parser is not None and parser.done):
                         self.streams[k].cancel()
                         ended[k] = True
-                        self.finish_reasons[k] = "stop"
-                        yield Delta(k, "", [], "stop")
+                        yield self._finish(k, "", parser, "stop")
                         break
                 else:
                     if self.streams[k].finished:
                         ended[k] = True
-                        self.finish_reasons[k] = self.streams[k].finish_reason
-                        yield Delta(k, detoks[k].flush(), [], self.streams[k].finish_reason)
+                        yield self._finish(k, detoks[k].flush(), parser, self.streams[k].finish_reason)
         except BaseException as e:  # GeneratorExit too: the reader stopped (a stream's client left)
             self.error = e
             raise
@@ -192,6 +207,23 @@ class Generation:
         prompt = self.prompts[k // self.req.n]
         tokens = self.streams[k].prompt_logprobs(prompt) if self.req.scores else []
         return Delta(k, self._echo_text(k), tokens)
+
+    def _tool_parser(self) -> ToolCallParser | None:
+        if self.tool_format is None:
+            return None
+        return ToolCallParser(self.tool_format, None if self.req.tools.parallel else 1)
+
+    def _finish(self, k: int, text: str, parser: ToolCallParser | None, reason: str) -> Delta:
+        """Choice ``k``'s last delta: the rest of its text (read for calls to the end), and its
+        finish reason, ``tool_calls`` when it made calls and stopped (OpenAI's)."""
+        calls = []
+        if parser is not None:
+            text, calls = parser.feed(text, final=True)
+            self.tool_calls[k] = parser.n_calls
+            if parser.n_calls and reason == "stop":
+                reason = "tool_calls"
+        self.finish_reasons[k] = reason
+        return Delta(k, text, [], reason, calls)
 
     def _arrived(self, k: int, n_tokens: int) -> None:
         """Note ``n_tokens`` tokens of choice ``k`` arriving now. Tokens that arrive together
@@ -212,9 +244,14 @@ class Generation:
         choices = [Choice() for _ in range(self.n_choices)]
         texts = [[] for _ in range(self.n_choices)]
         for d in self.deltas():
+            choice = choices[d.index]
             texts[d.index].append(d.text)
-            choices[d.index].tokens.extend(d.tokens)
-            choices[d.index].finish_reason = d.finish_reason or choices[d.index].finish_reason
+            choice.tokens.extend(d.tokens)
+            choice.finish_reason = d.finish_reason or choice.finish_reason
+            for c in d.tool_calls:  # the same pieces a stream sends, joined
+                if c.id is not None:
+                    choice.tool_calls.append(ToolCall(c.id, c.name, ""))
+                choice.tool_calls[c.index].arguments += c.arguments
         for choice, text in zip(choices, texts):
             choice.text = "".join(text)
         return choices
@@ -266,18 +303,50 @@ class Generator:
     def __init__(self, engine: EngineClient, tokenizer: Tokenizer, template: ChatTemplate,
                  limiter: RateLimiter | None = None):
         self.engine, self.tokenizer, self.template, self.limiter = engine, tokenizer, template, limiter
+        self.grammars = CheckedGrammars()
+        #: How the template's model writes tool calls (``server/tools/formats.py``).
+        self.tool_format = detect(template.source, template.takes_tools)
+        #: Its fixed texts that are one special token here, and the pieces a tool-calling
+        #: answer is read with: those tokens as their text (a control token is otherwise no
+        #: text at all, and the parser would never see ``[TOOL_CALLS]``).
+        self.tool_specials: dict[str, int] = {}
+        for text in self.tool_format.literals:
+            ids = tokenizer.encode(text, special=True) if text in tokenizer.special_texts else []
+            if len(ids) == 1:
+                self.tool_specials[text] = ids[0]
+        self.tool_pieces = list(tokenizer.pieces) if self.tool_specials else tokenizer.pieces
+        for text, token in self.tool_specials.items():
+            self.tool_pieces[token] = text.encode()
 
     def chat(self, messages: list[dict], req: GenerationRequest, prompt_param: str = "messages",
              render: dict | None = None, **submit) -> Generation:
-        """``messages`` (``[{"role", "content": str}]``) rendered with the chat template
-        (``render``: :meth:`ChatTemplate.encode`'s options). ``submit``: ``tenant``,
+        """``messages`` (``server.api.requests.parse_messages``'s) rendered with the chat
+        template (``render``: :meth:`ChatTemplate.encode`'s options), with the request's tools
+        (a template that takes ``tools`` gets them; otherwise the generic format's system
+        message describes them; ``tool_choice: "none"`` gives none). ``submit``: ``tenant``,
         ``watch_socket``. Raises as :class:`Generation` and :meth:`Generation.submit`."""
         render = render or {}
         self._check_logit_bias(req)
-        self._fits_at_all([m["content"] for m in messages], prompt_param,
-                          len(messages) * self.template.tokens_per_message)
-        return Generation(self.engine, self.tokenizer.pieces, [self.template.encode(messages, **render)], req,
-                          prompt_param, limiter=self.limiter, **submit).submit()
+        offered = req.tools.tools if req.tools is not None and req.tools.choice != NONE else ()
+        if offered:
+            if req.sampling.grammar is not None:  # a JSON grammar would forbid the call markers
+                raise InvalidRequest(f"tools cannot be combined with {req.grammar_param}", req.grammar_param)
+            if render.get("continue_final_message"):  # the call grammar starts where the answer starts
+                raise InvalidRequest("continue_final_message cannot be combined with tools (use tool_choice: none)",
+                                     "continue_final_message")
+            req.sampling = dataclasses.replace(req.sampling, grammar=tool_grammar(self.tool_format, req.tools,
+                                                                                  self.tool_specials))
+            req.grammar_param = "tools"
+        self._check_grammar(req, submit.get("tenant", DEFAULT_TENANT))
+        texts = [m["content"] or "" for m in messages] + [json.dumps(t.parameters) for t in offered]
+        self._fits_at_all(texts, prompt_param, len(messages) * self.template.tokens_per_message)
+        if self.tool_format.native:
+            ids = self.template.encode(messages, tools=[t.openai() for t in offered] or None, **render)
+        else:
+            ids = self.template.encode(generic_messages(messages, offered), **render)
+        return Generation(self.engine, self.tool_pieces if offered else self.tokenizer.pieces, [ids], req,
+                          prompt_param, limiter=self.limiter, tool_format=self.tool_format if offered else None,
+                          **submit).submit()
 
     def _check_logit_bias(self, req: GenerationRequest) -> None:
         """Every token ``logit_bias`` names is in the vocabulary.
@@ -289,6 +358,26 @@ class Generator:
         if outside:
             raise InvalidRequest(f"logit_bias names token id {outside[0]}, outside the vocabulary "
                                  f"(0..{self.tokenizer.n_vocab - 1})", "logit_bias")
+
+    def _check_grammar(self, req: GenerationRequest, tenant: Tenant) -> None:
+        """The request's grammar fits the record's variable section, then compiles within
+        llguidance's limits (``engine.llama.grammar.check``, memoized per tenant), so the engine
+        never sees one that does not.
+
+        Raises:
+            InvalidRequest: naming ``req.grammar_param``, with the library's message.
+        """
+        grammar = req.sampling.grammar
+        if grammar is None:
+            return
+        try:
+            req.sampling.check_extras(self.engine.max_extras_bytes)
+        except InvalidRequest as e:
+            e.param = req.grammar_param
+            raise
+        error = self.grammars.check(tenant.index, grammar)
+        if error:
+            raise InvalidRequest(f"{req.grammar_param} cannot be enforced: {error}", req.grammar_param)
 
     def _fits_at_all(self, texts: list[str], prompt_param: str, template_tokens: int = 0) -> None:
         """Refuse, before rendering or tokenizing, text that cannot fit one sequence: a token holds
@@ -314,6 +403,7 @@ class Generator:
         for a token id outside the vocabulary."""
         check_choices(self.engine, len(prompts), req.n, submit.get("tenant", DEFAULT_TENANT))  # before tokenizing
         self._check_logit_bias(req)
+        self._check_grammar(req, submit.get("tenant", DEFAULT_TENANT))
         self._fits_at_all([p for p in prompts if isinstance(p, str)], prompt_param)
         ids = []
         for i, prompt in enumerate(prompts):

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from engine.request import Priority, SamplingParams
 from engine.stream import Token
+from server.tools.spec import ToolRequest
 
 
 @dataclass
@@ -20,6 +21,8 @@ class GenerationRequest:
         stop: stop strings (text, applied here). n: choices, each its own sequence.
         stream, include_usage: the response's shape (read by the protocol, not here).
         priority, deadline_ms: admission class and deadline (None = none).
+        grammar_param: the request field ``sampling.grammar`` came from (named in errors), or None.
+        tools: the request's tools and tool choice (None: no tools; chat only).
         echo: each choice starts with its prompt (legacy completions); with logprobs, the
             prompt is scored too (the engine's scoring kind), its entries first.
     """
@@ -33,6 +36,8 @@ class GenerationRequest:
     include_usage: bool = False
     priority: Priority = Priority.NORMAL
     deadline_ms: float | None = None
+    grammar_param: str | None = None
+    tools: ToolRequest | None = None
     echo: bool = False
 
     @property
@@ -42,23 +47,52 @@ class GenerationRequest:
 
 
 @dataclass
+class ToolCallDelta:
+    """A piece of one tool call of a choice (OpenAI's ``delta.tool_calls[]``): ``index`` counts
+    the choice's calls from 0; the first piece of a call carries its ``id`` and ``name``, later
+    ones only text of its ``arguments`` (raw JSON text as the model wrote it)."""
+
+    index: int
+    id: str | None = None
+    name: str | None = None
+    arguments: str = ""
+
+
+@dataclass
+class ToolCall:
+    """One finished tool call: ``id``, the function's ``name``, its ``arguments`` (JSON text)."""
+
+    id: str
+    name: str
+    arguments: str
+
+    def openai(self) -> dict:
+        """OpenAI's ``message.tool_calls[]`` entry."""
+        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+
+
+@dataclass
 class Delta:
-    """A piece of one choice: ``text`` (may be ''), the tokens' logprob entries, and the
-    ``finish_reason`` on the choice's last delta (None before)."""
+    """A piece of one choice: ``text`` (may be ''; content, with any tool-call text taken out),
+    the tokens' logprob entries, the pieces of tool calls, and the ``finish_reason`` on the
+    choice's last delta (None before)."""
 
     index: int
     text: str = ""
     tokens: list[Token] = field(default_factory=list)
     finish_reason: str | None = None
+    tool_calls: list[ToolCallDelta] = field(default_factory=list)
 
 
 @dataclass
 class Choice:
-    """One finished choice: its whole text, its tokens (for logprobs), its finish reason."""
+    """One finished choice: its content text, its tokens (for logprobs), its tool calls, its
+    finish reason (``tool_calls`` when calls end it)."""
 
     text: str = ""
     tokens: list[Token] = field(default_factory=list)
     finish_reason: str | None = None
+    tool_calls: list[ToolCall] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

@@ -44,7 +44,7 @@ def build(config: ServerConfig, engine: EngineClient,
     """The server with its three services, health ``NOT_SERVING`` (set before it starts, so no
     probe passes during model load), not started. Binding a used port raises RuntimeError."""
     tokenizer = Tokenizer(config.resolved_model_path())
-    generator = Generator(engine, tokenizer, ChatTemplate(tokenizer), RateLimiter(engine.buckets, config.redis_url))
+    generator = Generator(engine, tokenizer, ChatTemplate(tokenizer, config.chat_template_source()), RateLimiter(engine.buckets, config.redis_url))
     # No cap on concurrent calls: gRPC would refuse the excess with RESOURCE_EXHAUSTED (which
     # means "over quota" here) and count health probes against it. Calls beyond the threads
     # wait for one; the default has a thread for every mailbox and spare ones, so a saturated

@@ -13,8 +13,11 @@ that went away) cancels its sequences, queued or running.
 from __future__ import annotations
 
 import functools
+import json
 import inspect
 import secrets
+
+import ujson
 
 import grpc
 
@@ -71,6 +74,23 @@ def message_body(message) -> dict:
             value = known.name.removeprefix(f"{field.enum_type.name.upper()}_").lower()
         body[field.name] = value
     return body
+
+
+def _schemas_from_text(body: dict) -> None:
+    """``ResponseFormat``'s schemas travel as JSON text (proto/inference.proto): made JSON values
+    in place, as an HTTP body holds them (``StructuredOutputs.json`` may stay text, as in HTTP).
+
+    Raises:
+        InvalidRequest: text that is not JSON, naming the field.
+    """
+    fmt = body.get("response_format") or {}
+    for holder, param in ((fmt, "response_format.schema"),
+                          (fmt.get("json_schema") or {}, "response_format.json_schema.schema")):
+        if isinstance(holder.get("schema"), str):
+            try:
+                holder["schema"] = json.loads(holder["schema"])
+            except ValueError as e:
+                raise InvalidRequest(f"{param} is not JSON: {e}", param) from None
 
 
 def _metadata(context) -> dict[str, list[str]]:
@@ -165,7 +185,9 @@ class InferenceService(inference_pb2_grpc.InferenceServiceServicer):
         return pb.ChatResponse(
             id=f"chatcmpl-{secrets.token_hex(12)}", model=model, usage=_usage(gen),
             choices=[pb.ChatChoice(index=i, text=c.text, token_ids=[t.id for t in c.tokens],
-                                   finish_reason=c.finish_reason or "", logprobs=_logprobs(c.tokens))
+                                   finish_reason=c.finish_reason or "", logprobs=_logprobs(c.tokens),
+                                   tool_calls=[pb.ToolCall(id=t.id, name=t.name, arguments=t.arguments)
+                                               for t in c.tool_calls])
                      for i, c in enumerate(choices)])
 
     @_observed
@@ -173,7 +195,9 @@ class InferenceService(inference_pb2_grpc.InferenceServiceServicer):
         _, gen = self._chat(request, context, record)
         for d, usage in _with_usage(gen):
             yield pb.ChatChunk(index=d.index, text=d.text, token_ids=[t.id for t in d.tokens],
-                               logprobs=_logprobs(d.tokens), finish_reason=d.finish_reason or "", usage=usage)
+                               logprobs=_logprobs(d.tokens), finish_reason=d.finish_reason or "", usage=usage,
+                               tool_calls=[pb.ToolCallDelta(index=c.index, id=c.id or "", name=c.name or "",
+                                                            arguments=c.arguments) for c in d.tool_calls])
 
     # -- the shared steps ---------------------------------------------------------------------------
     def _tenant(self, context) -> Tenant:
@@ -200,9 +224,10 @@ class InferenceService(inference_pb2_grpc.InferenceServiceServicer):
 
     def _chat(self, request: pb.ChatRequest, context, record: RequestRecord) -> tuple[str, Generation]:
         tenant = record.tenant = self._tenant(context)
-        body = message_body(request)
+        body = _tool_body(message_body(request))
         if not body.get("model"):
             body.pop("model", None)
+        _schemas_from_text(body)
         model = check_model(body, self.config.model_ids)
         greq = parse_generation(body, chat=True)
         greq.deadline_ms = _call_deadline_ms(context, greq.deadline_ms)
@@ -211,6 +236,38 @@ class InferenceService(inference_pb2_grpc.InferenceServiceServicer):
         record.attach(gen, body.get("messages"))
         _cancel_with_call(gen, context)
         return model, gen
+
+
+def _tool_body(body: dict) -> dict:
+    """The tool fields of a ``ChatRequest``'s body in the HTTP body's shapes (OpenAI's):
+    ``tools[].function`` with ``parameters`` parsed from JSON text, ``tool_choice`` a mode or
+    ``{"type": "function", ...}``, messages' ``tool_calls[].function``.
+
+    Raises:
+        InvalidRequest: a tool's ``parameters`` that is not JSON text.
+    """
+    tools = body.get("tools")
+    for i, tool in enumerate(tools or ()):
+        function = {"name": tool["name"], "description": tool["description"]}
+        if tool["parameters"]:
+            try:
+                function["parameters"] = ujson.loads(tool["parameters"])
+            except ValueError:
+                raise InvalidRequest("parameters must be a JSON Schema as JSON text",
+                                     f"tools[{i}].function.parameters") from None
+        if "strict" in tool:
+            function["strict"] = tool["strict"]
+        tools[i] = {"type": "function", "function": function}
+    choice = body.pop("tool_choice", None)
+    if choice is not None and "mode" in choice:
+        body["tool_choice"] = choice["mode"]
+    elif choice is not None and "function" in choice:
+        body["tool_choice"] = {"type": "function", "function": {"name": choice["function"]}}
+    for m in body.get("messages", ()):
+        if "tool_calls" in m:
+            m["tool_calls"] = [{"id": c["id"], "type": "function",
+                                "function": {"name": c["name"], "arguments": c["arguments"]}} for c in m["tool_calls"]]
+    return body
 
 
 def _call_deadline_ms(context, deadline_ms: float | None) -> float | None:

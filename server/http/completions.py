@@ -14,7 +14,7 @@ from server.api.requests import check_model, parse_generation, parse_messages, p
 from server.config import ServerConfig
 from server.errors import http_error
 from server.generation.pipeline import Generation, Generator
-from server.generation.request import Choice, Delta, GenerationRequest
+from server.generation.request import Choice, Delta, GenerationRequest, ToolCallDelta
 from server.http.body import read_json
 from server.http.json import dumps, sse
 
@@ -103,13 +103,26 @@ class ChatCompletions(_Completions):
                 "refusal": None}
 
     def choice(self, i: int, c: Choice, greq) -> dict:
-        return {"index": i, "message": {"role": "assistant", "content": c.text, "refusal": None},
-                "logprobs": self.logprobs(c.tokens, greq), "finish_reason": c.finish_reason}
+        message = {"role": "assistant", "content": c.text, "refusal": None}
+        if c.tool_calls:  # OpenAI: content is null when the answer is only calls
+            message.update(content=c.text or None, tool_calls=[t.openai() for t in c.tool_calls])
+        return {"index": i, "message": message, "logprobs": self.logprobs(c.tokens, greq),
+                "finish_reason": c.finish_reason}
 
     def chunk_choice(self, d: Delta, greq, state: dict, first: bool = False) -> dict:
         delta = {"role": "assistant", "content": ""} if first else ({"content": d.text} if d.text else {})
+        if d.tool_calls:
+            delta["tool_calls"] = [tool_call_delta(c) for c in d.tool_calls]
         return {"index": d.index, "delta": delta,
                 "logprobs": None if first else self.logprobs(d.tokens, greq), "finish_reason": d.finish_reason}
+
+
+def tool_call_delta(c: ToolCallDelta) -> dict:
+    """OpenAI's ``delta.tool_calls[]`` entry: ``index`` always; ``id``, ``type`` and the name
+    on a call's first piece; ``arguments`` text on every piece."""
+    if c.id is None:
+        return {"index": c.index, "function": {"arguments": c.arguments}}
+    return {"index": c.index, "id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
 
 
 class Completions(_Completions):

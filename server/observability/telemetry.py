@@ -3,7 +3,8 @@ log line, from one :class:`RequestRecord` filled along the request path, whateve
 
 The log line (logger ``inference.requests``, on stdout) holds ``request_id``, ``tenant``,
 ``route``, ``status``, ``finish_reason``, ``prompt_tokens``, ``cached_tokens``,
-``completion_tokens``, ``queue_wait_s``, ``time_to_first_token_s``, ``latency_s`` and, with
+``completion_tokens``, ``tool_calls`` (the tool calls of every choice: a count; their arguments
+are never logged), ``queue_wait_s``, ``time_to_first_token_s``, ``latency_s`` and, with
 ``--log-prompts`` only, ``prompt``. It never holds an API key.
 
 Label values stay bounded: ``tenant`` is a tenant of the tenant file or ``default`` (the keyless
@@ -132,7 +133,7 @@ class Telemetry:
         line = {"request_id": record.request_id, "tenant": record.tenant.id, "route": record.route,
                 "status": status, "finish_reason": reason, "prompt_tokens": usage.prompt_tokens,
                 "cached_tokens": usage.cached_tokens, "completion_tokens": usage.completion_tokens,
-                "queue_wait_s": _round(queue_wait), "time_to_first_token_s": _round(ttft),
+                "tool_calls": sum(gen.tool_calls) if gen is not None else 0, "queue_wait_s": _round(queue_wait), "time_to_first_token_s": _round(ttft),
                 "latency_s": _round(latency)}
         if self.log_prompts:
             line["prompt"] = record.prompt

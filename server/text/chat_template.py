@@ -1,14 +1,24 @@
-"""Chat prompts: the GGUF's ``tokenizer.chat_template`` rendered with Jinja2 in a sandbox.
+"""Chat prompts: the GGUF's ``tokenizer.chat_template`` (or ``--chat-template FILE``) rendered
+with Jinja2 in a sandbox, in the environment Hugging Face's ``apply_chat_template`` gives it
+(``tojson`` without HTML escaping, ``raise_exception``, ``strftime_now``, loop controls), so a
+template renders here what it renders there.
 
 Message text is data, never template code, and special-token text inside it (``<|im_start|>``)
 must stay plain text. So the template is rendered with a random placeholder in place of each
-message's text; the rendered template pieces are tokenized with special tokens parsed, the
-message texts without, and the ids are concatenated in order.
+message's text, and of each string in the tools and in earlier tool calls that holds
+special-token text; the rendered template pieces are tokenized with special tokens parsed, the
+data without, and the ids are concatenated in order. A placeholder holds a newline, so where a
+template wrote it through ``tojson`` it shows as ``\\n``, and that datum is put in JSON-escaped.
 """
 from __future__ import annotations
 
+import datetime
+import json
+import re
 import secrets
 
+import jinja2.ext
+import jinja2.meta
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from engine.errors import InvalidRequest
@@ -18,9 +28,26 @@ from engine.llama.tokenizer import Tokenizer
 ROLE_ALIASES = {"developer": "system"}
 
 
-class ChatTemplate:
-    """Renders and tokenizes a list of ``{"role", "content"}`` messages (content: str).
+def environment() -> ImmutableSandboxedEnvironment:
+    """Hugging Face's chat-template environment (transformers' ``_compile_jinja_template``)."""
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise
+    env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
+    return env
 
+
+def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+class ChatTemplate:
+    """Renders and tokenizes a list of messages (``{"role", "content": str | None}``, with
+    Hugging Face's tool fields: ``tool_calls`` whose ``arguments`` are objects,
+    ``tool_call_id``, ``name``), and the request's ``tools`` when the template takes them.
+
+    Attributes:
+        source: the template's Jinja source. takes_tools: it reads the ``tools`` variable.
     Raises (from ``__init__``):
         ValueError: the model has no chat template, or it does not compile.
     """
@@ -29,8 +56,9 @@ class ChatTemplate:
         source = source or tokenizer.chat_template
         if not source:
             raise ValueError("the model has no chat template (tokenizer.chat_template)")
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        env.globals["raise_exception"] = _raise
+        env = environment()
+        self.source = source
+        self.takes_tools = "tools" in jinja2.meta.find_undeclared_variables(env.parse(source))
         self.template = env.from_string(source)
         self.source = source  #: the Jinja text (served by GET /tokenizer_info)
         self.tokenizer = tokenizer
@@ -47,8 +75,24 @@ class ChatTemplate:
             return 0
 
     def encode(self, messages: list[dict], add_generation_prompt: bool = True,
-               continue_final_message: bool = False) -> list[int]:
-        """Prompt token ids for ``messages``.
+               continue_final_message: bool = False, tools: list[dict] | None = None) -> list[int]:
+        """Prompt token ids for ``messages``: :meth:`render`'s pieces, the template's with
+        special tokens parsed, the data's without.
+
+        Raises:
+            InvalidRequest: the template refuses the messages (its ``raise_exception``).
+        """
+        ids: list[int] = []
+        for k, part in enumerate(self.render(messages, add_generation_prompt, continue_final_message, tools)):
+            if k % 2:
+                ids += self.tokenizer.encode(part, special=False)
+            elif part:
+                ids += self.tokenizer.encode(part, special=True, add_bos=(k == 0))
+        return ids
+
+    def render(self, messages: list[dict], add_generation_prompt: bool = True,
+               continue_final_message: bool = False, tools: list[dict] | None = None) -> list[str]:
+        """The prompt's text as ``[template text, datum, template text, ..., template text]``.
 
         Args:
             add_generation_prompt: end with the opening of a new assistant turn.
@@ -56,31 +100,59 @@ class ChatTemplate:
                 message the model continues, as llama.cpp's server and vLLM's
                 ``continue_final_message`` do): whatever the template renders after it (the
                 end of that turn) is dropped. Needs ``add_generation_prompt`` False.
+            tools: OpenAI's ``tools`` (``[{"type": "function", "function": {...}}]``), given to
+                a template that takes them; None: the variable is left undefined.
 
         Raises:
             InvalidRequest: the template refuses the messages (its ``raise_exception``).
         """
-        tag = secrets.token_hex(8)
-        marked = [{"role": ROLE_ALIASES.get(m["role"], m["role"]), "content": f"\x00{tag}:{i}\x00"}
-                  for i, m in enumerate(messages)]
+        marks = _Marks(self.tokenizer.special_texts)
+        marked = []
+        for m in messages:
+            content = m["content"]
+            if content is not None and (content or not m.get("tool_calls")):  # "" beside calls: falsy, as sent
+                content = marks.text(content)
+            entry = {"role": ROLE_ALIASES.get(m["role"], m["role"]), "content": content}
+            entry.update((k, marks.data(m[k])) for k in ("name", "tool_calls", "tool_call_id") if k in m)
+            marked.append(entry)
+        extra = {"tools": marks.data(tools)} if tools else {}
         rendered = self.template.render(messages=marked, add_generation_prompt=add_generation_prompt,
-                                        bos_token="", eos_token="")
-        # [text, index, text, index, ..., text], what re.split with a capturing group gives,
-        # without compiling (and caching) a pattern per request.
-        chunks = rendered.split(f"\x00{tag}:")
+                                        bos_token="", eos_token="", **extra)
+        parts = marks.split(rendered)
+        return parts[:-1] if continue_final_message else parts  # drop what follows the final text
+
+
+class _Marks:
+    """The placeholders of one rendering and the data they stand for."""
+
+    def __init__(self, special_texts: tuple[str, ...]):
+        self.tag = secrets.token_hex(8)
+        self.special = special_texts
+        self.values: list[str] = []
+
+    def text(self, value: str) -> str:
+        self.values.append(value)
+        return f"\ue000{self.tag}:{len(self.values) - 1}\n\ue001"
+
+    def data(self, value):
+        """``value`` (JSON-like) with each string that holds special-token text replaced by a
+        placeholder; other strings stay (a template may compare them: ``type == "string"``)."""
+        if isinstance(value, str):
+            return self.text(value) if any(t in value for t in self.special) else value
+        if isinstance(value, dict):
+            return {self.data(k): self.data(v) for k, v in value.items()}
+        if isinstance(value, list):
+            return [self.data(v) for v in value]
+        return value
+
+    def split(self, rendered: str) -> list[str]:
+        """``[text, datum, text, ...]``: each datum as the template wrote it (raw or JSON-escaped)."""
+        chunks = re.split(f"\ue000{self.tag}:(\\d+)(\n|\\\\n)\ue001", rendered)
         parts = [chunks[0]]
-        for chunk in chunks[1:]:
-            index, _, text = chunk.partition("\x00")
-            parts += [index, text]
-        if continue_final_message:
-            parts = parts[:-1]  # the template text after the final message's text
-        ids: list[int] = []
-        for k, part in enumerate(parts):
-            if k % 2:
-                ids += self.tokenizer.encode(messages[int(part)]["content"], special=False)
-            elif part:
-                ids += self.tokenizer.encode(part, special=True, add_bos=(k == 0))
-        return ids
+        for k in range(1, len(chunks), 3):
+            value = self.values[int(chunks[k])]
+            parts += [value if chunks[k + 1] == "\n" else json.dumps(value, ensure_ascii=False)[1:-1], chunks[k + 2]]
+        return parts
 
 
 def _raise(message: str):

@@ -1,0 +1,210 @@
+"""Grammar constraints with llguidance: what a constrained sequence may generate next.
+
+A constraint is an llguidance grammar (its JSON form: ``{"grammars": [...]}`` holding Lark, a
+JSON schema or a regex; made by ``llguidance.grammar_from`` or ``LLMatcher.grammar_from_*``),
+carried on the request as ``SamplingParams.grammar``. The front end checks it with
+:func:`check` (no tokenizer needed) and refuses a bad one; the engine compiles it into an
+``LLMatcher`` over the model's vocabulary (:class:`Grammars`, on a thread of its own and cached
+per tenant), and each sequence walks its own copy (:class:`GrammarConstraint`), which
+``engine/llama/sampler.py`` consults as llama.cpp's ``common_sampler`` consults its grammar:
+the chain's token first, the allowed tokens only when it is refused.
+
+Limits (docs/api.md "Structured outputs"): the grammar must fit the request's variable section
+(``--max-request-extras-bytes``, 32 KiB by default), and compiling it is bounded by
+:data:`LIMITS` (llguidance's fuel and size limits; a grammar over them is refused by
+:func:`check` with the library's message). Compiling never runs on the step loop's thread.
+"""
+from __future__ import annotations
+
+import ctypes
+import threading
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import llama_cpp
+import llguidance
+import numpy as np
+
+#: llguidance's parser limits, the same in the front end's check and the engine's compile.
+#: ``initial_lexer_fuel`` bounds the lexer's construction (about 50k units a millisecond, so at
+#: most about 20 ms), ``max_grammar_size`` the grammar's symbols, ``step_lexer_fuel`` and
+#: ``step_max_items`` one mask (about 14k and 20k units a millisecond: at most about 7 ms).
+LIMITS = dict(initial_lexer_fuel=1_000_000, max_grammar_size=200_000, step_lexer_fuel=100_000,
+              step_max_items=50_000, verbose_errors=False)
+#: Compiled grammars the engine keeps (each entry one tenant's grammar; least recently used evicted).
+CACHE_ENTRIES = 64
+
+
+_BIT = np.arange(32)
+#: Masks with more non-zero 32-token words than this are unpacked whole (cheaper then).
+SPARSE_WORDS = 128
+
+
+def limits() -> llguidance.LLParserLimits:
+    return llguidance.LLParserLimits(**LIMITS)
+
+
+def check(grammar: str) -> str:
+    """Whether llguidance can compile ``grammar`` within :data:`LIMITS`: "" if so, else the
+    library's message (a bad schema, regex or Lark, an unimplemented JSON-schema keyword, a
+    grammar over the limits)."""
+    try:
+        return llguidance.LLMatcher.validate_grammar(grammar, None, limits=limits())
+    except (ValueError, TypeError) as e:  # not a grammar at all (a corrupt record)
+        return str(e) or "invalid grammar"
+
+
+def tokenizer_from_vocab(vocab, n_vocab: int, eos: list[int]) -> llguidance.LLTokenizer:
+    """llguidance's tokenizer over a llama.cpp vocabulary, as ``llguidance.llamacpp.
+    lltokenizer_from_vocab`` builds it (each token's bytes; control tokens, and user-defined
+    ones written ``<...>``, marked special with a leading 0xFF; llama.cpp's ``llama_tokenize``
+    for tokenizing), but through ``llama_vocab_get_attr``: the deprecated ``llama_token_get_attr``
+    it calls raises a ``DeprecationWarning`` for every token (49,152 per build, each recorded by
+    pytest). About 0.3 s for SmolLM2's vocabulary here.
+
+    Args:
+        eos: the token ids that end a grammar (the model's end-of-generation tokens).
+    """
+    buf = ctypes.create_string_buffer(16 * 1024)
+    special = llama_cpp.LLAMA_TOKEN_ATTR_CONTROL
+    tokens = []
+    for t in range(n_vocab):
+        n = llama_cpp.llama_token_to_piece(vocab, t, buf, len(buf), 0, True)
+        if n < 0:
+            raise ValueError(f"token {t} does not fit {len(buf)} bytes")
+        piece, attr = buf.raw[:n], llama_cpp.llama_vocab_get_attr(vocab, t)
+        if attr & special or (attr & llama_cpp.LLAMA_TOKEN_ATTR_USER_DEFINED and piece.startswith(b"<")
+                              and piece.endswith(b">")):
+            piece = b"\xff" + piece
+        tokens.append(piece)
+    tokenize = ctypes.cast(llama_cpp.llama_cpp._lib.llama_tokenize, ctypes.c_void_p).value
+    return llguidance.LLTokenizer.from_llamacpp(tokens=tokens, vocab_ptr=vocab, tokenize_fptr=tokenize,
+                                                eos_token=eos, slices=None)
+
+
+class CheckedGrammars:
+    """A front end's memo of :func:`check`: the last ``capacity`` verdicts, per (tenant,
+    grammar), so a tenant's repeated schema costs a dictionary lookup (and no tenant learns from
+    a response's time which grammars another used). Thread-safe."""
+
+    def __init__(self, capacity: int = 256):
+        self.capacity = capacity
+        self._verdicts: OrderedDict[tuple[int, str], str] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def check(self, tenant: int, grammar: str) -> str:
+        """:func:`check`'s answer for ``tenant``'s ``grammar``."""
+        key = (tenant, grammar)
+        with self._lock:
+            verdict = self._verdicts.get(key)
+            if verdict is not None:
+                self._verdicts.move_to_end(key)
+                return verdict
+        verdict = check(grammar)  # outside the lock: other threads' cached checks do not wait
+        with self._lock:
+            self._verdicts[key] = verdict
+            while len(self._verdicts) > self.capacity:
+                self._verdicts.popitem(last=False)
+        return verdict
+
+
+class GrammarConstraint:
+    """One sequence's position in a grammar (the :class:`engine.llama.sampler.Constraint`
+    protocol), over an ``LLMatcher`` of its own.
+
+    Attributes:
+        error: why the constraint failed ("" while it holds): a token the grammar refuses was
+            generated (nothing it allows was left to sample), or the library hit a limit.
+            A failed constraint ends its sequence with an error; it never goes on unconstrained.
+        complete: the grammar is finished: nothing may follow but the end of generation.
+    """
+
+    def __init__(self, matcher: llguidance.LLMatcher, n_vocab: int):
+        self.matcher, self.n_vocab = matcher, n_vocab
+        self._bits = np.zeros((n_vocab + 31) // 32, np.int32)
+        self.error = matcher.get_error()
+        self.complete = False
+
+    def allows(self, token: int) -> bool:
+        return not self.error and self.matcher.validate_tokens([token]) == 1
+
+    def allowed(self) -> np.ndarray:
+        """llguidance's bitmask of the next tokens (bit ``t % 32`` of word ``t // 32``), as ids.
+        A sparse mask (the usual one after a refusal: a quote, a comma, a digit...) has only its
+        non-zero words unpacked: measured 23 against 194 us for the whole 49k-token mask."""
+        self.matcher.unsafe_compute_mask_ptr(self._bits.ctypes.data, self._bits.nbytes)
+        words = np.flatnonzero(self._bits)
+        if len(words) > SPARSE_WORDS:
+            bits = np.unpackbits(self._bits.view(np.uint8), bitorder="little", count=self.n_vocab)
+            return np.flatnonzero(bits).astype(np.int32)
+        bits = np.unpackbits(self._bits[words].view(np.uint8), bitorder="little").reshape(-1, 32)
+        ids = (words[:, None] * 32 + _BIT)[bits.astype(bool)]
+        return ids[ids < self.n_vocab].astype(np.int32)
+
+    def accept(self, token: int) -> None:
+        if self.error:
+            return
+        if not self.matcher.consume_token(token):
+            self.error = self.matcher.get_error() or f"token {token} is not allowed by the grammar"
+        else:
+            self.complete = self.matcher.is_stopped()
+
+    def free(self) -> None:
+        self.matcher = None
+
+
+class Grammars:
+    """Compiles grammars into ``LLMatcher`` templates on one background thread (llguidance drops
+    the GIL while it compiles, so the step loop keeps decoding) and keeps the last
+    :data:`CACHE_ENTRIES`, keyed by tenant and grammar: as the prefix cache, a tenant never
+    learns from its time to first token which grammars another tenant used. Each sequence gets
+    a copy of the template (``deep_copy``, about a microsecond).
+
+    The llguidance tokenizer is built from the model's vocabulary (:func:`tokenizer_from_vocab`, once)
+    on the same thread, as soon as the engine starts, so the first grammar does not wait for it.
+
+    Args:
+        vocab: the model's ``llama_vocab``. eog: its end-of-generation token ids (any of them
+            ends a grammar). n_vocab: its size.
+    """
+
+    def __init__(self, vocab, eog: frozenset, n_vocab: int, capacity: int = CACHE_ENTRIES):
+        self.vocab, self.eog, self.n_vocab, self.capacity = vocab, sorted(eog), n_vocab, capacity
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar")
+        self._cache: OrderedDict[tuple[int, str], Future] = OrderedDict()
+        self._lock = threading.Lock()
+        self._tokenizer = self._pool.submit(self._build_tokenizer)
+
+    def compile(self, tenant: int, grammar: str) -> Future:
+        """A future of the compiled template for ``tenant``'s ``grammar`` (a cached one when
+        there is one). Its ``LLMatcher`` may be in error (``get_error()``) if the grammar does
+        not compile; the front end's :func:`check` makes that rare."""
+        key = (tenant, grammar)
+        with self._lock:
+            future = self._cache.get(key)
+            if future is not None:
+                self._cache.move_to_end(key)
+                return future
+            future = self._cache[key] = self._pool.submit(self._build, grammar)
+            while len(self._cache) > self.capacity:
+                self._cache.popitem(last=False)
+            return future
+
+    def _build_tokenizer(self) -> llguidance.LLTokenizer:
+        return tokenizer_from_vocab(self.vocab, self.n_vocab, self.eog)
+
+    def _build(self, grammar: str) -> llguidance.LLMatcher:
+        return llguidance.LLMatcher(self._tokenizer.result(), grammar, log_level=0, limits=limits())
+
+    @staticmethod
+    def failed(future: Future) -> bool:
+        """Whether a finished :meth:`compile` gave nothing to constrain with: the grammar did not
+        compile, or compiling raised."""
+        return future.exception() is not None or future.result().is_error()
+
+    def constraint(self, future: Future) -> GrammarConstraint:
+        """A fresh sequence's constraint from a finished :meth:`compile`."""
+        return GrammarConstraint(future.result().deep_copy(), self.n_vocab)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)

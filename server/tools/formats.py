@@ -1,0 +1,255 @@
+"""How a chat template's model writes tool calls: one :class:`ToolFormat` per syntax, picked
+from the template's source (:func:`detect`), as vLLM's ``--tool-call-parser`` and llama.cpp's
+``common_chat_templates_apply_jinja`` pick theirs.
+
+| format | templates | a call in the model's text |
+|---|---|---|
+| ``hermes`` | Qwen2.5, Hermes 2 Pro / 3 (``<tool_call>`` in the source) | ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>``, repeated; text may precede |
+| ``mistral`` | Mistral Nemo and others with ``[TOOL_CALLS]`` | ``[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]`` after optional text |
+| ``llama3_json`` | Llama 3.1 / 3.2 / 3.3 (JSON tool calling) | the whole answer ``{"name": ..., "parameters": {...}}``, optionally after ``<|python_tag|>``; calls separated by ``;`` |
+| ``generic`` | every template that does not render ``tools`` (the bundled SmolLM2's, SmolLM3's) | the whole answer ``{"tool_calls": [{"name": ..., "arguments": {...}}]}``, or ``{"response": "text"}`` |
+
+The generic format is llama.cpp's former "generic" handler (``common_chat_params_init_generic``,
+with minja's polyfills for templates without tool support): the tools and the envelope are
+described in a system message (:data:`GENERIC_INSTRUCTIONS`), an earlier assistant turn's calls
+become its text as the envelope, and a tool result a user message
+``{"tool_response": {"tool_call_id", "name", "content"}}``. Everything it adds is message text,
+so it is data to the tokenizer as any message text is.
+"""
+from __future__ import annotations
+
+import json
+import secrets
+import string
+from dataclasses import dataclass
+
+from server.tools.parser import CallView, ParseError, held_back, scan_call, skip_ws, string_end, value_end
+from server.tools.spec import Tool
+
+GENERIC_INSTRUCTIONS = (
+    "You can call the following tools (JSON Schema of each one's arguments under \"parameters\"):\n{tools}\n\n"
+    "Answer in JSON only. To call tools: {{\"tool_calls\": [{{\"name\": \"<tool name>\", \"arguments\": "
+    "{{<the arguments>}}}}]}}. To answer the user: {{\"response\": \"<your answer>\"}}.")
+
+
+@dataclass(frozen=True)
+class ToolFormat:
+    """One tool-call syntax.
+
+    Attributes:
+        name: as in the table above. native: the template renders ``tools`` itself (otherwise
+            the generic prompt does). markers: texts that open a call section in free text.
+        literals: every fixed text of its call syntax that a model's vocabulary may hold as one
+            special token (markers and closing tags).
+        args_keys: the call object's key for its arguments. id_length: a call id's length when
+            the template demands one (Mistral's 9 alphanumerics), else 0 (``call_`` + 24 hex).
+    """
+
+    name: str
+    native: bool
+    markers: tuple[str, ...] = ()
+    literals: tuple[str, ...] = ()
+    args_keys: tuple[str, ...] = ("arguments",)
+    id_length: int = 0
+
+    def new_id(self) -> str:
+        """A fresh call id in the form the template accepts back in the next turn."""
+        if self.id_length:
+            return "".join(secrets.choice(string.ascii_letters + string.digits) for _ in range(self.id_length))
+        return f"call_{secrets.token_hex(12)}"
+
+    def parse(self, text: str, final: bool) -> tuple[str, list[CallView]]:
+        """What ``text`` (a choice's whole text so far) holds: its content and its calls.
+        Content only grows from one call to the next with a longer text (see
+        ``server/tools/parser.py``)."""
+        return _PARSERS[self.name](self, text, final)
+
+
+HERMES = ToolFormat("hermes", True, ("<tool_call>",), ("<tool_call>", "</tool_call>"))
+MISTRAL = ToolFormat("mistral", True, ("[TOOL_CALLS]",), ("[TOOL_CALLS]",), id_length=9)
+LLAMA3_JSON = ToolFormat("llama3_json", True, ("<|python_tag|>",), ("<|python_tag|>",),
+                         args_keys=("parameters", "arguments"))
+GENERIC = ToolFormat("generic", False)
+
+
+def detect(source: str, takes_tools: bool) -> ToolFormat:
+    """The format of a template (its Jinja source; ``takes_tools``: it reads ``tools``). A
+    template that reads ``tools`` in a syntax not known here gets the generic format, whose
+    output this server can read."""
+    if takes_tools:
+        if "<tool_call>" in source:
+            return HERMES
+        if "[TOOL_CALLS]" in source:
+            return MISTRAL
+        if "<|python_tag|>" in source or '"parameters": dictionary of argument name' in source:
+            return LLAMA3_JSON
+    return GENERIC
+
+
+def _calls_after(fmt: ToolFormat, text: str, i: int, sep: str, close: str | None) -> tuple[list[CallView], int | None]:
+    """Call objects from ``text[i]`` on, separated by ``sep``, up to ``close`` (None: the text's
+    end); returns them and the index past ``close`` (None while not reached)."""
+    calls: list[CallView] = []
+    while True:
+        view, end = scan_call(text, i, fmt.args_keys)
+        if end is None:
+            if view.name is not None or view.arguments:
+                calls.append(view)
+            return calls, None
+        calls.append(view)
+        i = skip_ws(text, end)
+        if text.startswith(sep, i):
+            i += len(sep)
+            continue
+        if close is None or text.startswith(close, i):
+            return calls, (i + len(close or ""))
+        if i == len(text) or close.startswith(text[i:]):
+            return calls, None
+        raise ParseError(f"expected {sep!r} or {close!r} at {i}")
+
+
+def _hermes(fmt: ToolFormat, text: str, final: bool) -> tuple[str, list[CallView]]:
+    open_, close = "<tool_call>", "</tool_call>"
+    content, calls, pos = [], [], 0
+    while True:
+        k = text.find(open_, pos)
+        tail = text[pos:] if k < 0 else text[pos:k]
+        if calls:
+            tail = tail.lstrip()  # the newlines between calls are not content
+        if k < 0:
+            content.append(tail if final else held_back(tail, fmt.markers))
+            return "".join(content), calls
+        content.append(tail.rstrip())
+        try:
+            view, end = scan_call(text, k + len(open_))
+        except ParseError:
+            if calls:
+                return "".join(content), calls  # text past a malformed call is dropped
+            return (text if final else held_back(text, fmt.markers)), []
+        calls.append(view)
+        if end is None:
+            return "".join(content), calls
+        after = skip_ws(text, end)
+        if text.startswith(close, after):
+            pos = after + len(close)
+        elif after == len(text) or close.startswith(text[after:]):
+            return "".join(content), calls
+        else:
+            pos = after  # no closing tag: what follows is read as it comes
+
+
+def _mistral(fmt: ToolFormat, text: str, final: bool) -> tuple[str, list[CallView]]:
+    k = text.find("[TOOL_CALLS]")
+    if k < 0:
+        return (text if final else held_back(text, fmt.markers)), []
+    i = skip_ws(text, k + len("[TOOL_CALLS]"))
+    content = text[:k].rstrip()
+    if i == len(text):
+        return content, []
+    try:
+        if text[i] != "[":
+            raise ParseError("expected '['")
+        calls, _ = _calls_after(fmt, text, i + 1, ",", "]")
+    except ParseError:
+        return (text if final else held_back(text, fmt.markers)), []
+    return content, calls
+
+
+def _llama3(fmt: ToolFormat, text: str, final: bool) -> tuple[str, list[CallView]]:
+    i = skip_ws(text, 0)
+    if text.startswith("<|python_tag|>", i):
+        i = skip_ws(text, i + len("<|python_tag|>"))
+    if not final and "<|python_tag|>".startswith(text[i:]):
+        return "", []  # nothing yet, or the tag's start: undecided
+    if text[i:i + 1] != "{":
+        return text, []  # a call is the whole answer (vLLM's llama3_json): this one is text
+    try:
+        calls, _ = _calls_after(fmt, text, i, ";", None)
+    except ParseError:
+        return text, []  # JSON that is no call
+    return "", calls
+
+
+def _generic(fmt: ToolFormat, text: str, final: bool) -> tuple[str, list[CallView]]:
+    i = skip_ws(text, 0)
+    if i == len(text):
+        return (text if final else ""), []
+    if text[i] != "{":
+        return text, []  # the model answered in plain text
+    try:
+        j = skip_ws(text, i + 1)
+        if j == len(text):
+            return ("" if not final else text), []
+        end = string_end(text, j) if text[j] == '"' else -1
+        if end == -1:
+            raise ParseError("expected a key")
+        if end is None:
+            return ("" if not final else text), []
+        key = json.loads(text[j:end])
+        j = skip_ws(text, end)
+        if j < len(text) and text[j] != ":":
+            raise ParseError("expected ':'")
+        j = skip_ws(text, j + 1)
+        if j >= len(text):
+            return ("" if not final else text), []
+        if key == "response":
+            return _json_string_prefix(text, j, final), []
+        if key == "tool_calls" and text[j] == "[":
+            calls, _ = _calls_after(fmt, text, j + 1, ",", "]")
+            return "", calls
+        if key == "tool_call":
+            view, _ = scan_call(text, j)
+            return "", [view]
+        raise ParseError(f"unknown key {key!r}")
+    except ParseError:
+        return (text if final or value_end(text, i) is not None else ""), []
+
+
+def _json_string_prefix(text: str, i: int, final: bool) -> str:
+    """The decoded text of the JSON string at ``text[i]``, as far as it is certain."""
+    if text[i] != '"':
+        raise ParseError("response must be a string")
+    end = string_end(text, i)
+    raw = text[i + 1:end - 1] if end is not None else text[i + 1:]
+    for cut in range(0, min(len(raw), 12) + 1):  # an escape (a surrogate pair: 12) may be incomplete
+        try:
+            decoded = json.loads(f'"{raw[:len(raw) - cut]}"')
+        except ValueError:
+            continue
+        if end is None and decoded and "\ud800" <= decoded[-1] <= "\udbff":
+            decoded = decoded[:-1]  # half a surrogate pair: its other half decides
+        return decoded
+    return ""
+
+
+_PARSERS = {"hermes": _hermes, "mistral": _mistral, "llama3_json": _llama3, "generic": _generic}
+
+
+# -- the generic format's prompt -------------------------------------------------------------------
+def generic_messages(messages: list[dict], tools: tuple[Tool, ...]) -> list[dict]:
+    """``messages`` as a template without tool syntax can render them: the tools' description
+    in the system message (the first one, extended, or a new one), earlier calls as their
+    envelope text, tool results as user messages. Every message is then ``{"role", "content":
+    str}``."""
+    names = {}
+    out = []
+    for m in messages:
+        if m.get("tool_calls"):
+            calls = [{"name": c["function"]["name"], "arguments": c["function"]["arguments"], "id": c["id"]}
+                     for c in m["tool_calls"]]
+            names.update((c["id"], c["name"]) for c in calls)
+            envelope = json.dumps({"tool_calls": calls}, ensure_ascii=False)
+            out.append({"role": "assistant", "content": f"{m['content']}\n{envelope}" if m["content"] else envelope})
+        elif m["role"] == "tool":
+            result = {"tool_call_id": m["tool_call_id"], "name": names.get(m["tool_call_id"]), "content": m["content"]}
+            out.append({"role": "user", "content": json.dumps({"tool_response": result}, ensure_ascii=False)})
+        else:
+            out.append({"role": m["role"], "content": m["content"] or "", **({"name": m["name"]} if "name" in m else {})})
+    if tools:
+        described = json.dumps([t.openai()["function"] for t in tools], ensure_ascii=False, indent=2)
+        instructions = GENERIC_INSTRUCTIONS.format(tools=described)
+        if out[0]["role"] in ("system", "developer"):
+            out[0] = {**out[0], "content": f"{out[0]['content']}\n\n{instructions}"}
+        else:
+            out.insert(0, {"role": "system", "content": instructions})
+    return out
