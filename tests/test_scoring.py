@@ -138,7 +138,7 @@ def test_tokenizer_info(server, tokenizer):
     ("/tokenize", {"prompt": "a", "add_special_tokens": "yes"}, "add_special_tokens"),
     ("/tokenize", {"prompt": "a", "add_generation_prompt": True}, "add_generation_prompt"),
     ("/tokenize", {"prompt": "a", "extra": 1}, "extra"),
-    ("/tokenize", {"messages": [{"role": "tool", "content": "b"}]}, "messages[0].role"),
+    ("/tokenize", {"messages": [{"role": "function", "content": "b"}]}, "messages[0].role"),
     ("/detokenize", {"tokens": [1, 10**9]}, "tokens"),
     ("/detokenize", {"tokens": [1, True]}, "tokens"),
     ("/detokenize", {"tokens": "1 2"}, "tokens"),
