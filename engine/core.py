@@ -21,7 +21,8 @@ from engine.llama.backend import Backend
 from engine.llama.batch import Batch
 from engine.llama.grammar import Grammars
 from engine.llama.model import DecodeError, Model
-from engine.llama.sampler import Sampler, logprobs
+from engine.llama.logprobs import LogProbs
+from engine.llama.sampler import Sampler
 from engine.prefix_cache import PrefixCache, common_prefix
 from engine.request import EngineRequest, RequestKind
 from engine.scheduler import Scheduler
@@ -74,6 +75,7 @@ class EngineCore:
         self.backend = model.backend
         self.sched = Scheduler(config.max_slots, config.policy, config.aging_s, config.n_batch, self.backend)
         self.batch = Batch(config.n_batch)
+        self.logprobs = LogProbs(model.n_vocab, threads=min(2, config.threads or 2))
         self.cache = PrefixCache(config.max_slots, config.cache_streams, config.prefix_cache_tokens) \
             if config.cache_streams else None
         # Waiting for a sibling's prefill (awaits_prefix) suits continuous batching only: static
@@ -115,32 +117,36 @@ class EngineCore:
         self.ingest(now)
         self.expire(now)
         plan = self.sched.schedule(now, lambda seq: self.start(seq, now), self.hold)
-        rows = self.execute(plan)
-        for seq, reason, error in self.sample_and_publish(rows, time.monotonic()):
+        rows, scored = self.execute(plan)
+        decoded = time.monotonic()
+        for seq, reason, error in self.score(scored, decoded) + self.sample_and_publish(rows, decoded):
             self.retire(seq, reason, error)
         self.publish_control()
         if self.step_log is not None:
             self.step_log.write(self.step_no, now, [(s.mailbox, s.lease) for s, _ in rows], self.cancelled)
         self.cancelled = []
 
-    def execute(self, plan: StepPlan) -> list[tuple[Sequence, int]]:
+    def execute(self, plan: StepPlan) -> tuple[list[tuple[Sequence, int]], list[tuple[Sequence, int, int, int]]]:
         """Apply ``plan`` to llama.cpp: its slot moves, then its batch in one decode.
 
         Returns:
-            ``(sequence, logits row)`` for every sequence that samples after the decode; empty
-            when nothing was decoded or the decode failed (its sequences then finished).
+            ``(sequence, logits row)`` for every sequence that samples after the decode, and
+            ``(sequence, first logits row, first position, tokens)`` for every scoring chunk;
+            both empty when nothing was decoded or the decode failed (its sequences then
+            finished).
         """
         for seq, src, dst in plan.moves:
             self.model.move_sequence(src, dst)
             self.boxes.move(seq.mailbox, dst)
             self.t.control.count_kv_move()
         self.batch.clear()
-        rows = [(r.seq, self.batch.add(r.tokens, r.pos, r.seq.slot, r.samples), r.samples) for r in plan.rows]
+        rows = [(r, self.batch.add(r.tokens, r.pos, r.seq.slot, r.samples, r.scores)) for r in plan.rows]
         if not self.batch.n or not self.decode(plan.single_thread):
-            return []
+            return [], []
         if self.observe_step is not None:
             self.observe_step(self.batch.n_seqs, self.batch.n)
-        return [(seq, row) for seq, row, samples in rows if samples]
+        return ([(r.seq, row) for r, row in rows if r.samples],
+                [(r.seq, row - len(r.tokens) + 1, r.pos, len(r.tokens)) for r, row in rows if r.scores])
 
     def decode(self, one_thread: bool = False) -> bool:
         """One ``llama_decode`` (on one thread if asked); on failure, the batch's sequences
@@ -179,10 +185,10 @@ class EngineCore:
     def servable(self, request: EngineRequest) -> bool:
         """Defensive: the client checked the request; a corrupt record must not reach llama.cpp
         (a length beyond the slot, a biased token outside the vocabulary, a grammar that is not
-        text), and a kind this engine does not serve yet (scoring) is refused."""
+        text). Only a scoring request may generate nothing."""
         n, m = len(request.prompt), request.sampling.max_new_tokens or 0
-        return (request.kind == RequestKind.GENERATE
-                and 1 <= n < self.config.max_seq_len and m >= 1 and n + m <= self.config.max_seq_len
+        least = 0 if request.kind == RequestKind.SCORE else 1
+        return (1 <= n < self.config.max_seq_len and m >= least and n + m <= self.config.max_seq_len
                 and all(0 <= t < self.model.n_vocab for t, _ in request.sampling.logit_bias)
                 and isinstance(request.sampling.grammar, (str, type(None))))
 
@@ -230,7 +236,7 @@ class EngineCore:
         constraint = self.grammars.constraint(seq.grammar) if seq.grammar is not None else None
         seq.sampler = Sampler(self.model.n_vocab, sampling, banned, seq.prompt, constraint)
         seq.start_history()
-        if self.cache is not None:
+        if self.cache is not None and not seq.scoring:  # a scoring sequence needs every position's logits
             self.reuse_prefix(seq)
         self.boxes.admit(seq.mailbox, seq.slot, self.step_no, now, seq.n_cached)
 
@@ -242,6 +248,8 @@ class EngineCore:
         beside it, no sooner (both take the backend's ``max_chunk_tokens`` a step); admitted once they
         are in the KV cache, it copies them. Sixteen requests with one new system prompt then
         prefill it once, not sixteen times."""
+        if seq.scoring:
+            return False  # it reuses nothing (start)
         resident = None
         for other in self.sched.running.values():
             if other.prefilling and other.request.tenant == seq.request.tenant:
@@ -272,9 +280,35 @@ class EngineCore:
         self.model.copy_sequence(source, seq.slot, n)
         seq.n_prefilled = seq.n_past = seq.n_cached = n
 
+    def score(self, chunks: list[tuple[Sequence, int, int, int]],
+              now: float) -> list[tuple[Sequence, Finish, ErrorCode]]:
+        """Publish the log-probability of every prompt token that a scoring chunk's logits
+        predict: row ``i`` of a chunk starting at position ``pos`` gives token ``pos + i + 1``
+        (with the request's top ``logprobs`` alternatives), through the same
+        :class:`engine.llama.logprobs.LogProbs` as generated tokens. Published before this
+        step's tokens, so a reader that sees a sequence's first token sees its whole prompt.
+
+        Returns:
+            the scoring sequences that generate nothing (``max_new_tokens`` 0) and whose prompt
+            is now scored, with ``length``, for :meth:`retire`.
+        """
+        finished = []
+        for seq, first, pos, k in chunks:
+            prompt, sampling = seq.prompt, seq.request.sampling
+            m = min(k, len(prompt) - 1 - pos)  # the prompt's last row predicts no prompt token
+            if m > 0:
+                lp, ids, top = self.logprobs.rows(self.model.logits_rows(first, m), prompt[pos + 1:pos + 1 + m],
+                                                  sampling.logprobs or 0)
+                self.boxes.publish_prompt_logprobs(seq.mailbox, pos, lp, ids, top)
+            if pos + k == len(prompt) and sampling.max_new_tokens == 0:
+                self.boxes.prefill_done(seq.mailbox, now)
+                finished.append((seq, Finish.LENGTH, ErrorCode.NONE))
+        return finished
+
     def sample_and_publish(self, rows: list[tuple[Sequence, int]],
                            now: float) -> list[tuple[Sequence, Finish, ErrorCode]]:
-        """Sample one token per row and publish every token to its mailbox (one wake-up each).
+        """Sample one token per row and publish every token to its mailbox (one wake-up each); a
+        stop token is published only for a scoring request, whose log-probabilities need it.
 
         Returns:
             the sequences that finished (a stop or end-of-generation token, a complete grammar,
@@ -291,11 +325,15 @@ class EngineCore:
                 log.warning("sequence in mailbox %d: its grammar failed: %s", seq.mailbox, constraint.error)
                 finished.append((seq, Finish.ERROR, ErrorCode.CONSTRAINT))
                 continue
-            if tok in sampling.stop_ids or (tok in self.model.eog and not sampling.ignore_eos):
+            stops = tok in sampling.stop_ids or (tok in self.model.eog and not sampling.ignore_eos)
+            if stops and not seq.scoring:
                 finished.append((seq, Finish.STOP, ErrorCode.NONE))
                 continue
-            lp = None if sampling.logprobs is None else logprobs(self.model.logits(row), tok, sampling.logprobs)
+            lp = None if sampling.logprobs is None else self.logprobs.one(self.model.logits(row), tok, sampling.logprobs)
             published.append(Published(seq.mailbox, k, tok, lp))
+            if stops:  # a scoring request reports the token that ended it, as vLLM does (lm-eval counts on it)
+                finished.append((seq, Finish.STOP, ErrorCode.NONE))
+                continue
             seq.generated(tok)
             if constraint is not None and constraint.complete:
                 finished.append((seq, Finish.STOP, ErrorCode.NONE))
@@ -338,6 +376,7 @@ class EngineCore:
     def shutdown(self, error: ErrorCode) -> None:
         """Finish every sequence with ``error`` (engine stopping); stop compiling grammars."""
         self.grammars.close()
+        self.logprobs.close()
         for seq in list(self.sched.running.values()):
             self.retire(seq, Finish.ERROR, error)
         for seq in list(self.sched.waiting):

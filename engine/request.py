@@ -47,7 +47,9 @@ class RequestKind(IntEnum):
     """What the engine does with a request (the record's ``kind``)."""
 
     GENERATE = 0  #: sample tokens after the prompt
-    SCORE = 1  #: the prompt's per-position log-probabilities (refused until scoring is built)
+    #: publish the log-probability of every prompt token after the first (with the top
+    #: ``logprobs`` alternatives), then sample ``max_new_tokens`` tokens, which may be 0
+    SCORE = 1
 
 
 class Priority(IntEnum):
@@ -121,7 +123,8 @@ class SamplingParams:
     """Per-request generation settings, with llama.cpp's sampler-chain semantics.
 
     Attributes:
-        max_new_tokens: generated tokens at most; None = up to the sequence limit.
+        max_new_tokens: generated tokens at most; None = up to the sequence limit; 0 only for a
+            scoring request (:class:`RequestKind`).
         temperature: 0 = greedy. top_k: 0 = off. top_p, min_p: 1.0 / 0.0 = off.
         repeat_penalty (1 = off), presence_penalty, frequency_penalty (0 = off) over the last
         ``penalty_last_n`` tokens (-1: the whole sequence; 0: none). seed: None = random;
@@ -139,7 +142,7 @@ class SamplingParams:
         InvalidRequest: a value out of its bounds (the same bounds the HTTP parser checks).
     """
 
-    max_new_tokens: int | None = _field(None, "i4", 1, INT32_MAX)
+    max_new_tokens: int | None = _field(None, "i4", 0, INT32_MAX)  # 0: a scoring request only
     temperature: float = _field(1.0, "f4", 0, 2)
     top_k: int = _field(0, "i4", 0, INT32_MAX)
     top_p: float = _field(1.0, "f4", 0, 1)  # 0 keeps only the most likely token: greedy
@@ -326,13 +329,16 @@ class EngineRequest:
         a record whose variable section holds ``extras_bytes`` (None: unchecked).
 
         Raises:
-            InvalidRequest: empty prompt, or a variable section larger than ``extras_bytes``
-            (naming the largest ``blob`` field). PromptTooLong: the prompt (plus
+            InvalidRequest: empty prompt, ``max_new_tokens`` 0 for a request that is not
+            scoring, or a variable section larger than ``extras_bytes`` (naming the largest
+            ``blob`` field). PromptTooLong: the prompt (plus
             ``max_new_tokens``) does not fit one sequence.
         """
         n, max_new = len(self.prompt), self.sampling.max_new_tokens
         if n < 1:
             raise InvalidRequest("prompt is empty", "prompt")
+        if max_new == 0 and self.kind != RequestKind.SCORE:
+            raise InvalidRequest("max_new_tokens must be at least 1 for a request that generates", "max_tokens")
         if extras_bytes is not None:
             self.sampling.check_extras(extras_bytes)
         if n > max_seq_len - 1:

@@ -107,7 +107,8 @@ class Scheduler:
                 start = seq.n_prefilled
                 seq.n_prefilled += k
                 done = seq.n_prefilled == len(seq.prompt)
-                plan.rows.append(PlannedRow(seq, seq.prompt[start:start + k], start, done))
+                plan.rows.append(PlannedRow(seq, seq.prompt[start:start + k], start,
+                                            done and seq.request.sampling.max_new_tokens > 0, seq.scoring))
                 if done:
                     seq.status = SequenceStatus.DECODE
                 self.charge(seq, k)

@@ -7,7 +7,7 @@ from enum import IntEnum
 
 import numpy as np
 
-from engine.request import EngineRequest
+from engine.request import EngineRequest, RequestKind
 
 _order = itertools.count()
 
@@ -65,6 +65,11 @@ class Sequence:
     @property
     def prompt(self) -> np.ndarray:
         return self.request.prompt
+
+    @property
+    def scoring(self) -> bool:
+        """A scoring request: every prompt position's log-probability is published."""
+        return self.request.kind == RequestKind.SCORE
 
     @property
     def prefilling(self) -> bool:

@@ -16,13 +16,16 @@ class PlannedRow:
     Attributes:
         seq: the sequence. tokens: int32 ``[k]`` token ids fed (a prompt chunk, or the last
         sampled token). pos: position of ``tokens[0]``. samples: a token is sampled from the
-        logits of the last one (a decode, or the chunk that ends the prompt).
+        logits of the last one (a decode, or the chunk that ends the prompt). scores: logits
+        of every token are read (a scoring sequence's prompt chunk: each row gives the next
+        prompt token's log-probability).
     """
 
     seq: Sequence
     tokens: np.ndarray
     pos: int
     samples: bool
+    scores: bool = False
 
 
 @dataclass

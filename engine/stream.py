@@ -108,6 +108,17 @@ class Stream:
         finally:
             self.close()
 
+    def prompt_logprobs(self, prompt: list[int]) -> list[Token]:
+        """A scoring request's ``prompt`` (its token ids), scored: one :class:`Token` per prompt
+        token, the first with logprob None (nothing predicts it), each other with its
+        log-probability and top ``n_logprobs`` alternatives as far as the engine has published
+        them (all of them once the first token arrived or the sequence finished normally; a
+        position not reached, after a cancel or a deadline, has logprob None). Read before
+        :meth:`close`."""
+        entries = self.mailboxes.prompt_logprobs(self.lease, self.n_logprobs or 0)
+        return [Token(prompt[0])] + [Token(t, *e) for t, e in zip(prompt[1:], entries)] + \
+            [Token(t) for t in prompt[1 + len(entries):]]
+
     def timings(self) -> Timings:
         """Timestamps of this request (kept from the mailbox when the stream closed)."""
         if self._timings is not None:

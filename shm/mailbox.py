@@ -19,10 +19,11 @@ counter a reader sees never runs ahead of its data. Data behind a counter is nev
 while the counter covers it: a mailbox holds the whole sequence (no wrap-around).
 
 Prompt log-probabilities (a scoring request) use the same per-position arrays from their far
-end: prompt position ``p`` is stored at index ``max_seq_len - 1 - p``. A sequence of ``n``
-prompt tokens generates fewer than ``max_seq_len - n``, so generated tokens (from index 0) and
-prompt positions never share an index, and the segment needs no room of its own for them. Their
-counter is ``n_prompt_logprobs``, under the same rule.
+end: prompt entry ``i``, the log-probability of prompt token ``i + 1`` given those before it
+(the first token has none), is stored at index ``max_seq_len - 1 - i``. A sequence of ``n``
+prompt tokens (``n - 1`` entries) generates at most ``max_seq_len - n`` tokens, so generated
+tokens (from index 0) and prompt entries never share an index, and the segment needs no room of
+its own for them. Their counter is ``n_prompt_logprobs``, under the same rule.
 """
 from __future__ import annotations
 
@@ -159,9 +160,9 @@ class Mailboxes:
         return tok, float(self.logprobs[i, k]), top
 
     def prompt_logprobs(self, lease: Lease, n_logprobs: int) -> list[tuple[float, tuple]]:
-        """The prompt positions published so far (scoring), in order: ``(logprob, ((id,
-        logprob), ...))`` each, with ``n_logprobs`` alternatives. Counter first, then the data
-        it covers (the rule above)."""
+        """The prompt entries published so far (scoring), in order (entry ``i`` is prompt token
+        ``i + 1``): ``(logprob, ((id, logprob), ...))`` each, with ``n_logprobs`` alternatives.
+        Counter first, then the data it covers (the rule above)."""
         i = lease.index
         n = int(self.boxes["n_prompt_logprobs"][i])
         last = self.tokens.shape[1] - 1
@@ -240,16 +241,17 @@ class Mailboxes:
         for p in tokens:
             self.wakeups.wake(p.index)
 
-    def publish_prompt_logprobs(self, index: int, start: int, entries: list[tuple[float, np.ndarray, np.ndarray]]) -> None:
-        """Prompt positions ``start ..`` of mailbox ``index``: each ``(logprob, top_ids,
-        top_logprobs)``, stored from the arrays' far end (module doc); then the counter, then the
-        wake-up."""
-        last = self.tokens.shape[1] - 1
-        for p, (logprob, top_ids, top_lp) in enumerate(entries, start):
-            self.logprobs[index, last - p] = logprob
-            self.top_ids[index, last - p, :len(top_ids)] = top_ids
-            self.top_logprobs[index, last - p, :len(top_lp)] = top_lp
-        self.boxes["n_prompt_logprobs"][index] = start + len(entries)
+    def publish_prompt_logprobs(self, index: int, start: int, logprob: np.ndarray, top_ids: np.ndarray,
+                                top_logprobs: np.ndarray) -> None:
+        """Prompt entries ``start .. start + m - 1`` of mailbox ``index``: ``logprob`` float32
+        ``[m]``, ``top_ids`` int32 ``[m, k]``, ``top_logprobs`` float32 ``[m, k]``, stored from the
+        arrays' far end (module doc); then the counter, then the wake-up."""
+        m, k = len(logprob), top_ids.shape[1]
+        hi = self.tokens.shape[1] - start  # entry start goes to index hi - 1, the next ones below it
+        self.logprobs[index, hi - m:hi] = logprob[::-1]
+        self.top_ids[index, hi - m:hi, :k] = top_ids[::-1]
+        self.top_logprobs[index, hi - m:hi, :k] = top_logprobs[::-1]
+        self.boxes["n_prompt_logprobs"][index] = start + m
         self.wakeups.wake(index)
 
     def finish(self, index: int, lease: int, finish: Finish, error: ErrorCode = ErrorCode.NONE,

@@ -31,7 +31,7 @@ from schemathesis.specs.openapi.checks import (content_type_conformance, negativ
 from engine.request import DEADLINE_MS_BOUNDS, SamplingParams
 from server import errors
 from server.api import requests as params
-from server.api.infer import INFER_FIELDS
+from server.api.infer import INFER_FIELDS, MAX_NEW_TOKENS_BOUNDS
 from server.http.openapi import load
 from tests.conftest import AppServer, running_server
 from tests.test_http_contract import Reply, parse_sse, post, request
@@ -208,7 +208,7 @@ def test_numeric_bounds_are_the_parsers_bounds(component):
         elif name in props:
             assert served == [] and props[name]["type"] == "null", name
     assert _bounds(schema_of("InferRequest")["properties"]["max_new_tokens"])[:2] == \
-        (SamplingParams.bounds("max_new_tokens")["lo"], SamplingParams.bounds("max_new_tokens")["hi"])
+        (MAX_NEW_TOKENS_BOUNDS["lo"], MAX_NEW_TOKENS_BOUNDS["hi"])
 
 
 def test_error_types_are_the_error_contracts():
@@ -233,11 +233,16 @@ def test_answers_conform_in_process(app):
             (COMPLETIONS, {"prompt": [1, 2], "max_tokens": 3, "logprobs": 1, "stream": True,
                            "stream_options": {"include_usage": True}}),
             (COMPLETIONS, {"max_tokens": 0, "priority": "high", "deadline_ms": 5000}),
+            (COMPLETIONS, {"prompt": [[1, 2, 3]], "max_tokens": 1, "echo": True, "logprobs": 1}),
+            (COMPLETIONS, {"prompt": "Hi", "max_tokens": 2, "echo": True, "logprobs": 1, "stream": True}),
+            ("/tokenize", {"prompt": "Hi", "return_token_strs": True}),
+            ("/tokenize", {"messages": hi, "add_generation_prompt": True}),
+            ("/detokenize", {"tokens": [1, 2]}),
             ("/infer", {"payload": "Hi", "max_new_tokens": 3, "tenant_id": "x"})):
         conforms(path, "post", post(app, path, body), 200)
     for path, template in (("/v1/models", None), (f"/v1/models/{MODEL}", "/v1/models/{model}"), ("/health", None),
                            ("/health/ready", None), ("/health/live", None), ("/metrics", None),
-                           ("/openapi.json", None)):
+                           ("/openapi.json", None), ("/tokenizer_info", None)):
         for method in DOC["paths"][template or path]:
             conforms(template or path, method, request(app, method.upper(), path), 200)
     for path, body, status in (
@@ -245,6 +250,8 @@ def test_answers_conform_in_process(app):
             (CHAT, {"messages": hi, "max_tokens": 600}, 400),  # context_length_exceeded
             (CHAT, {"messages": hi, "tools": [{"type": "function"}]}, 400), (COMPLETIONS, b"[1]", 400),
             (COMPLETIONS, {"prompt": "Hi", "model": "nope"}, 404),
+            ("/tokenize", {"prompt": "Hi", "messages": hi}, 400), ("/detokenize", {"tokens": [-1]}, 400),
+            ("/tokenize", {"prompt": "Hi", "model": "nope"}, 404),
             ("/infer", {"payload": "x" * 70_000}, 413)):  # over --max-body-bytes
         conforms(path, "post", post(app, path, body), status)
     conforms("/infer", "post", post(app, "/infer", b"payload=Hi", "application/x-www-form-urlencoded"), 415)

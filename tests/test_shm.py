@@ -227,8 +227,9 @@ def test_prompt_logprobs_share_the_token_arrays_from_their_far_end(transport):
     lease = boxes.lease()
     boxes.submit(lease, 10, _fill(0, 0, 0))
     top = lambda *ids: (np.array(ids, np.int32), np.array([-0.5] * len(ids), np.float32))  # noqa: E731
-    boxes.publish_prompt_logprobs(lease.index, 0, [(-1.0, *top(5, 6)), (-2.0, *top(7, 8))])
-    boxes.publish_prompt_logprobs(lease.index, 2, [(-3.0, *top(9, 1))])
+    rows = lambda *ids: (np.array(ids, np.int32).reshape(-1, 2), np.full((len(ids) // 2, 2), -0.5, np.float32))  # noqa: E731
+    boxes.publish_prompt_logprobs(lease.index, 0, np.array([-1.0, -2.0], np.float32), *rows(5, 6, 7, 8))
+    boxes.publish_prompt_logprobs(lease.index, 2, np.array([-3.0], np.float32), *rows(9, 1))
     boxes.publish([Published(lease.index, k, 100 + k, (-0.25, *top(3, 4))) for k in range(6)], time.monotonic())
     assert boxes.prompt_logprobs(lease, 2) == [(-1.0, ((5, -0.5), (6, -0.5))), (-2.0, ((7, -0.5), (8, -0.5))),
                                               (-3.0, ((9, -0.5), (1, -0.5)))]

@@ -42,11 +42,14 @@ class Batch:
     def room(self) -> int:
         return self.capacity - self.n
 
-    def add(self, tokens: np.ndarray, start_pos: int, seq_id: int, want_logits_last: bool) -> int:
-        """Append ``tokens`` at positions ``start_pos..`` of ``seq_id``.
+    def add(self, tokens: np.ndarray, start_pos: int, seq_id: int, want_logits_last: bool,
+            all_logits: bool = False) -> int:
+        """Append ``tokens`` at positions ``start_pos..`` of ``seq_id``, with logits for the last
+        one (``want_logits_last``) or for every one (``all_logits``: a scoring sequence's prompt).
 
         Returns:
-            the row index of the last token (its logits index if ``want_logits_last``).
+            the row index of the last token (its logits index if ``want_logits_last``); the
+            chunk's rows are ``returned - len(tokens) + 1 ..`` returned.
         Raises:
             ValueError: the batch has no room.
         """
@@ -57,8 +60,9 @@ class Batch:
         self.token[a:b] = tokens
         self.pos[a:b] = np.arange(start_pos, start_pos + k, dtype=np.int32)
         self.seq[a:b] = seq_id
-        self.logits[a:b] = 0
-        self.logits[b - 1] = 1 if want_logits_last else 0
+        self.logits[a:b] = 1 if all_logits else 0
+        if not all_logits:
+            self.logits[b - 1] = 1 if want_logits_last else 0
         self.n_seqs += 1
         self.n = b
         return b - 1

@@ -1,6 +1,7 @@
 """The model and its KV cache in llama.cpp (low-level API of llama-cpp-python)."""
 from __future__ import annotations
 
+import ctypes
 from typing import TYPE_CHECKING, Callable
 
 import llama_cpp
@@ -101,6 +102,17 @@ class Model:
         """Float32 view ``[n_vocab]`` of the logits of batch row ``row`` (valid until next decode)."""
         ptr = llama_cpp.llama_get_logits_ith(self.ctx, row)
         return np.ctypeslib.as_array(ptr, shape=(self.n_vocab,))
+
+    def logits_rows(self, first: int, n: int) -> np.ndarray:
+        """Float32 ``[n, n_vocab]`` logits of batch rows ``first .. first + n - 1``, each computed
+        with logits (valid until the next decode). llama.cpp keeps outputs in batch order, so the
+        rows are one view of its buffer; a copy is made if they are not contiguous there."""
+        ptrs = [ctypes.cast(llama_cpp.llama_get_logits_ith(self.ctx, first + i), ctypes.c_void_p).value
+                for i in (0, n - 1)]
+        row_bytes = 4 * self.n_vocab
+        if ptrs[1] - ptrs[0] == (n - 1) * row_bytes:
+            return np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(self.ctx, first), shape=(n, self.n_vocab))
+        return np.stack([self.logits(first + i) for i in range(n)])
 
     def free_sequence(self, seq_id: int) -> None:
         """Drop every KV cell of ``seq_id``; other sequences' cells are untouched."""

@@ -29,6 +29,15 @@ class Tokenizer:
         for t in range(self.n_vocab):
             n = llama_cpp.llama_token_to_piece(self.vocab, t, buf, len(buf), 0, False)
             self.pieces.append(buf.raw[:n] if n > 0 else b"")
+        # The text of the special tokens that render as nothing (control tokens), for decoding
+        # with them shown (the /detokenize route, as a Hugging Face tokenizer decodes).
+        self.special_pieces = {}
+        for t in (t for t, p in enumerate(self.pieces) if not p):
+            n = llama_cpp.llama_token_to_piece(self.vocab, t, buf, len(buf), 0, True)
+            if n > 0:
+                self.special_pieces[t] = buf.raw[:n]
+        self.bos = llama_cpp.llama_vocab_bos(self.vocab)
+        self.eos = llama_cpp.llama_vocab_eos(self.vocab)
         #: Bytes of the longest token: text of B bytes is at least B / this many tokens.
         self.max_piece_bytes = max(len(p) for p in self.pieces)
         tmpl = llama_cpp.llama_model_chat_template(self._model, None)
@@ -71,6 +80,16 @@ class Tokenizer:
         """UTF-8 bytes of one token (possibly part of a code point)."""
         return self.pieces[token]
 
-    def decode(self, tokens) -> str:
-        """Whole text of ``tokens``; invalid UTF-8 becomes U+FFFD."""
-        return b"".join(self.pieces[t] for t in tokens).decode("utf-8", errors="replace")
+    def decode(self, tokens, special: bool = False) -> str:
+        """Whole text of ``tokens``; invalid UTF-8 becomes U+FFFD. ``special``: control tokens
+        are written as their text (``<|im_end|>``), otherwise as nothing."""
+        pieces = self.pieces
+        if special:
+            return b"".join(self.special_pieces.get(t) or pieces[t] for t in tokens).decode("utf-8", errors="replace")
+        return b"".join(pieces[t] for t in tokens).decode("utf-8", errors="replace")
+
+    def token_text(self, token: int | None) -> str | None:
+        """A special token's text (``bos``, ``eos``), None for None or -1 (the model has none)."""
+        if token is None or token < 0:
+            return None
+        return (self.special_pieces.get(token) or self.pieces[token]).decode("utf-8", errors="replace")

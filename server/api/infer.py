@@ -13,12 +13,14 @@ import time
 
 from engine.errors import InvalidRequest, PermissionDenied
 from engine.request import DEADLINE_MS_BOUNDS, Priority, SamplingParams
-from server.api.requests import check_fields, number, sampling_field
+from server.api.requests import check_fields, number
 from server.generation.pipeline import Generation
 from server.generation.request import Choice, GenerationRequest
 from server.tenancy.tenants import Tenant, TenantRegistry
 
 INFER_FIELDS = {"tenant_id", "payload", "priority", "deadline_ms", "max_new_tokens"}
+#: At least 1: only a scoring request may generate nothing, and /infer does not score.
+MAX_NEW_TOKENS_BOUNDS = {**SamplingParams.bounds("max_new_tokens"), "lo": 1}
 
 
 def parse_infer(body: dict, tenant: Tenant, tenants: TenantRegistry) -> tuple[str, GenerationRequest, list[dict]]:
@@ -40,7 +42,7 @@ def parse_infer(body: dict, tenant: Tenant, tenants: TenantRegistry) -> tuple[st
     if not isinstance(payload, str):
         raise InvalidRequest("payload must be a string", "payload")
     greq = GenerationRequest(
-        sampling=SamplingParams(max_new_tokens=sampling_field(body, "max_new_tokens"), temperature=0.0),
+        sampling=SamplingParams(max_new_tokens=number(body, "max_new_tokens", **MAX_NEW_TOKENS_BOUNDS), temperature=0.0),
         max_tokens_param="max_new_tokens", priority=Priority.parse(body.get("priority")),
         deadline_ms=number(body, "deadline_ms", **DEADLINE_MS_BOUNDS))
     return tenant_id, greq, [{"role": "user", "content": payload}]

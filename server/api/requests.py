@@ -87,7 +87,6 @@ _DEFAULT_ONLY = {
     "reasoning_effort": ([], "reasoning_effort is not supported: the model does not reason"),
     "verbosity": ([], "verbosity is not supported"),
     "moderation": ([], "moderation is not supported"),
-    "echo": ([False], "echo is not supported"),
     "suffix": ([""], "suffix is not supported"),
     "best_of": ([0, 1], "best_of is not supported (only 1)"),
 }
@@ -159,6 +158,7 @@ def parse_generation(body: dict, *, chat: bool) -> GenerationRequest:
         boolean(options, "include_obfuscation")  # nothing to obfuscate; still a boolean
         r.include_usage = boolean(options, "include_usage")
     r.tools = parse_tools(body) if chat else None
+    r.echo = not chat and boolean(body, "echo")
     r.priority = Priority.parse(body.get("priority"))
     r.deadline_ms = number(body, "deadline_ms", **DEADLINE_MS_BOUNDS)
     return r
@@ -302,20 +302,21 @@ def parse_prompt(body: dict, max_prompts: int) -> list[str | list[int]]:
         prompt = ""  # the generator starts an empty prompt as a new document
     if isinstance(prompt, str):
         return [prompt]
-    if isinstance(prompt, list) and prompt and not _is_token(prompt[0]) and len(prompt) > max_prompts:
+    if isinstance(prompt, list) and prompt and not is_token(prompt[0]) and len(prompt) > max_prompts:
         # Counted before any element is looked at, so a huge array is refused cheaply.
         raise InvalidRequest(f"prompt holds {len(prompt)} prompts; with n={body.get('n') or 1} this server "
                              f"can run at most {max_prompts}", "prompt")
     if isinstance(prompt, list) and prompt:
         if all(isinstance(p, str) for p in prompt):
             return list(prompt)
-        if all(_is_token(t) for t in prompt):
+        if all(is_token(t) for t in prompt):
             return [list(prompt)]
-        if all(isinstance(p, list) and p and all(_is_token(t) for t in p) for p in prompt):
+        if all(isinstance(p, list) and p and all(is_token(t) for t in p) for p in prompt):
             return [list(p) for p in prompt]
     raise InvalidRequest("prompt must be a string, an array of strings, an array of token ids or an array of "
                          "non-empty token-id arrays", "prompt")
 
 
-def _is_token(t) -> bool:
+def is_token(t) -> bool:
+    """A JSON integer (not a boolean): a token id before its range is checked."""
     return isinstance(t, int) and not isinstance(t, bool)

@@ -17,7 +17,7 @@ from typing import Iterator
 from engine.client import EngineClient
 from engine.errors import InvalidRequest, PromptTooLong
 from engine.llama.grammar import CheckedGrammars
-from engine.request import reduce_seed
+from engine.request import RequestKind, reduce_seed
 from engine.stream import Stream, Timings, follow
 from engine.llama.tokenizer import Tokenizer
 from server.generation.request import Choice, Delta, GenerationRequest, ToolCall, Usage
@@ -69,18 +69,25 @@ class Generation:
         tool_format: read each choice's text for tool calls in this format (None: no tools, or
             ``tool_choice: "none"``); ``req.tools.parallel`` False reads one call at most, and
             the choice ends (``tool_calls``) once it is complete.
+        echo_texts: with ``req.echo``, each prompt's text, which starts each of its choices.
     Raises:
         InvalidRequest: more choices than the capacity or the tenant's ``max_concurrent``.
     """
 
     def __init__(self, engine: EngineClient, pieces: list[bytes], prompts: list[list[int]],
                  req: GenerationRequest, prompt_param: str, tenant: Tenant = DEFAULT_TENANT,
-                 limiter: RateLimiter | None = None, watch_socket=None, tool_format: ToolFormat | None = None):
+                 limiter: RateLimiter | None = None, watch_socket=None, tool_format: ToolFormat | None = None,
+                 echo_texts: list[str] | None = None):
         self.n_choices = check_choices(engine, len(prompts), req.n, tenant)
         self.tool_format = tool_format
         self.engine, self.prompts, self.prompt_param = engine, prompts, prompt_param
         self.req, self.pieces, self.watch_socket = req, pieces, watch_socket
         self.tenant, self.limiter = tenant, limiter
+        self.echo_texts = echo_texts
+        # What reaches the engine: a scoring request when the prompt's logprobs are asked (it
+        # may generate nothing), otherwise nothing at all for max_tokens 0.
+        self.kind = RequestKind.SCORE if req.scores else RequestKind.GENERATE
+        self.submits = req.max_tokens != 0 or req.scores
         self.prompt_tokens = sum(len(p) for p in prompts)
         self.counts = [0] * self.n_choices  # completion tokens per choice
         # How it went, for telemetry: each choice's finish reason, the exception that ended the
@@ -106,22 +113,26 @@ class Generation:
             request is refunded to its tenant's buckets.
         """
         req, tenant, limiter = self.req, self.tenant, self.limiter
-        cost = 0 if req.max_tokens == 0 else req.n * self.prompt_tokens  # prefill the engine will do
+        cost = req.n * self.prompt_tokens if self.submits else 0  # prefill the engine will do
+        # a scoring request that generates nothing is the one kind with max_new_tokens 0
+        sampling = dataclasses.replace(req.sampling, max_new_tokens=0) if req.max_tokens == 0 and req.scores \
+            else req.sampling
         admitted = False
         try:
             for prompt in self.prompts:
-                self.engine.check(prompt, req.sampling)
+                self.engine.check(prompt, sampling, self.kind)
             if limiter is not None:
                 limiter.admit(tenant, cost)
                 admitted = True
             share = tenant.share(req.priority)
-            for prompt in self.prompts if req.max_tokens != 0 else ():
+            for prompt in self.prompts if self.submits else ():
                 for j in range(req.n):
-                    params = req.sampling
+                    params = sampling
                     if params.seed is not None and j:  # one seed would make every choice the same
                         params = dataclasses.replace(params, seed=reduce_seed(params.seed + j))
                     self.streams.append(self.engine.submit(prompt, params, deadline_ms=req.deadline_ms,
-                                                           watch_socket=self.watch_socket, **share._asdict()))
+                                                           watch_socket=self.watch_socket, kind=self.kind,
+                                                           **share._asdict()))
         except BaseException as e:
             self.close()  # nothing stays submitted
             if admitted:
@@ -144,13 +155,14 @@ class Generation:
             ClientDisconnected: the client left (every choice was cancelled).
             EngineUnavailable: the engine failed meanwhile.
         """
-        if self.req.max_tokens == 0:
+        if not self.submits:
             self.finish_reasons = ["length"] * self.n_choices
-            yield from (Delta(k, "", [], "length") for k in range(self.n_choices))
+            yield from (Delta(k, self._echo_text(k), [], "length") for k in range(self.n_choices))
             return
         detoks = [Detokenizer(self.pieces, self.req.stop) for _ in self.streams]
         parsers = [self._tool_parser() for _ in self.streams]
         ended = [False] * len(self.streams)
+        echoed = [not self.req.echo] * len(self.streams)
         try:
             for k, tokens in follow(self.streams, self.watch_socket, keepalive_s):
                 if k < 0:
@@ -159,6 +171,9 @@ class Generation:
                 self._charge(len(tokens))
                 if ended[k]:
                     continue  # a stop string ended it; its cancellation is being followed
+                if not echoed[k]:  # the prompt comes first, once it is scored (before any token)
+                    echoed[k] = True
+                    yield self._echo(k)
                 self._arrived(k, len(tokens))
                 parser = parsers[k]
                 for token in tokens:
@@ -182,6 +197,16 @@ class Generation:
             raise
         finally:
             self.close()
+
+    def _echo_text(self, k: int) -> str:
+        return self.echo_texts[k // self.req.n] if self.req.echo else ""
+
+    def _echo(self, k: int) -> Delta:
+        """Choice ``k``'s prompt as its first delta: its text and, when scored, one entry per
+        prompt token (the first without a log-probability)."""
+        prompt = self.prompts[k // self.req.n]
+        tokens = self.streams[k].prompt_logprobs(prompt) if self.req.scores else []
+        return Delta(k, self._echo_text(k), tokens)
 
     def _tool_parser(self) -> ToolCallParser | None:
         if self.tool_format is None:
@@ -373,7 +398,8 @@ class Generator:
     def complete(self, prompts: list[str | list[int]], req: GenerationRequest, prompt_param: str = "prompt",
                  **submit) -> Generation:
         """Plain-text prompts (BOS added if the model wants it) or token-id prompts (used as
-        they are). Raises as :class:`Generation` and :meth:`Generation.submit`; InvalidRequest
+        they are); with ``req.echo``, each choice starts with its prompt's text (token ids
+        detokenized). Raises as :class:`Generation` and :meth:`Generation.submit`; InvalidRequest
         for a token id outside the vocabulary."""
         check_choices(self.engine, len(prompts), req.n, submit.get("tenant", DEFAULT_TENANT))  # before tokenizing
         self._check_logit_bias(req)
@@ -394,5 +420,6 @@ class Generator:
                                      prompt_param)
             else:
                 ids.append(list(prompt))
+        echo_texts = [p if isinstance(p, str) else self.tokenizer.decode(p) for p in prompts] if req.echo else None
         return Generation(self.engine, self.tokenizer.pieces, ids, req, prompt_param, limiter=self.limiter,
-                          **submit).submit()
+                          echo_texts=echo_texts, **submit).submit()

@@ -23,6 +23,8 @@ class GenerationRequest:
         priority, deadline_ms: admission class and deadline (None = none).
         grammar_param: the request field ``sampling.grammar`` came from (named in errors), or None.
         tools: the request's tools and tool choice (None: no tools; chat only).
+        echo: each choice starts with its prompt (legacy completions); with logprobs, the
+            prompt is scored too (the engine's scoring kind), its entries first.
     """
 
     sampling: SamplingParams = field(default_factory=SamplingParams)
@@ -36,6 +38,12 @@ class GenerationRequest:
     deadline_ms: float | None = None
     grammar_param: str | None = None
     tools: ToolRequest | None = None
+    echo: bool = False
+
+    @property
+    def scores(self) -> bool:
+        """The prompt's log-probabilities are asked for (``echo`` with ``logprobs``)."""
+        return self.echo and self.sampling.logprobs is not None
 
 
 @dataclass

@@ -13,6 +13,7 @@ from server.http.infer import Infer
 from server.http.middleware import Admission, Authenticate, MetricsPort, Observe, VaryOrigin
 from server.http.models import Models
 from server.http.openapi import OpenAPIDocument
+from server.http.tokenize import Detokenize, Tokenize, TokenizerInfo
 from server.observability.telemetry import Telemetry
 from server.tenancy.tenants import TenantRegistry, Tenants
 
@@ -20,7 +21,8 @@ from server.tenancy.tenants import TenantRegistry, Tenants
 def create_app(config: ServerConfig, generator: Generator, tenants: TenantRegistry | None = None,
                telemetry: Telemetry | None = None) -> falcon.App:
     """Routes: ``/v1/chat/completions``, ``/v1/completions``, ``/v1/models``,
-    ``/v1/models/{model}``, ``/health`` (= ``/health/ready``), ``/health/live``, ``/infer``, and
+    ``/v1/models/{model}``, ``/tokenize``, ``/detokenize``, ``/tokenizer_info``, ``/health``
+    (= ``/health/ready``), ``/health/live``, ``/infer``, and
     ``/metrics`` with metrics on (on its own port with ``--metrics-port``), and ``/openapi.json``
     (:mod:`server.http.openapi`). Errors follow :mod:`server.errors`.
 
@@ -49,6 +51,9 @@ def create_app(config: ServerConfig, generator: Generator, tenants: TenantRegist
     models = Models(config)
     app.add_route("/v1/models", models)
     app.add_route("/v1/models/{model:path}", models, suffix="one")  # names may hold "/"
+    app.add_route("/tokenize", Tokenize(config, generator))
+    app.add_route("/detokenize", Detokenize(config, generator))
+    app.add_route("/tokenizer_info", TokenizerInfo(config, generator))
     health = Health(generator.engine)
     app.add_route("/health", health)
     app.add_route("/health/ready", health)

@@ -60,6 +60,7 @@ class ChatTemplate:
         self.source = source
         self.takes_tools = "tools" in jinja2.meta.find_undeclared_variables(env.parse(source))
         self.template = env.from_string(source)
+        self.source = source  #: the Jinja text (served by GET /tokenizer_info)
         self.tokenizer = tokenizer
         #: Tokens the template adds for each message at least (a cheap lower bound on a prompt).
         self.tokens_per_message = max(0, min(self._added_tokens(r) for r in ("system", "user", "assistant")))
