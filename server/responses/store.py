@@ -18,8 +18,9 @@ Two backends with the same rules:
   takes it; ``:memory:`` in-process (tests' in-process app).
 - :class:`RedisStore` (``--redis-url``): shared by every replica. Keys under the tenant's hash tag
   (``responses:{<tenant>}:...``, as the rate limiter's), so one tenant's keys share a Redis
-  Cluster slot and its Lua scripts are atomic: the entry (``PEXPIRE`` ttl, renewed on read), a
-  sorted set of ids by last use and a hash of sizes, trimmed by the same script that writes.
+  Cluster slot and its Lua scripts are atomic: the entry (``PX`` ttl, renewed on read), a
+  sorted set of ids by last use, a hash of sizes and their total, trimmed by the script that
+  writes.
 
 Redis never makes a request fail with a 5xx: timeouts of 50 ms and no retries as the rate
 limiter's (``server/tenancy/ratelimit.py``); the first failure opens a circuit breaker that
@@ -170,48 +171,49 @@ class LocalStore:
                                     (tenant,)).fetchone())
 
 
-# KEYS: entry, lru (zset id -> last use ms), sizes (hash id -> bytes).
-# ARGV: id, document, now ms, ttl ms, max entries, max bytes.
+# KEYS: entry, lru (zset id -> last use ms), sizes (hash id -> bytes), total (bytes of all).
+# ARGV: id, document, now ms, ttl ms, max entries, max bytes. Returns the entries kept.
 _PUT = """
 local id, doc, now, ttl = ARGV[1], ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4])
 local max_entries, max_bytes = tonumber(ARGV[5]), tonumber(ARGV[6])
+local prefix = string.sub(KEYS[1], 1, string.len(KEYS[1]) - string.len(id))
+local total = tonumber(redis.call('GET', KEYS[4]) or '0') - tonumber(redis.call('HGET', KEYS[3], id) or '0')
+local function forget(old)
+  total = total - tonumber(redis.call('HGET', KEYS[3], old) or '0')
+  redis.call('ZREM', KEYS[2], old)
+  redis.call('HDEL', KEYS[3], old)
+  redis.call('DEL', prefix .. old)
+end
+-- entries unused for ttl have expired on their own: forget them
+for _, old in ipairs(redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', '(' .. (now - ttl))) do forget(old) end
 redis.call('SET', KEYS[1], doc, 'PX', ttl)
 redis.call('ZADD', KEYS[2], now, id)
 redis.call('HSET', KEYS[3], id, string.len(doc))
-local prefix = string.sub(KEYS[1], 1, string.len(KEYS[1]) - string.len(id))
--- entries unused for ttl have expired on their own: forget them
-for _, old in ipairs(redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', now - ttl)) do
-  redis.call('ZREM', KEYS[2], old)
-  redis.call('HDEL', KEYS[3], old)
-end
-local total = 0
-for i, v in ipairs(redis.call('HVALS', KEYS[3])) do total = total + tonumber(v) end
+total = total + string.len(doc)
 local count = redis.call('ZCARD', KEYS[2])
-while count > max_entries or total > max_bytes do
-  local oldest = redis.call('ZRANGE', KEYS[2], 0, 0)[1]
-  total = total - tonumber(redis.call('HGET', KEYS[3], oldest) or '0')
-  redis.call('ZREM', KEYS[2], oldest)
-  redis.call('HDEL', KEYS[3], oldest)
-  redis.call('DEL', prefix .. oldest)
+while count > max_entries or total > max_bytes do  -- least recently used first
+  forget(redis.call('ZRANGE', KEYS[2], 0, 0)[1])
   count = count - 1
 end
+redis.call('SET', KEYS[4], total, 'PX', ttl)
 redis.call('PEXPIRE', KEYS[2], ttl)
 redis.call('PEXPIRE', KEYS[3], ttl)
 return count
 """
-# KEYS: entry, lru, sizes. ARGV: id, now ms, ttl ms. The document, its last use renewed.
+# KEYS: entry, lru, sizes, total. ARGV: id, now ms, ttl ms. The document, its last use renewed.
 _GET = """
 local doc = redis.call('GET', KEYS[1])
 if doc then
   redis.call('PEXPIRE', KEYS[1], ARGV[3])
   redis.call('ZADD', KEYS[2], ARGV[2], ARGV[1])
-  redis.call('PEXPIRE', KEYS[2], ARGV[3])
-  redis.call('PEXPIRE', KEYS[3], ARGV[3])
+  for i = 2, 4 do redis.call('PEXPIRE', KEYS[i], ARGV[3]) end
 end
 return doc
 """
+# KEYS: entry, lru, sizes, total. ARGV: id. 1 when it was there.
 _DELETE = """
 local gone = redis.call('DEL', KEYS[1])
+redis.call('DECRBY', KEYS[4], tonumber(redis.call('HGET', KEYS[3], ARGV[1]) or '0'))
 redis.call('ZREM', KEYS[2], ARGV[1])
 redis.call('HDEL', KEYS[3], ARGV[1])
 return gone
@@ -240,7 +242,8 @@ class RedisStore:
     @staticmethod
     def keys(tenant: str, response_id: str) -> list[str]:
         tag = "{" + quote(tenant, safe="") + "}"  # braces escaped: one tag per tenant, never shared
-        return [f"responses:{tag}:r:{response_id}", f"responses:{tag}:lru", f"responses:{tag}:sizes"]
+        return [f"responses:{tag}:r:{response_id}", f"responses:{tag}:lru", f"responses:{tag}:sizes",
+                f"responses:{tag}:bytes"]
 
     def _call(self, script, keys, args):
         if self._open:
@@ -272,9 +275,9 @@ class RedisStore:
             raise _missing(response_id)
 
     def usage(self, tenant: str) -> tuple[int, int]:
-        _, lru, sizes = self.keys(tenant, "")
+        _, lru, _, total = self.keys(tenant, "")
         try:
-            return self.redis.zcard(lru), sum(int(v) for v in self.redis.hvals(sizes))
+            return self.redis.zcard(lru), int(self.redis.get(total) or 0)
         except redis.RedisError:
             raise StoreUnavailable("the response store (Redis) is unavailable") from None
 
