@@ -24,7 +24,7 @@ from server.generation.pipeline import Generation, Generator
 from server.http.body import read_json
 from server.http.json import dumps
 from server.responses.output import ResponseBuilder
-from server.responses.request import ResponsesRequest, new_id, parse, previous_id, responses_param
+from server.responses.request import ResponsesRequest, new_id, parse, responses_param
 from server.responses.store import StoreUnavailable
 
 log = logging.getLogger("responses")
@@ -50,9 +50,7 @@ class Responses:
         tenant = req.context.tenant
         try:
             model = check_model(body, self.config.model_ids)
-            prev = previous_id(body)
-            previous = self.store.get(tenant.id, prev) if prev is not None else None
-            rr = parse(body, previous)
+            rr = parse(body, lambda rid: self.store.get(tenant.id, rid))
             greq = parse_generation(rr.chat, chat=True)
             messages = parse_messages(rr.chat, self.config.max_messages)
             gen = self.generator.chat(messages, greq, prompt_param="input", render=render_options(rr.chat, messages),
@@ -62,7 +60,8 @@ class Responses:
             raise
         except RequestError as e:
             if e.param == "response_id":  # the previous response is unknown to this tenant
-                e.param, e.message = "previous_response_id", f"Previous response with id {prev!r} not found."
+                e.param = "previous_response_id"
+                e.message = f"Previous response with id {body['previous_response_id']!r} not found."
             e.param = responses_param(e.param)
             raise
         req.context.record.attach(gen, body.get("input"))

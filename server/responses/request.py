@@ -20,6 +20,7 @@ from __future__ import annotations
 import re
 import secrets
 from dataclasses import dataclass, field
+from typing import Callable
 
 import ujson
 
@@ -98,14 +99,18 @@ def previous_id(body: dict) -> str | None:
     return value
 
 
-def parse(body: dict, previous: dict | None) -> ResponsesRequest:
-    """``body`` -> :class:`ResponsesRequest`; ``previous``: the stored document of
-    ``previous_response_id`` (None without one).
+def parse(body: dict, load_previous: Callable[[str], dict]) -> ResponsesRequest:
+    """``body`` -> :class:`ResponsesRequest`. ``load_previous(id)``: the stored document of
+    ``previous_response_id``, called (once, when there is one) after the fields are checked,
+    so a malformed request is refused before the store is asked.
 
     Raises:
-        InvalidRequest: a field this route refuses or that is malformed (``param`` names it).
+        InvalidRequest: a field this route refuses or that is malformed (``param`` names it);
+        and what ``load_previous`` raises.
     """
     check_fields(body)
+    prev = previous_id(body)
+    previous = load_previous(prev) if prev is not None else None
     for name in ("store", "stream"):
         if body.get(name) is not None and not isinstance(body[name], bool):
             raise InvalidRequest(f"{name} must be a boolean", name)
