@@ -19,7 +19,8 @@ a tool call) of one request with 8 tools (``tool_choice: "auto"``) beside the sa
 without tools, and beside a plain request with the same prompt text (the 8 tools written into
 its system message as the generic format writes them: the prefill's share), alternating
 ``--ttft-rounds`` times; each request opens with a fresh nonce, so neither the prefix cache nor
-the engine's grammar cache serves it.
+the engine's grammar cache serves it. ``--rounds 0`` or ``--ttft-rounds 0`` leaves that part
+out (each part alone stays under five minutes on a busy two-core machine).
 """
 from __future__ import annotations
 
@@ -107,46 +108,56 @@ def main(argv=None) -> dict:
     with running_server("--max-slots", str(args.clients), "--max-seq-len", "2048", "--max-queued", "16",
                         "--workers", "2", "--grpc-port", "0") as server:
         port = server.port
-        batch(port, args.clients, {**plain_body, "max_tokens": 8})  # warm-up (and the grammar compiled)
-        batch(port, 1, {**tools_body, "max_tokens": 8})
-        runs = {"tools": [], "plain": []}
-        for _ in range(args.rounds):
-            for kind, body in (("tools", tools_body), ("plain", plain_body)):
-                runs[kind].append(batch(port, args.clients, body))
-                server.wait_idle(60)
-        med = {k: statistics.median(r["tokens_per_s"] for r in v) for k, v in runs.items()}
-        result.update(throughput_runs=runs, tools_tokens_per_s=med["tools"], plain_tokens_per_s=med["plain"],
-                      ratio=med["tools"] / med["plain"])
-        print(f"{args.clients} streams, {args.gen_tokens} tokens: tools (required) {med['tools']:.1f} tok/s, "
-              f"plain {med['plain']:.1f} tok/s; ratio {med['tools'] / med['plain']:.3f} "
-              f"(runs tools {[round(r['tokens_per_s'], 1) for r in runs['tools']]}, "
-              f"plain {[round(r['tokens_per_s'], 1) for r in runs['plain']]})")
-        ttft = {"8 tools": [], "no tools": [], "no tools, same prompt": []}
-        prompt_tokens = {}
-        for _ in range(args.ttft_rounds):
-            nonce = secrets.token_hex(6)
+        if args.rounds:  # 0: the time to first token only
+            batch(port, args.clients, {**plain_body, "max_tokens": 8})  # warm-up (and the grammar compiled)
+            batch(port, 1, {**tools_body, "max_tokens": 8})
+            runs = {"tools": [], "plain": []}
+            for _ in range(args.rounds):
+                for kind, body in (("tools", tools_body), ("plain", plain_body)):
+                    runs[kind].append(batch(port, args.clients, body))
+                    server.wait_idle(60)
+            report_throughput(args, runs, result)
+        if args.ttft_rounds:  # 0: the throughput only
+            time_to_first_token(args, port, result)
+    save(result, args.json)
+    return result
+
+
+def report_throughput(args, runs: dict, result: dict) -> None:
+    med = {k: statistics.median(r["tokens_per_s"] for r in v) for k, v in runs.items()}
+    result.update(throughput_runs=runs, tools_tokens_per_s=med["tools"], plain_tokens_per_s=med["plain"],
+                  ratio=med["tools"] / med["plain"])
+    print(f"{args.clients} streams, {args.gen_tokens} tokens: tools (required) {med['tools']:.1f} tok/s, "
+          f"plain {med['plain']:.1f} tok/s; ratio {med['tools'] / med['plain']:.3f} "
+          f"(runs tools {[round(r['tokens_per_s'], 1) for r in runs['tools']]}, "
+          f"plain {[round(r['tokens_per_s'], 1) for r in runs['plain']]})")
+
+
+def time_to_first_token(args, port: int, result: dict) -> None:
+    ttft = {"8 tools": [], "no tools": [], "no tools, same prompt": []}
+    prompt_tokens = {}
+    for _ in range(args.ttft_rounds):
+        for kind in ttft:
+            nonce = secrets.token_hex(6)  # each request its own: nothing cached serves it
             ask = [{"role": "system", "content": f"[{nonce}] You are a concise assistant."},
                    {"role": "user", "content": "What is the weather in Paris?"}]
             tools = eight_tools(nonce)
             written = generic_messages(ask, tuple(Tool(t["function"]["name"], t["function"]["description"],
                                                        t["function"]["parameters"]) for t in tools))
-            for kind, extra in (("8 tools", {"tools": tools}), ("no tools", {}),
-                                ("no tools, same prompt", {"messages": written})):
-                body = {"messages": ask, "max_tokens": 8, "temperature": 0, **extra}
-                ttft[kind].append(stream(port, body)["ttft"] * 1000)
-                conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
-                conn.request("POST", "/v1/chat/completions", json.dumps({**body, "max_tokens": 0}),
-                             {"Content-Type": "application/json"})
-                prompt_tokens[kind] = json.loads(conn.getresponse().read())["usage"]["prompt_tokens"]
-                conn.close()
-        med_ttft = {k: statistics.median(v) for k, v in ttft.items()}
-        result.update(ttft_ms=ttft, ttft_p50_ms=med_ttft, ttft_prompt_tokens=prompt_tokens)
-        print(f"time to first token, p50 of {args.ttft_rounds}: 8 tools {med_ttft['8 tools']:.0f} ms "
-              f"({prompt_tokens['8 tools']} prompt tokens), no tools {med_ttft['no tools']:.0f} ms "
-              f"({prompt_tokens['no tools']} prompt tokens), no tools with the same prompt text "
-              f"{med_ttft['no tools, same prompt']:.0f} ms ({prompt_tokens['no tools, same prompt']} prompt tokens)")
-    save(result, args.json)
-    return result
+            extra = {"8 tools": {"tools": tools}, "no tools": {}, "no tools, same prompt": {"messages": written}}
+            body = {"messages": ask, "max_tokens": 8, "temperature": 0, **extra[kind]}
+            ttft[kind].append(stream(port, body)["ttft"] * 1000)
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+            conn.request("POST", "/v1/chat/completions", json.dumps({**body, "max_tokens": 0}),
+                         {"Content-Type": "application/json"})
+            prompt_tokens[kind] = json.loads(conn.getresponse().read())["usage"]["prompt_tokens"]
+            conn.close()
+    med_ttft = {k: statistics.median(v) for k, v in ttft.items()}
+    result.update(ttft_ms=ttft, ttft_p50_ms=med_ttft, ttft_prompt_tokens=prompt_tokens)
+    print(f"time to first token, p50 of {args.ttft_rounds}: 8 tools {med_ttft['8 tools']:.0f} ms "
+          f"({prompt_tokens['8 tools']} prompt tokens), no tools {med_ttft['no tools']:.0f} ms "
+          f"({prompt_tokens['no tools']} prompt tokens), no tools with the same prompt text "
+          f"{med_ttft['no tools, same prompt']:.0f} ms ({prompt_tokens['no tools, same prompt']} prompt tokens)")
 
 
 if __name__ == "__main__":

@@ -304,6 +304,9 @@ class Generator:
         if offered:
             if req.sampling.grammar is not None:
                 raise InvalidRequest("tools cannot be combined with response_format", "response_format")
+            if render.get("continue_final_message"):  # the call grammar starts where the answer starts
+                raise InvalidRequest("continue_final_message cannot be combined with tools (use tool_choice: none)",
+                                     "continue_final_message")
             req.sampling = dataclasses.replace(req.sampling, grammar=tool_grammar(self.tool_format, req.tools,
                                                                                   self.tool_specials))
         if self.tool_format.native:
