@@ -2,7 +2,8 @@
 (entries, bytes, idle time, least recently used first, per tenant), in SQLite and in a real
 Redis; and two real replicas sharing one Redis: a response stored through one is read and
 continued through the other, and while Redis is down answers still come, say they were not
-stored, and a continuation is a clear 424."""
+stored, and a continuation is a clear 424. And the translation of a Responses body into the
+chat body it means (``server/responses/request.py``), without a server."""
 from __future__ import annotations
 
 import os
@@ -135,3 +136,46 @@ def test_two_replicas_share_the_store_and_redis_down_is_never_a_5xx(tmp_path):
                     "x-response-stored"] != "true":
                 assert time.monotonic() < end
                 time.sleep(0.2)
+
+
+# -- the translation onto chat (no server) ---------------------------------------------------------------
+def test_a_responses_body_becomes_the_chat_body_it_means():
+    from server.responses.request import parse, responses_param
+
+    stored = {"conversation": [{"role": "user", "content": "Earlier"}, {"role": "assistant", "content": "Answer"}]}
+    body = {"instructions": "Be brief.", "previous_response_id": "resp_1", "max_output_tokens": 9, "top_p": 0.5,
+            "input": [{"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Let me"}]},
+                      {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
+                      {"type": "function_call", "call_id": "c2", "name": "f", "arguments": "{\"a\": 1}"},
+                      {"type": "function_call_output", "call_id": "c1", "output": [{"type": "input_text", "text": "1"}]},
+                      {"type": "function_call_output", "call_id": "c2", "output": "2"}],
+            "tools": [{"type": "function", "name": "f", "parameters": {"type": "object"}, "strict": True}],
+            "tool_choice": {"type": "function", "name": "f"}, "parallel_tool_calls": False,
+            "text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "object"}, "strict": True}}}
+    asked = []
+    rr = parse(body, lambda rid: asked.append(rid) or stored)
+    assert asked == ["resp_1"]
+    calls = [{"id": c, "type": "function", "function": {"name": "f", "arguments": a}}
+             for c, a in (("c1", "{}"), ("c2", "{\"a\": 1}"))]
+    assert rr.chat == {
+        "messages": [{"role": "system", "content": "Be brief."}, *stored["conversation"],
+                     {"role": "assistant", "content": "Let me", "tool_calls": calls},
+                     {"role": "tool", "tool_call_id": "c1", "content": "1"},
+                     {"role": "tool", "tool_call_id": "c2", "content": "2"}],
+        "add_generation_prompt": True, "max_tokens": 9, "top_p": 0.5, "parallel_tool_calls": False,
+        "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}, "strict": True}}],
+        "tool_choice": {"type": "function", "function": {"name": "f"}},
+        "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"},
+                                                                   "strict": True}}}
+    assert rr.conversation == rr.chat["messages"][1:]  # what a continuation of this one re-sends
+    assert [i["type"] for i in rr.input_items] == ["message", "function_call", "function_call",
+                                                   "function_call_output", "function_call_output"]
+    assert all(i["id"] for i in rr.input_items)
+    # a refusal on the chat side names the Responses field
+    assert [responses_param(p) for p in ("max_tokens", "response_format.json_schema.schema", "tools[2].function.name",
+                                         "tool_choice.function.name", "messages[3].content", "temperature")] == \
+        ["max_output_tokens", "text.format.schema", "tools[2].name", "tool_choice.name", "input", "temperature"]
+    # a malformed body is refused before the store is asked
+    with pytest.raises(Exception, match="background"):
+        parse({"input": "x", "previous_response_id": "resp_1", "background": True}, lambda rid: asked.append(rid))
+    assert asked == ["resp_1"]
