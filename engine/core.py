@@ -178,12 +178,13 @@ class EngineCore:
 
     def servable(self, request: EngineRequest) -> bool:
         """Defensive: the client checked the request; a corrupt record must not reach llama.cpp
-        (a length beyond the slot, a biased token outside the vocabulary), and a kind this engine
-        does not serve yet (scoring) is refused."""
+        (a length beyond the slot, a biased token outside the vocabulary, a grammar that is not
+        text), and a kind this engine does not serve yet (scoring) is refused."""
         n, m = len(request.prompt), request.sampling.max_new_tokens or 0
         return (request.kind == RequestKind.GENERATE
                 and 1 <= n < self.config.max_seq_len and m >= 1 and n + m <= self.config.max_seq_len
-                and all(0 <= t < self.model.n_vocab for t, _ in request.sampling.logit_bias))
+                and all(0 <= t < self.model.n_vocab for t, _ in request.sampling.logit_bias)
+                and isinstance(request.sampling.grammar, (str, type(None))))
 
     @staticmethod
     def compiling(seq: Sequence) -> bool:
@@ -200,7 +201,7 @@ class EngineCore:
         whose grammar did not compile (the front end checks grammars, so only a corrupt record)."""
         for seq in list(self.sched.waiting):
             reason, error = self._expiry(seq, now), ErrorCode.NONE
-            if not reason and seq.grammar is not None and seq.grammar.done() and seq.grammar.result().is_error():
+            if not reason and seq.grammar is not None and seq.grammar.done() and self.grammars.failed(seq.grammar):
                 reason, error = Finish.ERROR, ErrorCode.BAD_REQUEST
             if reason:
                 self.sched.drop_waiting(seq)

@@ -199,6 +199,23 @@ class SamplingParams:
         return {f.name: getattr(self, f.name) for f in fields(self)
                 if _is_blob(f) and getattr(self, f.name) != f.default}
 
+    def extras_bytes(self) -> bytes:
+        """The variable section's bytes: the ``blob`` fields as one JSON object (b"" if none)."""
+        blobs = self.extras()
+        return json.dumps(blobs, separators=(",", ":")).encode() if blobs else b""
+
+    def check_extras(self, extras_bytes: int) -> None:
+        """Raise unless the variable section fits ``extras_bytes``.
+
+        Raises:
+            InvalidRequest: naming the largest ``blob`` field.
+        """
+        if len(extras := self.extras_bytes()) > extras_bytes:
+            blobs = self.extras()
+            name = max(blobs, key=lambda k: len(json.dumps(blobs[k])))
+            raise InvalidRequest(f"{name} needs {len(extras)} bytes of the request's variable section; this "
+                                 f"server carries at most {extras_bytes} (--max-request-extras-bytes)", name)
+
     def encode(self, rec) -> None:
         """Write the fixed fields into a record with :meth:`wire_fields` (None as -1)."""
         for f in fields(self):
@@ -262,9 +279,8 @@ class EngineRequest:
                          ("n_extras", "i4"), ("extras", "u1", (extras_bytes,))])
 
     def extras(self) -> bytes:
-        """The variable section's bytes: the ``blob`` fields as one JSON object (b"" if none)."""
-        blobs = self.sampling.extras()
-        return json.dumps(blobs, separators=(",", ":")).encode() if blobs else b""
+        """The variable section's bytes (:meth:`SamplingParams.extras_bytes`)."""
+        return self.sampling.extras_bytes()
 
     def encode(self, payload: np.ndarray, max_seq_len: int) -> None:
         """Write this request into a record's payload bytes (``uint8 [wire_dtype.itemsize]``)."""
@@ -317,11 +333,8 @@ class EngineRequest:
         n, max_new = len(self.prompt), self.sampling.max_new_tokens
         if n < 1:
             raise InvalidRequest("prompt is empty", "prompt")
-        if extras_bytes is not None and len(extras := self.extras()) > extras_bytes:
-            blobs = self.sampling.extras()
-            name = max(blobs, key=lambda k: len(json.dumps(blobs[k])))
-            raise InvalidRequest(f"{name} needs {len(extras)} bytes of the request's variable section; this "
-                                 f"server carries at most {extras_bytes} (--max-request-extras-bytes)", name)
+        if extras_bytes is not None:
+            self.sampling.check_extras(extras_bytes)
         if n > max_seq_len - 1:
             raise PromptTooLong(n, max_seq_len)
         if max_new is None:

@@ -67,7 +67,8 @@ def test_a_grammar_that_fails_ends_the_sequence_with_an_error(engine, tokenizer)
     # Only the end of generation may come, and ignore_eos bans it: nothing the grammar allows is
     # left to sample. The sequence must end with an error, never go on unconstrained.
     with pytest.raises(ConstraintFailed):
-        _run(engine, tokenizer, "x", max_new_tokens=8, ignore_eos=True, grammar=llguidance.LLMatcher.grammar_from_regex(""))
+        _run(engine, tokenizer, "x", max_new_tokens=8, ignore_eos=True,
+             grammar=llguidance.LLMatcher.grammar_from_regex(""))
     assert engine.client.mailboxes_in_use() == 0
 
 
@@ -77,3 +78,26 @@ def test_an_uncompilable_grammar_in_a_record_is_refused_by_the_engine(engine, to
     with pytest.raises(InvalidRequest):
         _run(engine, tokenizer, "x", max_new_tokens=4, grammar=bad)
     assert engine.client.mailboxes_in_use() == 0
+
+
+def test_compiled_grammars_are_cached_per_tenant_and_bounded(tokenizer):
+    import llama_cpp
+
+    from engine.llama.grammar import CheckedGrammars, Grammars
+
+    eog = frozenset(t for t in range(tokenizer.n_vocab) if llama_cpp.llama_vocab_is_eog(tokenizer.vocab, t))
+    grammars = Grammars(tokenizer.vocab, eog, tokenizer.n_vocab, capacity=2)
+    try:
+        first = grammars.compile(1, GRAMMAR)
+        assert grammars.compile(1, GRAMMAR) is first  # cached: no second compile
+        other = grammars.compile(2, GRAMMAR)
+        assert other is not first  # another tenant's own entry
+        grammars.compile(3, GRAMMAR).result()
+        assert grammars.compile(1, GRAMMAR) is not first  # the least recently used was evicted
+        a, b = grammars.constraint(first), grammars.constraint(first)
+        a.accept(tokenizer.encode("{")[0])
+        assert not a.error and b.allows(tokenizer.encode("{")[0])  # each sequence its own state
+    finally:
+        grammars.close()
+    checked = CheckedGrammars(capacity=1)
+    assert checked.check(1, GRAMMAR) == "" and checked.check(2, "not a grammar") != ""

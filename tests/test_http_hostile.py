@@ -149,7 +149,7 @@ def test_legacy_logprobs_byte_tokens_and_text_offsets(server):
 
 @pytest.mark.parametrize("path,extra,param", [
     (CHAT, {"functions": [{"name": "f"}]}, "functions"),
-    (CHAT, {"response_format": {"type": "json_object"}}, "response_format"),
+    (CHAT, {"structured_outputs": {"regex": "[a-"}}, "structured_outputs.regex"),
 ])
 def test_unimplemented_options_are_refused(server, path, extra, param):
     body = {"messages": HI} if path == CHAT else {"prompt": "Hi"}

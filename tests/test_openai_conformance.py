@@ -158,7 +158,7 @@ def test_other_routes_and_unknown_fields_are_refused(app):
 
 @pytest.mark.parametrize("field,value", [
     ("functions", [{"name": "f"}]), ("tool_choice", "required"),
-    ("response_format", {"type": "json_object"}), ("store", True),
+    ("store", True),
     ("modalities", ["text", "audio"]), ("audio", {"voice": "alloy", "format": "mp3"}),
     ("prediction", {"type": "content", "content": "x"}), ("reasoning_effort", "low"), ("verbosity", "low"),
     ("web_search_options", {}), ("moderation", {"model": "m"})])

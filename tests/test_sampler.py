@@ -26,9 +26,9 @@ class Forbid:
         self.asked.append(token)
         return token not in self.banned
 
-    def mask(self, logits):
+    def allowed(self):
         self.masked += 1
-        logits[list(self.banned)] = -np.inf
+        return np.array(sorted(set(range(49152)) - self.banned), np.int32)
 
     def accept(self, token):
         self.accepted.append(token)

@@ -10,6 +10,7 @@ import ujson
 from engine.errors import InvalidRequest, ModelNotFound
 from engine.request import (DEADLINE_MS_BOUNDS, INT32_MAX, LOGIT_BIAS_BOUNDS, Priority, SamplingParams, check_number,
                             reduce_seed, shown)
+from server.api.structured import parse_structured
 from server.api.tools import message_tool_fields, parse_tools
 from server.generation.request import GenerationRequest
 
@@ -59,7 +60,8 @@ def check_model(body: dict, model_ids: tuple[str, ...]) -> str:
 #: Fields both routes implement (OpenAI's and this server's extensions).
 _COMMON = {"model", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "stop",
            "presence_penalty", "frequency_penalty", "seed", "logprobs", "logit_bias", "user",
-           "top_k", "min_p", "repeat_penalty", "ignore_eos", "priority", "deadline_ms"}
+           "top_k", "min_p", "repeat_penalty", "ignore_eos", "priority", "deadline_ms",
+           "response_format", "structured_outputs"}
 CHAT_FIELDS = _COMMON | {
     "messages", "max_completion_tokens", "top_logprobs", "continue_final_message", "add_generation_prompt",
     "tools", "tool_choice", "parallel_tool_calls",  # server/api/tools.py
@@ -67,7 +69,7 @@ CHAT_FIELDS = _COMMON | {
     "safety_identifier", "metadata", "service_tier", "prompt_cache_key", "prompt_cache_retention",
     "prompt_cache_options",
     # served only at their default value, refused otherwise (docs/api.md "API"):
-    "store", "modalities", "functions", "function_call", "response_format", "audio",
+    "store", "modalities", "functions", "function_call", "audio",
     "prediction", "web_search_options", "reasoning_effort", "verbosity", "moderation"}
 COMPLETION_FIELDS = _COMMON | {"prompt", "best_of", "echo", "suffix"}
 
@@ -77,7 +79,6 @@ _DEFAULT_ONLY = {
     "functions": ([[]], "functions (deprecated) are not supported: send tools"),
     "function_call": (["none", "auto"], "function_call (deprecated) other than none/auto is not supported: send "
                                         "tool_choice"),
-    "response_format": ([{"type": "text"}], "response_format other than {\"type\": \"text\"} is not supported"),
     "store": ([False], "store is not supported: completions are not stored"),
     "modalities": ([["text"]], "modalities other than [\"text\"] are not supported"),
     "audio": ([], "audio output is not supported"),
@@ -138,10 +139,11 @@ def parse_generation(body: dict, *, chat: bool) -> GenerationRequest:
     # OpenAI's document bounds seed at ±9223372036854776000 (2**63 as a float); any integer is
     # reduced to a reproducible llama.cpp seed anyway.
     seed = number(body, "seed", lo=-2**64, hi=2**64, integer=True)
+    grammar, r.grammar_param = parse_structured(body)
     r.sampling = SamplingParams(
         max_new_tokens=max_tokens or None, seed=None if seed is None else reduce_seed(seed),
         ignore_eos=boolean(body, "ignore_eos"), logprobs=_logprobs(body, chat), logit_bias=_logit_bias(body),
-        **{k: v for k, v in kwargs.items() if v is not None})
+        grammar=grammar, **{k: v for k, v in kwargs.items() if v is not None})
     r.stop = _stops(body.get("stop"))
     r.n = number(body, "n", lo=1, hi=MAX_N, integer=True, default=1)
     r.stream = boolean(body, "stream")

@@ -16,6 +16,7 @@ from typing import Iterator
 
 from engine.client import EngineClient
 from engine.errors import InvalidRequest, PromptTooLong
+from engine.llama.grammar import CheckedGrammars
 from engine.request import reduce_seed
 from engine.stream import Stream, Timings, follow
 from engine.llama.tokenizer import Tokenizer
@@ -129,6 +130,8 @@ class Generation:
                 e.param = req.max_tokens_param if e.max_new_tokens is not None else self.prompt_param
             elif isinstance(e, InvalidRequest) and e.param == "prompt":
                 e.param = self.prompt_param
+            elif isinstance(e, InvalidRequest) and e.param == "grammar":
+                e.param = req.grammar_param
             raise
         return self
 
@@ -275,6 +278,7 @@ class Generator:
     def __init__(self, engine: EngineClient, tokenizer: Tokenizer, template: ChatTemplate,
                  limiter: RateLimiter | None = None):
         self.engine, self.tokenizer, self.template, self.limiter = engine, tokenizer, template, limiter
+        self.grammars = CheckedGrammars()
         #: How the template's model writes tool calls (``server/tools/formats.py``).
         self.tool_format = detect(template.source, template.takes_tools)
         #: Its fixed texts that are one special token here, and the pieces a tool-calling
@@ -299,16 +303,18 @@ class Generator:
         render = render or {}
         self._check_logit_bias(req)
         offered = req.tools.tools if req.tools is not None and req.tools.choice != NONE else ()
-        texts = [m["content"] or "" for m in messages] + [json.dumps(t.parameters) for t in offered]
-        self._fits_at_all(texts, prompt_param, len(messages) * self.template.tokens_per_message)
         if offered:
-            if req.sampling.grammar is not None:
-                raise InvalidRequest("tools cannot be combined with response_format", "response_format")
+            if req.sampling.grammar is not None:  # a JSON grammar would forbid the call markers
+                raise InvalidRequest(f"tools cannot be combined with {req.grammar_param}", req.grammar_param)
             if render.get("continue_final_message"):  # the call grammar starts where the answer starts
                 raise InvalidRequest("continue_final_message cannot be combined with tools (use tool_choice: none)",
                                      "continue_final_message")
             req.sampling = dataclasses.replace(req.sampling, grammar=tool_grammar(self.tool_format, req.tools,
                                                                                   self.tool_specials))
+            req.grammar_param = "tools"
+        self._check_grammar(req, submit.get("tenant", DEFAULT_TENANT))
+        texts = [m["content"] or "" for m in messages] + [json.dumps(t.parameters) for t in offered]
+        self._fits_at_all(texts, prompt_param, len(messages) * self.template.tokens_per_message)
         if self.tool_format.native:
             ids = self.template.encode(messages, tools=[t.openai() for t in offered] or None, **render)
         else:
@@ -327,6 +333,26 @@ class Generator:
         if outside:
             raise InvalidRequest(f"logit_bias names token id {outside[0]}, outside the vocabulary "
                                  f"(0..{self.tokenizer.n_vocab - 1})", "logit_bias")
+
+    def _check_grammar(self, req: GenerationRequest, tenant: Tenant) -> None:
+        """The request's grammar fits the record's variable section, then compiles within
+        llguidance's limits (``engine.llama.grammar.check``, memoized per tenant), so the engine
+        never sees one that does not.
+
+        Raises:
+            InvalidRequest: naming ``req.grammar_param``, with the library's message.
+        """
+        grammar = req.sampling.grammar
+        if grammar is None:
+            return
+        try:
+            req.sampling.check_extras(self.engine.max_extras_bytes)
+        except InvalidRequest as e:
+            e.param = req.grammar_param
+            raise
+        error = self.grammars.check(tenant.index, grammar)
+        if error:
+            raise InvalidRequest(f"{req.grammar_param} cannot be enforced: {error}", req.grammar_param)
 
     def _fits_at_all(self, texts: list[str], prompt_param: str, template_tokens: int = 0) -> None:
         """Refuse, before rendering or tokenizing, text that cannot fit one sequence: a token holds
@@ -351,6 +377,7 @@ class Generator:
         for a token id outside the vocabulary."""
         check_choices(self.engine, len(prompts), req.n, submit.get("tenant", DEFAULT_TENANT))  # before tokenizing
         self._check_logit_bias(req)
+        self._check_grammar(req, submit.get("tenant", DEFAULT_TENANT))
         self._fits_at_all([p for p in prompts if isinstance(p, str)], prompt_param)
         ids = []
         for i, prompt in enumerate(prompts):

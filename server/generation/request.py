@@ -21,6 +21,7 @@ class GenerationRequest:
         stop: stop strings (text, applied here). n: choices, each its own sequence.
         stream, include_usage: the response's shape (read by the protocol, not here).
         priority, deadline_ms: admission class and deadline (None = none).
+        grammar_param: the request field ``sampling.grammar`` came from (named in errors), or None.
         tools: the request's tools and tool choice (None: no tools; chat only).
     """
 
@@ -33,6 +34,7 @@ class GenerationRequest:
     include_usage: bool = False
     priority: Priority = Priority.NORMAL
     deadline_ms: float | None = None
+    grammar_param: str | None = None
     tools: ToolRequest | None = None
 
 

@@ -13,6 +13,7 @@ that went away) cancels its sequences, queued or running.
 from __future__ import annotations
 
 import functools
+import json
 import inspect
 import secrets
 
@@ -73,6 +74,23 @@ def message_body(message) -> dict:
             value = known.name.removeprefix(f"{field.enum_type.name.upper()}_").lower()
         body[field.name] = value
     return body
+
+
+def _schemas_from_text(body: dict) -> None:
+    """``ResponseFormat``'s schemas travel as JSON text (proto/inference.proto): made JSON values
+    in place, as an HTTP body holds them (``StructuredOutputs.json`` may stay text, as in HTTP).
+
+    Raises:
+        InvalidRequest: text that is not JSON, naming the field.
+    """
+    fmt = body.get("response_format") or {}
+    for holder, param in ((fmt, "response_format.schema"),
+                          (fmt.get("json_schema") or {}, "response_format.json_schema.schema")):
+        if isinstance(holder.get("schema"), str):
+            try:
+                holder["schema"] = json.loads(holder["schema"])
+            except ValueError as e:
+                raise InvalidRequest(f"{param} is not JSON: {e}", param) from None
 
 
 def _metadata(context) -> dict[str, list[str]]:
@@ -209,6 +227,7 @@ class InferenceService(inference_pb2_grpc.InferenceServiceServicer):
         body = _tool_body(message_body(request))
         if not body.get("model"):
             body.pop("model", None)
+        _schemas_from_text(body)
         model = check_model(body, self.config.model_ids)
         greq = parse_generation(body, chat=True)
         greq.deadline_ms = _call_deadline_ms(context, greq.deadline_ms)

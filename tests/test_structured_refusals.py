@@ -1,0 +1,101 @@
+"""Structured-output requests that must be refused: a malformed ``response_format`` or
+``structured_outputs``, a schema or grammar the library cannot compile, one over the size
+limit. Each is a 400 naming the field, with the library's message, and none reaches the engine.
+The in-process app (the shared ``app`` fixture), its engine client's ``submit`` watched."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.test_http_contract import error, post
+
+CHAT, LEGACY = "/v1/chat/completions", "/v1/completions"
+
+
+def schema_format(schema, **extra) -> dict:
+    return {"type": "json_schema", "json_schema": {"name": "x", "schema": schema, **extra}}
+
+
+REFUSED = [
+    # malformed shapes
+    ({"response_format": "json"}, "response_format", "must be an object"),
+    ({"response_format": {}}, "response_format", "with a type"),
+    ({"response_format": {"type": "xml"}}, "response_format.type", "xml"),
+    ({"response_format": {"type": "text", "schema": {}}}, "response_format.schema", "Unrecognized"),
+    ({"response_format": {"type": "json_schema"}}, "response_format.json_schema", "must be an object"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": {}}}}, "response_format.json_schema.name",
+     "name"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "a b", "schema": {}}}},
+     "response_format.json_schema.name", "name"),
+    ({"response_format": schema_format({}, strict="yes")}, "response_format.json_schema.strict", "boolean"),
+    ({"response_format": schema_format({}, description=3)}, "response_format.json_schema.description", "string"),
+    ({"response_format": schema_format({}, extra=1)}, "response_format.json_schema.extra", "Unrecognized"),
+    ({"response_format": schema_format([1])}, "response_format.json_schema.schema", "JSON Schema"),
+    ({"response_format": {"type": "json_object", "schema": "{}"}}, "response_format.schema", "JSON Schema"),
+    ({"structured_outputs": []}, "structured_outputs", "must be an object"),
+    ({"structured_outputs": {}}, "structured_outputs", "exactly one"),
+    ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs", "exactly one"),
+    ({"structured_outputs": {"structural_tag": "x"}}, "structured_outputs.structural_tag", "Unrecognized"),
+    ({"structured_outputs": {"choice": []}}, "structured_outputs.choice", "non-empty"),
+    ({"structured_outputs": {"choice": ["a", 1]}}, "structured_outputs.choice", "non-empty"),
+    ({"structured_outputs": {"regex": 5}}, "structured_outputs.regex", "string"),
+    ({"structured_outputs": {"json": "{not json"}}, "structured_outputs.json", "not JSON"),
+    ({"structured_outputs": {"json_object": False}}, "structured_outputs.json_object", "true"),
+    ({"structured_outputs": {"regex": "a"}, "response_format": {"type": "json_object"}}, "structured_outputs",
+     "both"),
+    # what llguidance cannot compile: its message
+    ({"response_format": schema_format({"type": "strin"})}, "response_format.json_schema.schema", "Invalid type"),
+    ({"response_format": schema_format({"type": "string", "pattern": "(("})}, "response_format.json_schema.schema",
+     "unclosed group"),
+    ({"response_format": schema_format({"type": "array", "uniqueItems": True})}, "response_format.json_schema.schema",
+     "uniqueItems"),
+    ({"response_format": schema_format({"$ref": "#/$defs/missing"})}, "response_format.json_schema.schema",
+     "does not exist"),
+    ({"response_format": {"type": "json_object", "schema": {"type": "objec"}}}, "response_format.schema",
+     "Invalid type"),
+    ({"structured_outputs": {"json": {"minimum": "a"}}}, "structured_outputs.json", ""),
+    ({"structured_outputs": {"regex": "[a-"}}, "structured_outputs.regex", "unclosed character class"),
+    ({"structured_outputs": {"grammar": "start: undefined_rule"}}, "structured_outputs.grammar", "undefined_rule"),
+    ({"structured_outputs": {"grammar": "root ::= ("}}, "structured_outputs.grammar", ""),
+]
+
+
+@pytest.fixture
+def submits(app, monkeypatch):
+    """Every sequence the engine client submits during a test."""
+    seen, real = [], app.engine.submit
+
+    def submit(*args, **kwargs):
+        seen.append(args)
+        return real(*args, **kwargs)
+    monkeypatch.setattr(app.engine, "submit", submit)
+    return seen
+
+
+@pytest.mark.parametrize("fields,param,message", REFUSED, ids=[str(i) for i in range(len(REFUSED))])
+@pytest.mark.parametrize("route", [CHAT, LEGACY])
+def test_refused_with_400_naming_the_field(app, submits, route, fields, param, message):
+    body = {"messages": [{"role": "user", "content": "hi"}]} if route == CHAT else {"prompt": "hi"}
+    err = error(post(app, route, {**body, "max_tokens": 4, **fields}), 400, param=param)
+    assert message in err["message"], err
+    assert submits == []  # it never reached the engine
+
+
+def test_a_schema_over_the_size_limit_is_refused(app, submits):
+    # 40 KiB of schema: within the body limit (64 KiB), over the record's variable section (32 KiB)
+    props = {f"field_{i:04d}": {"type": "string", "description": "x" * 20} for i in range(800)}
+    body = {"messages": [{"role": "user", "content": "hi"}], "response_format": schema_format(
+        {"type": "object", "properties": props})}
+    assert 32768 < len(json.dumps(body)) < 65536
+    err = error(post(app, CHAT, body), 400, param="response_format.json_schema.schema")
+    assert "--max-request-extras-bytes" in err["message"]
+    assert submits == []
+
+
+def test_text_format_and_strict_false_are_served(app, submits):
+    for fmt in ({"type": "text"}, schema_format({"type": "object"}, strict=False)):
+        r = post(app, CHAT, {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "response_format": fmt})
+        assert r.status == 200, r.body
+    assert len(submits) == 2
+    app.wait_idle()
