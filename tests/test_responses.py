@@ -181,32 +181,26 @@ def test_streamed_function_call_events(server):
 
 
 # -- text.format -----------------------------------------------------------------------------------------
-def _has_structured_outputs() -> bool:
-    try:
-        import server.api.structured  # noqa: F401  (feat-24's response_format)
-        return True
-    except ImportError:
-        return False
-
-
 CITY = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20},
-                                          "population": {"type": "integer"}},
-        "required": ["name", "population"], "additionalProperties": False}
+                                          "country": {"type": "string", "maxLength": 20}},
+        "required": ["name", "country"], "additionalProperties": False}
 
 
-@pytest.mark.skipif(not _has_structured_outputs(), reason="response_format (structured outputs) not merged yet")
-def test_text_format_json_schema(server, client):
-    r = client.responses.create(model="local-model", input="Describe Paris as JSON.", max_output_tokens=60,
-                                text={"format": {"type": "json_schema", "name": "city", "schema": CITY,
-                                                 "strict": True}})
+def test_text_format_json_schema_and_json_object(server, client):
+    fmt = {"type": "json_schema", "name": "city", "schema": CITY, "strict": True}
+    r = client.responses.create(model="local-model", input="Describe Paris as JSON.", max_output_tokens=80,
+                                text={"format": fmt}, temperature=0)
+    assert r.status == "completed", r.output_text
     jsonschema.validate(json.loads(r.output_text), CITY)
     assert r.text.format.type == "json_schema"
-
-
-@pytest.mark.skipif(_has_structured_outputs(), reason="structured outputs are served")
-def test_text_format_is_refused_by_name_without_structured_outputs(server):
-    error(call(server, "POST", "/v1/responses", {"input": "x", "text": {"format": {
-        "type": "json_schema", "name": "city", "schema": CITY}}}), 400, "text.format")
+    events = stream(server, {"input": "Describe Paris as JSON.", "max_output_tokens": 80, "text": {"format": fmt},
+                             "temperature": 0})
+    assert events[-1]["type"] == "response.completed" and text_of(events[-1]["response"]) == r.output_text
+    assert events[-1]["response"]["text"]["format"] == fmt
+    r = create(server, {"input": "A JSON object about Rome.", "max_output_tokens": 40,
+                        "text": {"format": {"type": "json_object"}}})
+    if r["status"] == "completed":
+        assert isinstance(json.loads(text_of(r)), dict)
 
 
 # -- the store ---------------------------------------------------------------------------------------------
@@ -254,7 +248,9 @@ def test_another_tenants_response_is_unknown(server):
     ({"tool_choice": "required"}, "tool_choice"), ({"tools": [{**WEATHER, "name": "a b"}]}, "tools[0].name"),
     ({"input": [{"type": "function_call_output", "call_id": "nope", "output": "1"}]}, "input"),
     ({"previous_response_id": 7}, "previous_response_id"), ({"store": "yes"}, "store"),
-    ({"text": {"format": {"type": "xml"}}}, "text.format"), ({"model": "gpt-4o"}, "model")])
+    ({"text": {"format": {"type": "xml"}}}, "text.format"), ({"model": "gpt-4o"}, "model"),
+    ({"text": {"format": {"type": "json_schema", "name": "c", "schema": {"type": "object", "minProperties": "x"}}}},
+     "text.format.schema"), ({"tools": [WEATHER], "text": {"format": {"type": "json_object"}}}, "text.format")])
 def test_refusals_name_the_field(server, extra, param):
     error(call(server, "POST", "/v1/responses", {"input": "Hi", **extra}), 404 if param == "model" else 400, param)
 
