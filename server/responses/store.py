@@ -75,6 +75,27 @@ def _missing(response_id: str) -> ResponseNotFound:
     return ResponseNotFound(f"No response found with id {response_id!r}", "response_id")
 
 
+class _Transaction:
+    """``with``: one SQLite write transaction (``BEGIN IMMEDIATE`` .. ``COMMIT``, ``ROLLBACK``
+    on an error), under ``lock`` when the connection is shared by threads."""
+
+    def __init__(self, db: sqlite3.Connection, lock: threading.Lock | None):
+        self.db, self.lock = db, lock
+
+    def __enter__(self) -> sqlite3.Connection:
+        if self.lock is not None:
+            self.lock.acquire()
+        self.db.execute("BEGIN IMMEDIATE")
+        return self.db
+
+    def __exit__(self, kind, *_) -> None:
+        try:
+            self.db.execute("COMMIT" if kind is None else "ROLLBACK")
+        finally:
+            if self.lock is not None:
+                self.lock.release()
+
+
 class LocalStore:
     """The node's store in SQLite (see the module). ``path``: the database file (created if
     absent), or ``:memory:`` for this process only. ``clock``: wall-clock seconds.
@@ -82,10 +103,12 @@ class LocalStore:
     Thread-safe: one connection per thread; SQLite's file locks order the node's processes
     (WAL journal, 1 s busy timeout)."""
 
+    available = True  # a local file is always there
+
     def __init__(self, path: str, limits: StoreLimits, clock=time.time):
         self.path, self.limits, self.clock = path, limits, clock
         self._local = threading.local()
-        self._shared = None
+        self._shared, self._lock = None, None
         if path == ":memory:":  # one connection for every thread: there is no file to share
             self._shared = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
             self._lock = threading.Lock()
@@ -94,34 +117,15 @@ class LocalStore:
                        "used REAL, PRIMARY KEY (tenant, id))")
             db.execute("CREATE INDEX IF NOT EXISTS responses_lru ON responses (tenant, used)")
 
-    available = True  # a local file is always there
-
-    class _Conn:
-        def __init__(self, db, lock):
-            self.db, self.lock = db, lock
-
-        def __enter__(self):
-            if self.lock is not None:
-                self.lock.acquire()
-            self.db.execute("BEGIN IMMEDIATE")
-            return self.db
-
-        def __exit__(self, kind, *_):
-            try:
-                self.db.execute("COMMIT" if kind is None else "ROLLBACK")
-            finally:
-                if self.lock is not None:
-                    self.lock.release()
-
-    def _connection(self) -> "_Conn":
+    def _connection(self) -> _Transaction:
         if self._shared is not None:
-            return self._Conn(self._shared, self._lock)
+            return _Transaction(self._shared, self._lock)
         db = getattr(self._local, "db", None)
         if db is None:
             db = self._local.db = sqlite3.connect(self.path, timeout=1.0, isolation_level=None)
             db.execute("PRAGMA journal_mode=WAL")
             db.execute("PRAGMA synchronous=OFF")  # a node's store does not outlive the node
-        return self._Conn(db, None)
+        return _Transaction(db, None)
 
     def put(self, tenant: str, response_id: str, doc: dict) -> None:
         """Store ``doc`` under ``(tenant, response_id)``, then evict the tenant's expired
