@@ -1,8 +1,9 @@
 """The Responses API (``/v1/responses``) against one real server (gunicorn with two workers, so
 a continuation often lands on the other worker: the node's store is shared), with the real
 clients: raw HTTP validated with jsonschema against OpenAI's document (every response, every
-streamed event), the OpenAI SDK's ``client.responses``, and the OpenAI Agents SDK's default
-(Responses) model running an agent with a function tool to completion. Two tenants: isolation.
+streamed event), the OpenAI SDK's ``client.responses``, the OpenAI Agents SDK's default
+(Responses) model running an agent with a function tool to completion, and LangChain's
+``use_responses_api``. Two tenants: isolation.
 """
 from __future__ import annotations
 
@@ -282,6 +283,19 @@ def test_agents_sdk_runs_an_agent_with_a_function_tool(server):
     kinds = [type(i).__name__ for i in result.new_items]
     assert kinds == ["ToolCallItem", "ToolCallOutputItem"]
     assert result.last_response_id.startswith("resp_")
+
+
+def test_langchain_on_the_responses_api(server):
+    from langchain_openai import ChatOpenAI
+
+    def llm(max_tokens: int):
+        return ChatOpenAI(base_url=server.url + "/v1", api_key="key-a", model="local-model", use_responses_api=True,
+                          temperature=0, max_tokens=max_tokens, max_retries=0)
+
+    reply = llm(12).invoke("Say hello.")
+    assert reply.text and reply.response_metadata["status"] == "incomplete"
+    called = llm(60).bind_tools([WEATHER], tool_choice="required").invoke("What is the weather in Paris?")
+    assert called.tool_calls and called.tool_calls[0]["name"] == "get_weather"
 
 
 # -- failure mid-stream (last: the engine restarts) -------------------------------------------------------
