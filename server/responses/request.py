@@ -161,7 +161,7 @@ def _input(raw) -> tuple[list[dict], list[dict]]:
         kind = item.get("type", "message")
         if kind == "message":
             role, text = _message(item, where)
-            items.append(_message_item(role, text, item.get("id")))
+            items.append(_message_item(role, text, _item_id(item, where, "msg")))
             messages.append({"role": role, "content": text})
         elif kind == "function_call":
             call = _function_call(item, where)
@@ -215,15 +215,13 @@ def _item_id(item: dict, where: str, prefix: str) -> str:
     return given
 
 
-def _message_item(role: str, text: str, given: str | None = None) -> dict:
+def _message_item(role: str, text: str, item_id: str | None = None) -> dict:
     """A message as ``GET .../input_items`` lists it (InputMessageResource, or OutputMessage
-    for an assistant's)."""
+    for an assistant's); ``item_id`` None: a new one."""
+    item = {"id": item_id or new_id("msg"), "type": "message", "role": role, "status": "completed"}
     if role == "assistant":
-        return {"id": given if isinstance(given, str) else new_id("msg"), "type": "message", "role": role,
-                "status": "completed", "content": [{"type": "output_text", "text": text, "annotations": [],
-                                                    "logprobs": []}]}
-    return {"id": given if isinstance(given, str) else new_id("msg"), "type": "message", "role": role,
-            "status": "completed", "content": [{"type": "input_text", "text": text}]}
+        return {**item, "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]}
+    return {**item, "content": [{"type": "input_text", "text": text}]}
 
 
 def _string(item: dict, name: str, where: str) -> str:
