@@ -36,6 +36,7 @@ bench: install
 	$(PY) -m bench.tenancy --json bench/results/tenancy.json
 	$(PY) -m bench.prefix --json bench/results/prefix.json
 	$(PY) -m bench.structured --json bench/results/structured.json
+	$(PY) -m bench.responses --json bench/results/responses.json
 	$(PY) -m bench.grpc --json bench/results/grpc.json
 	$(PY) -m bench.metrics --json bench/results/metrics.json
 	$(PY) -m bench.overload --ramp 1 --json bench/results/overload.json
