@@ -6,8 +6,9 @@
 Starts one real server (the bundled model) and alternates, ``--rounds`` times:
 
 * overhead: the same greedy request (a fresh nonce, so the prefix cache does not serve it) as
-  ``POST /v1/chat/completions`` and as ``POST /v1/responses``, ``--gen-tokens`` tokens each,
-  non-streamed; the ratio of the median latencies (responses / chat);
+  ``POST /v1/chat/completions`` and as ``POST /v1/responses`` (``store: false``), at most
+  ``--gen-tokens`` tokens each (the tokens each generated are reported), non-streamed, the
+  order swapped every round; the ratio of the median latencies (responses / chat);
 * continuation: a conversation of ``--turns`` turns built through ``previous_response_id``,
   then the time to first token of one more streamed turn continuing it, beside the time to
   first token of the same conversation sent whole as input items with a new nonce (the same
@@ -48,16 +49,26 @@ def post(port: int, path: str, body: dict) -> tuple[float, float, dict | None]:
     return first, time.perf_counter() - t0, last.get("response")
 
 
-def overhead(port: int, gen_tokens: int) -> tuple[float, float]:
-    nonce = secrets.token_hex(6)
-    question = f"[{nonce}] Tell me about the history of Paris."
-    chat = post(port, "/v1/chat/completions", {"messages": [{"role": "user", "content": question}],
-                                               "max_tokens": gen_tokens, "temperature": 0, "ignore_eos": True})
-    nonce = secrets.token_hex(6)
-    question = f"[{nonce}] Tell me about the history of Paris."
-    responses = post(port, "/v1/responses", {"input": question, "max_output_tokens": gen_tokens, "temperature": 0,
-                                             "store": False})
-    return chat[1], responses[1]
+def overhead(port: int, gen_tokens: int, responses_first: bool) -> dict:
+    """One chat and one Responses request of the same length (new nonces), in the given order:
+    latencies and generated tokens."""
+    def question() -> str:
+        return f"[{secrets.token_hex(6)}] Tell me about the history of Paris."
+
+    def chat() -> tuple[float, int]:
+        _, t, out = post(port, "/v1/chat/completions", {"messages": [{"role": "user", "content": question()}],
+                                                        "max_tokens": gen_tokens, "temperature": 0})
+        return t, out["usage"]["completion_tokens"]
+
+    def responses() -> tuple[float, int]:
+        _, t, out = post(port, "/v1/responses", {"input": question(), "max_output_tokens": gen_tokens,
+                                                 "temperature": 0, "store": False})
+        return t, out["usage"]["output_tokens"]
+
+    order = (responses, chat) if responses_first else (chat, responses)
+    got = {f.__name__: f() for f in order}
+    return {"chat": got["chat"][0], "responses": got["responses"][0], "chat_tokens": got["chat"][1],
+            "responses_tokens": got["responses"][1]}
 
 
 def continuation(port: int, turns: int, gen_tokens: int) -> dict:
@@ -94,17 +105,19 @@ def main(argv=None) -> dict:
 
     with running_server("--max-slots", "2", "--max-seq-len", "2048", "--workers", "1", "--threads", "8") as s:
         port = s.port
-        overhead(port, 4)  # warm-up
-        chat, responses, runs = [], [], []
-        for _ in range(args.rounds):
-            c, r = overhead(port, args.gen_tokens)
-            chat.append(c)
-            responses.append(r)
+        overhead(port, 4, False)  # warm-up
+        pairs, runs = [], []
+        for k in range(args.rounds):
+            pairs.append(overhead(port, args.gen_tokens, responses_first=bool(k % 2)))  # alternating order
             runs.append(continuation(port, args.turns, args.gen_tokens))
+    chat = [p["chat"] for p in pairs]
+    responses = [p["responses"] for p in pairs]
     result = {
         "rounds": args.rounds, "turns": args.turns, "gen_tokens": args.gen_tokens,
         "chat_latency_s": statistics.median(chat), "responses_latency_s": statistics.median(responses),
         "responses_over_chat": statistics.median(responses) / statistics.median(chat),
+        "pair_ratios": [round(p["responses"] / p["chat"], 3) for p in pairs],
+        "tokens_chat_responses": [(p["chat_tokens"], p["responses_tokens"]) for p in pairs],
         "ttft_continued_s": statistics.median(r["continued"] for r in runs),
         "ttft_cold_s": statistics.median(r["cold"] for r in runs),
         "continued_over_cold": statistics.median(r["continued"] for r in runs) / statistics.median(
