@@ -79,8 +79,8 @@ def test_local_store_forgets_what_was_not_used_for_ttl():
 
 
 @needs_redis
-@pytest.mark.parametrize("limits", BOUNDS)
-def test_redis_store_bounds_under_10000_responses_in_the_tenants_hash_tag(limits):
+def test_redis_store_bounds_under_10000_responses_in_the_tenants_hash_tag():
+    limits = BOUNDS[1].values[0]  # both bounds are one loop of the script: the byte bound bites first
     with redis_server() as (url, _):
         r = redis.Redis.from_url(url)
         before = r.info("memory")["used_memory"]
