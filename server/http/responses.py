@@ -72,7 +72,7 @@ class Responses:
             resp.set_header("Cache-Control", "no-cache")
             resp.set_header("X-Accel-Buffering", "no")
             resp.set_header(STORED_HEADER, "true" if will_store else "false")
-            resp.stream = self.sse_events(gen, builder, rr, tenant.id)
+            resp.stream = self.sse_events(gen, builder, rr, tenant.id if will_store else None)
             return
         finish = None
         for d in gen.deltas():
@@ -84,8 +84,10 @@ class Responses:
         resp.content_type = falcon.MEDIA_JSON
         resp.text = dumps(builder.response())
 
-    def sse_events(self, gen: Generation, builder: ResponseBuilder, rr: ResponsesRequest, tenant: str) -> Iterator[bytes]:
-        """The event stream; keep-alive comments while nothing is due, as chat's streams."""
+    def sse_events(self, gen: Generation, builder: ResponseBuilder, rr: ResponsesRequest,
+                   store_for: str | None) -> Iterator[bytes]:
+        """The event stream; keep-alive comments while nothing is due, as chat's streams. The
+        response is stored for tenant ``store_for`` (None: not, as its header said)."""
         yield b""
         try:
             for e in builder.start():
@@ -99,8 +101,8 @@ class Responses:
                 for e in builder.feed(d):
                     yield event(e)
             events = builder.finish(finish, gen.usage())
-            if rr.store:
-                self._store(tenant, builder, rr)  # before the last event: a client may continue at once
+            if store_for is not None:
+                self._store(store_for, builder, rr)  # before the last event: a client may continue at once
             for e in events:
                 yield event(e)
         except ClientDisconnected:
