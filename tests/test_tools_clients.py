@@ -146,7 +146,8 @@ def test_refusals_name_the_field(client):
              (dict(messages=ASK + [{"role": "tool", "tool_call_id": "call_x", "content": "21"}]),
               "messages[1].tool_call_id"),
              (dict(tools=[{"type": "function", "function": {"name": "has space"}}]), "tools[0].function.name"),
-             (dict(messages=ASK + [{"role": "assistant", "content": "Sure, "}]), "continue_final_message")]
+             (dict(messages=ASK + [{"role": "assistant", "content": "Sure, "}]), "continue_final_message"),
+             (dict(response_format={"type": "json_object"}), "response_format")]
     for kw, param in cases:
         with pytest.raises(openai.BadRequestError) as e:
             client.chat.completions.create(model="local-model", messages=kw.pop("messages", ASK),
