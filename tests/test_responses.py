@@ -138,6 +138,13 @@ def test_continuation_reuses_the_earlier_turns_kv_cells(server, client):
     # the conversation is what was said: the stored input and output come first
     items = client.responses.input_items.list(second.id)
     assert [i.content[0].text for i in items.data] == ["And about mountains?"]
+    # the chat path's telemetry: the log line and the metrics, under the Responses route
+    logged = [json.loads(line) for line in open(server.log) if line.startswith('{"request_id"')]
+    mine = [r for r in logged if r["route"] == "/v1/responses" and r["tenant"] == "a"
+            and r["prompt_tokens"] == second.usage.input_tokens and r["cached_tokens"] == cached]
+    assert mine and mine[-1]["status"] == "200"
+    metrics = call(server, "GET", "/metrics")[2].decode()
+    assert 'route="/v1/responses"' in metrics and 'tenant="a"' in metrics
 
 
 # -- function tools ------------------------------------------------------------------------------------
