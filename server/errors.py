@@ -18,6 +18,7 @@ import math
 
 from engine.errors import (ClientDisconnected, ConstraintFailed, DeadlineExceeded, EngineUnavailable, ModelNotFound,
                            PermissionDenied, RateLimited, RequestError, Saturated, ShuttingDown, Unauthenticated)
+from server.responses.store import ResponseNotFound, StoreUnavailable
 
 log = logging.getLogger("server")
 CLIENT_CLOSED_STATUS = 499  # nginx's status for a client that left; never seen by the client
@@ -25,7 +26,7 @@ CLIENT_CLOSED = f"{CLIENT_CLOSED_STATUS} Client Closed Request"
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
           404: "invalid_request_error",
-          405: "invalid_request_error", 413: "invalid_request_error", 415: "invalid_request_error",
+          405: "invalid_request_error", 424: "server_error", 413: "invalid_request_error", 415: "invalid_request_error",
           429: "rate_limit_error", 503: "server_error", 500: "server_error"}
 
 
@@ -89,10 +90,11 @@ def http_error(ex: Exception) -> tuple[int, dict, dict]:
     return status, error_body(message, _TYPES.get(status, "invalid_request_error"), param, code), headers
 
 
-_STATUS = {ModelNotFound: 404, Unauthenticated: 401, PermissionDenied: 403}
+_STATUS = {ModelNotFound: 404, Unauthenticated: 401, PermissionDenied: 403, ResponseNotFound: 404,
+           StoreUnavailable: 424}  # 424 Failed Dependency: the store (Redis) could not be reached
 
 #: gRPC status names (``grpc.StatusCode``) of the HTTP statuses :func:`http_error` gives.
-_GRPC = {400: "INVALID_ARGUMENT", 401: "UNAUTHENTICATED", 403: "PERMISSION_DENIED", 404: "NOT_FOUND",
+_GRPC = {400: "INVALID_ARGUMENT", 401: "UNAUTHENTICATED", 403: "PERMISSION_DENIED", 404: "NOT_FOUND", 424: "UNAVAILABLE",
          413: "INVALID_ARGUMENT", 415: "INVALID_ARGUMENT", 429: "RESOURCE_EXHAUSTED", 503: "UNAVAILABLE",
          500: "INTERNAL"}
 

@@ -35,6 +35,10 @@ from server.http.worker import discard_body
 from server.observability import metrics_dir
 from server.tenancy.tenants import Tenants
 
+#: The node's response store (``server/responses/store.py``, SQLite): a file in a private
+#: directory the master creates, which every worker opens (a continuation may reach any of them).
+RESPONSES_DB_ENV = "INFERENCE_RESPONSES_DB"
+
 try:
     _config = ServerConfig.from_env()
 except ConfigError as e:  # gunicorn would print a traceback; one line is enough
@@ -85,6 +89,10 @@ def _start_engine(server) -> None:
         # so the master's memory does not grow later (bench.soak checks every process's RSS).
         import prometheus_client.multiprocess  # noqa: F401
         from server.observability import metrics as _metrics  # noqa: F401
+    if not _config.redis_url:
+        import tempfile
+        _state["responses_dir"] = tempfile.mkdtemp(prefix="inference-responses-")
+        os.environ[RESPONSES_DB_ENV] = os.path.join(_state["responses_dir"], "responses.db")
     engine = _config.engine_config()
     # INFERENCE_SHM may name the segment in advance (tests attach to it to inspect the engine).
     try:
@@ -283,6 +291,10 @@ def on_exit(server) -> None:
     supervisor = _state.pop("supervisor", None)
     if supervisor is not None:
         supervisor.stop()  # also unlinks the shared memory it created
+    responses_dir = _state.pop("responses_dir", None)
+    if responses_dir is not None:
+        import shutil
+        shutil.rmtree(responses_dir, ignore_errors=True)
     path, owned = _state.pop("metrics_dir", (None, False))
     if owned:
         metrics_dir.remove(path)

@@ -332,10 +332,18 @@ def _pinned_document() -> dict:
     """The document with every request's ``model`` pinned to the served name."""
     doc = copy.deepcopy(DOC)
     schemas = doc["components"]["schemas"]
-    for name in ("CreateChatCompletionRequest", "CreateCompletionRequest"):
+    for name in ("CreateChatCompletionRequest", "CreateCompletionRequest", "ResponseProperties"):
         for part in schemas[name].get("allOf", [schemas[name]]):
             if "model" in part.get("properties", {}):
                 part["properties"]["model"] = {"type": "string", "enum": [MODEL]}
+    # The document gives a deleted response's 404 as the bare ``Error`` object; OpenAI's API (and
+    # every SDK, which reads ``body["error"]``) wraps it, as every other error: {"error": Error}.
+    for path in ("/responses/{response_id}",):
+        for operation in doc["paths"][path].values():
+            if "404" not in operation["responses"]:
+                continue
+            media = operation["responses"]["404"]["content"]["application/json"]
+            media["schema"] = {"type": "object", "properties": {"error": media["schema"]}, "required": ["error"]}
     return doc
 
 

@@ -32,6 +32,7 @@ from engine.request import DEADLINE_MS_BOUNDS, SamplingParams
 from server import errors
 from server.api import requests as params
 from server.api.infer import INFER_FIELDS, MAX_NEW_TOKENS_BOUNDS
+from server.responses import request as responses
 from server.http.openapi import load
 from tests.conftest import AppServer, running_server
 from tests.test_http_contract import Reply, parse_sse, post, request
@@ -102,6 +103,13 @@ def conforms(path: str, method: str, reply: Reply, status: int | None = None) ->
     assert media in content, (path, reply.status, media)
     if media == "application/json":
         _validator(content[media]["schema"]).validate(json.loads(reply.body))
+    elif media == "text/event-stream" and "event" in resolve(content[media]["schema"])["properties"]:
+        data = resolve(content[media]["schema"])["properties"]["data"]  # Responses: event: and data:, no [DONE]
+        for block in reply.body.decode("utf-8").split("\n\n")[:-1]:
+            kind, payload = block.split("\n")
+            event = json.loads(payload.removeprefix("data: "))
+            assert kind == f"event: {event['type']}", block
+            _validator(data["contentSchema"]).validate(event)
     elif media == "text/event-stream":
         done, payload = resolve(content[media]["schema"])["properties"]["data"]["anyOf"]
         events = parse_sse(reply.body)
@@ -180,7 +188,8 @@ def test_request_fields_are_the_parsers_fields():
     assert set(schema_of("CreateChatCompletionRequest")["properties"]) == params.CHAT_FIELDS
     assert set(schema_of("CreateCompletionRequest")["properties"]) == params.COMPLETION_FIELDS
     assert set(schema_of("InferRequest")["properties"]) == INFER_FIELDS
-    for component in ("CreateChatCompletionRequest", "CreateCompletionRequest", "InferRequest"):
+    assert set(schema_of("CreateResponseRequest")["properties"]) == responses.FIELDS
+    for component in ("CreateChatCompletionRequest", "CreateCompletionRequest", "InferRequest", "CreateResponseRequest"):
         assert schema_of(component)["additionalProperties"] is False  # an unknown field is a 400
 
 
@@ -258,6 +267,19 @@ def test_answers_conform_in_process(app):
     for method in ("get", "head"):
         conforms("/v1/models/{model}", method, request(app, method.upper(), "/v1/models/nope"), 404)
     conforms("/v1/models/{model}", "get", request(app, "GET", "/v1/models/"), 404)
+    # the Responses routes, stored and not
+    ask = {"input": [{"role": "user", "content": "Hi"}], "max_output_tokens": 3, "metadata": {"a": "b"}}
+    stored = conforms("/v1/responses", "post", reply := post(app, "/v1/responses", ask), 200) and reply.json()
+    conforms("/v1/responses", "post", post(app, "/v1/responses", {**ask, "stream": True}), 200)
+    conforms("/v1/responses", "post", post(app, "/v1/responses", {**ask, "background": True}), 400)
+    conforms("/v1/responses", "post", post(app, "/v1/responses", {**ask, "previous_response_id": "resp_x"}), 404)
+    one, items = f"/v1/responses/{stored['id']}", "/v1/responses/{response_id}/input_items"
+    conforms("/v1/responses/{response_id}", "get", request(app, "GET", one), 200)
+    conforms(items, "get", request(app, "GET", one + "/input_items?limit=1&order=asc"), 200)
+    conforms(items, "get", request(app, "GET", one + "/input_items?limit=0"), 400)
+    conforms("/v1/responses/{response_id}", "delete", request(app, "DELETE", one), 200)
+    for method in ("get", "delete"):
+        conforms("/v1/responses/{response_id}", method, request(app, method.upper(), one), 404)
     for reply in (request(app, "POST", "/v1/models"), request(app, "GET", "/v2/nothing")):  # 405, 404: any route
         assert reply.status in (404, 405) and reply.headers["x-request-id"]
         _validator({"$ref": "#/components/schemas/Error"}).validate(reply.json())
@@ -347,7 +369,7 @@ def _pinned_document() -> dict:
     then little else would be generated). It is the document the server serves (test 1):
     ``schemathesis.pytest.from_fixture``, which could load it from the server, fails under pytest 9."""
     doc = copy.deepcopy(DOC)
-    for name in ("CreateChatCompletionRequest", "CreateCompletionRequest"):
+    for name in ("CreateChatCompletionRequest", "CreateCompletionRequest", "CreateResponseRequest"):
         doc["components"]["schemas"][name]["properties"]["model"] = {"enum": [MODEL, None]}
     return doc
 
@@ -362,18 +384,21 @@ def _cheap_document(stream: bool) -> dict:
     doc = _pinned_document()
     schemas = doc["components"]["schemas"]
     for name, limits in (("CreateChatCompletionRequest", ("max_tokens", "max_completion_tokens")),
-                         ("CreateCompletionRequest", ("max_tokens",)), ("InferRequest", ("max_new_tokens",))):
+                         ("CreateCompletionRequest", ("max_tokens",)), ("InferRequest", ("max_new_tokens",)),
+                         ("CreateResponseRequest", ("max_output_tokens",))):
         schema, props = schemas[name], schemas[name]["properties"]
         for field in limits:
             props[field] = {"type": "integer", "minimum": props[field]["minimum"], "maximum": 8}
         schema["required"] = [*schema.get("required", []), limits[0]]
         if "stream" not in props:
             continue
-        schema.pop("allOf")
+        schema.pop("allOf", None)
         props["stream"] = {"const": stream}
         schema["required"].append("stream")
-        if stream:
+        if stream and "anyOf" in props["stream_options"]:
             props["stream_options"] = props["stream_options"]["anyOf"][0]
+        elif stream:
+            props["stream_options"] = {**props["stream_options"], "type": "object"}
         else:
             del props["stream_options"]
         if "top_logprobs" in props:
@@ -393,7 +418,7 @@ def _schema(doc: dict, mode: schemathesis.GenerationMode):
 # it forbids, from the document as it is (so a forbidden value the server takes anyway is a failure).
 POSITIVE = _schema(_cheap_document(stream=False), schemathesis.GenerationMode.POSITIVE)
 STREAMING = _schema(_cheap_document(stream=True), schemathesis.GenerationMode.POSITIVE).include(
-    path=[CHAT, COMPLETIONS])
+    path=[CHAT, COMPLETIONS, "/v1/responses"])
 NEGATIVE = _schema(_pinned_document(), schemathesis.GenerationMode.NEGATIVE).include(method="POST")
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_headers_conformance,
           response_schema_conformance, negative_data_rejection]

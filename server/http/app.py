@@ -13,14 +13,26 @@ from server.http.infer import Infer
 from server.http.middleware import Admission, Authenticate, MetricsPort, Observe, VaryOrigin
 from server.http.models import Models
 from server.http.openapi import OpenAPIDocument
+from server.http.responses import InputItems, Responses, StoredResponse
 from server.http.tokenize import Detokenize, Tokenize, TokenizerInfo
 from server.observability.telemetry import Telemetry
+from server.responses.store import LocalStore, RedisStore, StoreLimits
 from server.tenancy.tenants import TenantRegistry, Tenants
 
 
+def response_store(config: ServerConfig, path: str = ":memory:"):
+    """The Responses API's store (``server/responses/store.py``): in Redis with ``--redis-url``,
+    else the node's SQLite file ``path`` (``:memory:``: this process only), bounded per tenant
+    by the ``--response-store-*`` flags."""
+    limits = StoreLimits(config.response_store_max_entries, config.response_store_max_bytes,
+                         config.response_store_ttl_s)
+    return RedisStore(config.redis_url, limits) if config.redis_url else LocalStore(path, limits)
+
+
 def create_app(config: ServerConfig, generator: Generator, tenants: TenantRegistry | None = None,
-               telemetry: Telemetry | None = None) -> falcon.App:
-    """Routes: ``/v1/chat/completions``, ``/v1/completions``, ``/v1/models``,
+               telemetry: Telemetry | None = None, store=None) -> falcon.App:
+    """Routes: ``/v1/chat/completions``, ``/v1/completions``, ``/v1/responses`` (and
+    ``/v1/responses/{id}``, ``/v1/responses/{id}/input_items``), ``/v1/models``,
     ``/v1/models/{model}``, ``/tokenize``, ``/detokenize``, ``/tokenizer_info``, ``/health``
     (= ``/health/ready``), ``/health/live``, ``/infer``, and
     ``/metrics`` with metrics on (on its own port with ``--metrics-port``), and ``/openapi.json``
@@ -31,7 +43,9 @@ def create_app(config: ServerConfig, generator: Generator, tenants: TenantRegist
             engine process under gunicorn; an in-process engine in contract tests).
         tenants: API keys and limits (None: no tenant file, everyone is the default tenant).
         telemetry: request metrics and logs (None: as ``config`` says).
+        store: the Responses store (None: :func:`response_store` of ``config``, in-process).
     """
+    store = store if store is not None else response_store(config)
     tenants = tenants or TenantRegistry(Tenants([]))
     telemetry = telemetry or Telemetry(config.metrics, config.log_prompts)
     middleware = [Observe(telemetry), Authenticate(tenants), Admission(generator.engine)]
@@ -48,6 +62,9 @@ def create_app(config: ServerConfig, generator: Generator, tenants: TenantRegist
     errors.install(app)
     app.add_route("/v1/chat/completions", ChatCompletions(config, generator))
     app.add_route("/v1/completions", Completions(config, generator))
+    app.add_route("/v1/responses", Responses(config, generator, store))
+    app.add_route("/v1/responses/{response_id}", StoredResponse(store))
+    app.add_route("/v1/responses/{response_id}/input_items", InputItems(store))
     models = Models(config)
     app.add_route("/v1/models", models)
     app.add_route("/v1/models/{model:path}", models, suffix="one")  # names may hold "/"

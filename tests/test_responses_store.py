@@ -1,0 +1,181 @@
+"""The Responses store (``server/responses/store.py``): its bounds under 10,000 stored responses
+(entries, bytes, idle time, least recently used first, per tenant), in SQLite and in a real
+Redis; and two real replicas sharing one Redis: a response stored through one is read and
+continued through the other, and while Redis is down answers still come, say they were not
+stored, and a continuation is a clear 424. And the translation of a Responses body into the
+chat body it means (``server/responses/request.py``), without a server."""
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import redis
+
+from server.responses.store import LocalStore, RedisStore, ResponseNotFound, StoreLimits, StoreUnavailable
+from tests.conftest import free_port, needs_redis, redis_server, running_server
+from tests.test_responses import call, create, error
+
+LIMITS = StoreLimits(max_entries=500, max_bytes=400_000, ttl_s=3600)  # the entry bound bites first
+#: the entry bound (500 of ~700 bytes) or the byte bound (300,000: ~430 entries) bites first
+BOUNDS = [pytest.param(LIMITS, id="entries"), pytest.param(StoreLimits(500, 300_000, 3600), id="bytes")]
+
+
+def doc(i: int, size: int = 600) -> dict:
+    return {"response": {"id": f"resp_{i}"}, "input_items": [], "conversation": [{"role": "user",
+                                                                                  "content": "x" * size}]}
+
+
+def fill_and_check(store, n: int = 10_000) -> None:
+    """``n`` responses of about 700 bytes for tenant a, one for tenant b; every so often
+    response 0 is read, so it is never the least recently used."""
+    limits = store.limits
+    store.put("b", "resp_b", doc(-1))
+    store.put("a", "resp_0", doc(0))
+    for i in range(1, n):
+        store.put("a", f"resp_{i}", doc(i, 600 + i % 7 * 10))
+        if i % 100 == 0:
+            store.get("a", "resp_0")
+    entries, size = store.usage("a")
+    assert entries <= limits.max_entries and size <= limits.max_bytes
+    assert entries == limits.max_entries or size > limits.max_bytes - 800  # full, not emptied
+    store.get("a", "resp_0")  # recently used: kept
+    store.get("a", f"resp_{n - 1}")  # the newest: kept
+    with pytest.raises(ResponseNotFound):
+        store.get("a", f"resp_{n - entries - 10}")  # least recently used: gone
+    assert store.get("b", "resp_b") == doc(-1)  # another tenant's entries are its own
+    with pytest.raises(ResponseNotFound):
+        store.get("b", "resp_0")
+
+
+@pytest.mark.parametrize("limits", BOUNDS)
+def test_local_store_bounds_under_10000_responses(tmp_path, limits):
+    path = str(tmp_path / "responses.db")
+    store = LocalStore(path, limits)
+    started = time.perf_counter()
+    fill_and_check(store)
+    print(f"\nSQLite: 10,000 puts in {time.perf_counter() - started:.1f} s; tenant a holds {store.usage('a')} "
+          f"(entries, bytes); file {os.path.getsize(path) + os.path.getsize(path + '-wal')} bytes with its WAL")
+    # another process's view of the same file (another worker of the node)
+    assert LocalStore(path, limits).get("a", "resp_0") == doc(0)
+
+
+def test_local_store_forgets_what_was_not_used_for_ttl():
+    clock = [1000.0]
+    store = LocalStore(":memory:", StoreLimits(10, 10_000, ttl_s=60), clock=lambda: clock[0])
+    store.put("a", "old", doc(1, 10))
+    store.put("a", "used", doc(2, 10))
+    clock[0] += 50
+    store.get("a", "used")  # a read renews it
+    clock[0] += 20
+    with pytest.raises(ResponseNotFound):
+        store.get("a", "old")
+    assert store.get("a", "used") == doc(2, 10)
+    store.put("a", "new", doc(3, 10))  # a write evicts the expired
+    assert store.usage("a")[0] == 2
+    store.delete("a", "used")
+    with pytest.raises(ResponseNotFound):
+        store.delete("a", "used")
+
+
+@needs_redis
+def test_redis_store_bounds_under_10000_responses_in_the_tenants_hash_tag():
+    limits = BOUNDS[1].values[0]  # both bounds are one loop of the script: the byte bound bites first
+    with redis_server() as (url, _):
+        r = redis.Redis.from_url(url)
+        before = r.info("memory")["used_memory"]
+        store = RedisStore(url, limits)
+        started = time.perf_counter()
+        fill_and_check(store)
+        print(f"\nRedis: 10,000 puts in {time.perf_counter() - started:.1f} s; tenant a holds {store.usage('a')} "
+              f"(entries, bytes); used_memory grew by {r.info('memory')['used_memory'] - before} bytes")
+        keys = {k.decode() for k in r.scan_iter("responses:*")}
+        assert all(k.startswith(("responses:{a}:", "responses:{b}:")) for k in keys)
+        assert len([k for k in keys if k.startswith("responses:{a}:r:")]) == store.usage("a")[0]
+        assert all(0 < r.pttl(k) <= 3600_000 for k in keys)  # everything expires
+        store.delete("a", "resp_0")
+        with pytest.raises(ResponseNotFound):
+            store.get("a", "resp_0")
+
+
+@needs_redis
+def test_redis_store_down_is_unavailable_at_once():
+    store = RedisStore(f"redis://127.0.0.1:{free_port()}/0", LIMITS)
+    started = time.perf_counter()
+    for op in (lambda: store.put("a", "x", doc(1)), lambda: store.get("a", "x"), lambda: store.delete("a", "x")):
+        with pytest.raises(StoreUnavailable):
+            op()
+    assert not store.available and time.perf_counter() - started < 1.0  # a safety net, not a benchmark
+
+
+@needs_redis
+def test_two_replicas_share_the_store_and_redis_down_is_never_a_5xx(tmp_path):
+    from tests.test_tenancy import write_tenants
+    path = write_tenants(tmp_path / "t.json", [{"id": "a", "api_keys": ["key-a"]}, {"id": "b", "api_keys": ["key-b"]}])
+    flags = ["--tenants", path, "--max-slots", "2", "--max-seq-len", "512", "--workers", "1", "--threads", "8",
+             "--engine-threads", "1"]
+    port = free_port()
+    with redis_server(port) as (url, proc), running_server(*flags, "--redis-url", url) as s1, \
+            running_server(*flags, "--redis-url", url) as s2:
+        first = create(s1, {"input": "Hello", "max_output_tokens": 4, "temperature": 0})
+        assert call(s2, "GET", f"/v1/responses/{first['id']}")[0] == 200
+        second = create(s2, {"input": "Again", "previous_response_id": first["id"], "max_output_tokens": 4})
+        assert second["usage"]["input_tokens"] > first["usage"]["input_tokens"] + first["usage"]["output_tokens"]
+        error(call(s2, "GET", f"/v1/responses/{first['id']}", key="key-b"), 404, "response_id")
+        proc.kill()
+        proc.wait()
+        status, headers, _ = call(s1, "POST", "/v1/responses", {"input": "Hi", "max_output_tokens": 2})
+        assert status == 200 and headers["x-response-stored"] == "false"
+        err = error(call(s1, "POST", "/v1/responses", {"input": "Hi", "previous_response_id": first["id"]}), 424,
+                    "previous_response_id")
+        assert "unavailable" in err["message"]
+        error(call(s2, "GET", f"/v1/responses/{first['id']}"), 424, None)
+        with redis_server(port):  # back: the breaker's probe closes it within PROBE_S
+            end = time.monotonic() + 10
+            while call(s1, "POST", "/v1/responses", {"input": "Hi", "max_output_tokens": 1})[1][
+                    "x-response-stored"] != "true":
+                assert time.monotonic() < end
+                time.sleep(0.2)
+
+
+# -- the translation onto chat (no server) ---------------------------------------------------------------
+def test_a_responses_body_becomes_the_chat_body_it_means():
+    from server.responses.request import parse, responses_param
+
+    stored = {"conversation": [{"role": "user", "content": "Earlier"}, {"role": "assistant", "content": "Answer"}]}
+    body = {"instructions": "Be brief.", "previous_response_id": "resp_1", "max_output_tokens": 9, "top_p": 0.5,
+            "input": [{"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Let me"}]},
+                      {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
+                      {"type": "function_call", "call_id": "c2", "name": "f", "arguments": "{\"a\": 1}"},
+                      {"type": "function_call_output", "call_id": "c1", "output": [{"type": "input_text", "text": "1"}]},
+                      {"type": "function_call_output", "call_id": "c2", "output": "2"}],
+            "tools": [{"type": "function", "name": "f", "parameters": {"type": "object"}, "strict": True}],
+            "tool_choice": {"type": "function", "name": "f"}, "parallel_tool_calls": False,
+            "text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "object"}, "strict": True}}}
+    asked = []
+    rr = parse(body, lambda rid: asked.append(rid) or stored)
+    assert asked == ["resp_1"]
+    calls = [{"id": c, "type": "function", "function": {"name": "f", "arguments": a}}
+             for c, a in (("c1", "{}"), ("c2", "{\"a\": 1}"))]
+    assert rr.chat == {
+        "messages": [{"role": "system", "content": "Be brief."}, *stored["conversation"],
+                     {"role": "assistant", "content": "Let me", "tool_calls": calls},
+                     {"role": "tool", "tool_call_id": "c1", "content": "1"},
+                     {"role": "tool", "tool_call_id": "c2", "content": "2"}],
+        "add_generation_prompt": True, "max_tokens": 9, "top_p": 0.5, "parallel_tool_calls": False,
+        "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}, "strict": True}}],
+        "tool_choice": {"type": "function", "function": {"name": "f"}},
+        "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"},
+                                                                   "strict": True}}}
+    assert rr.conversation == rr.chat["messages"][1:]  # what a continuation of this one re-sends
+    assert [i["type"] for i in rr.input_items] == ["message", "function_call", "function_call",
+                                                   "function_call_output", "function_call_output"]
+    assert all(i["id"] for i in rr.input_items)
+    # a refusal on the chat side names the Responses field
+    assert [responses_param(p) for p in ("max_tokens", "response_format.json_schema.schema", "tools[2].function.name",
+                                         "tool_choice.function.name", "messages[3].content", "temperature")] == \
+        ["max_output_tokens", "text.format.schema", "tools[2].name", "tool_choice.name", "input", "temperature"]
+    # a malformed body is refused before the store is asked
+    with pytest.raises(Exception, match="background"):
+        parse({"input": "x", "previous_response_id": "resp_1", "background": True}, lambda rid: asked.append(rid))
+    assert asked == ["resp_1"]
