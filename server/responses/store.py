@@ -39,11 +39,9 @@ from dataclasses import dataclass
 from urllib.parse import quote
 
 import redis
-from redis.backoff import NoBackoff
-from redis.retry import Retry
 
 from engine.errors import RequestError
-from server.tenancy.ratelimit import PROBE_S, REDIS_TIMEOUT_S
+from server.tenancy.redis_link import Breaker, fast_redis
 
 log = logging.getLogger("responses")
 
@@ -231,17 +229,13 @@ class RedisStore:
 
     def __init__(self, url: str, limits: StoreLimits):
         self.limits = limits
-        pool = redis.ConnectionPool.from_url(url)
-        pool.connection_kwargs.update(socket_timeout=REDIS_TIMEOUT_S, socket_connect_timeout=REDIS_TIMEOUT_S,
-                                      retry=Retry(NoBackoff(), 0), retry_on_timeout=False, health_check_interval=0)
-        self.redis = redis.Redis(connection_pool=pool)
+        self.redis = fast_redis(url)
         self._put, self._get, self._delete = (self.redis.register_script(s) for s in (_PUT, _GET, _DELETE))
-        self._open = False  # circuit breaker: True while Redis is considered down
-        self._lock = threading.Lock()
+        self.breaker = Breaker(self.redis, log, "responses are not stored", "responses are stored")
 
     @property
     def available(self) -> bool:
-        return not self._open
+        return not self.breaker.open
 
     @staticmethod
     def keys(tenant: str, response_id: str) -> list[str]:
@@ -250,13 +244,13 @@ class RedisStore:
                 f"responses:{tag}:bytes"]
 
     def _call(self, script, keys, args):
-        if self._open:
+        if self.breaker.open:
             raise StoreUnavailable("the response store (Redis) is unavailable")
         try:
             return script(keys=keys, args=args)
         except redis.RedisError as e:
             if isinstance(e, (redis.ConnectionError, redis.TimeoutError)):
-                self._trip(e)
+                self.breaker.trip(e)
             else:
                 log.error("response store script failed in Redis: %s", e)
             raise StoreUnavailable("the response store (Redis) is unavailable") from None
@@ -284,22 +278,3 @@ class RedisStore:
             return self.redis.zcard(lru), int(self.redis.get(total) or 0)
         except redis.RedisError:
             raise StoreUnavailable("the response store (Redis) is unavailable") from None
-
-    def _trip(self, error: Exception) -> None:
-        with self._lock:
-            if self._open:
-                return
-            self._open = True
-        log.warning("Redis unavailable (%s); responses are not stored until it answers", type(error).__name__)
-        threading.Thread(target=self._probe, name="redis-store-probe", daemon=True).start()
-
-    def _probe(self) -> None:
-        while True:
-            time.sleep(PROBE_S)
-            try:
-                self.redis.ping()
-            except redis.RedisError:
-                continue
-            self._open = False
-            log.warning("Redis answers again; responses are stored")
-            return

@@ -11,33 +11,27 @@ Redis: one Lua script refills, checks and takes atomically, with the time from R
 (not each replica's clock), keys hash-tagged per tenant (``ratelimit:{<tenant>}:requests``) so
 they share one Redis Cluster slot, and a TTL so idle tenants leave nothing behind.
 
-Fail-open: socket and connect timeouts of 50 ms and no retries; the first failure opens a
-circuit breaker, which logs once, serves from the node's shared buckets (``shm.buckets``, same
-parameters), and probes Redis in the background until it answers.
+Fail-open (``server/tenancy/redis_link.py``): socket and connect timeouts of 50 ms and no
+retries; the first failure opens a circuit breaker, which logs once, serves from the node's
+shared buckets (``shm.buckets``, same parameters), and probes Redis in the background until it
+answers.
 """
 from __future__ import annotations
 
 import logging
 import math
-import threading
 import time
 from dataclasses import dataclass
 from typing import Callable
 from urllib.parse import quote
 
 import redis
-from redis.backoff import NoBackoff
-from redis.retry import Retry
 
 from engine.errors import RateLimited
+from server.tenancy.redis_link import Breaker, fast_redis
 from server.tenancy.tenants import Rate, Tenant
 
 log = logging.getLogger("ratelimit")
-
-#: Redis socket and connect timeout, seconds: a request never waits longer on Redis.
-REDIS_TIMEOUT_S = 0.05
-#: Seconds between probes of a Redis that failed.
-PROBE_S = 0.5
 
 _SCRIPT = """
 -- KEYS: requests bucket, tokens bucket. ARGV: per bucket rate, burst, cost (rate 0: the tenant
@@ -108,21 +102,17 @@ class RateLimiter:
     def __init__(self, local, redis_url: str = "", clock: Callable[[], float] = time.monotonic):
         self.local, self.clock = local, clock
         self.redis = None
+        self.breaker = None
         if redis_url:
-            pool = redis.ConnectionPool.from_url(redis_url)
-            # Ours win over options in the URL: nothing may make a request wait on Redis.
-            pool.connection_kwargs.update(socket_timeout=REDIS_TIMEOUT_S, socket_connect_timeout=REDIS_TIMEOUT_S,
-                                          retry=Retry(NoBackoff(), 0), retry_on_timeout=False,
-                                          health_check_interval=0)
-            self.redis = redis.Redis(connection_pool=pool)
+            self.redis = fast_redis(redis_url)
             self._script = self.redis.register_script(_SCRIPT)
+            self.breaker = Breaker(self.redis, log, "rate limits fall back to this node's buckets",
+                                   "rate limits are shared across replicas")
         self._script_failed = False
-        self._open = False  # circuit breaker: True while Redis is considered down
-        self._lock = threading.Lock()
 
     @property
     def using_redis(self) -> bool:
-        return self.redis is not None and not self._open
+        return self.redis is not None and not self.breaker.open
 
     def admit(self, tenant: Tenant, prompt_tokens: int) -> Decision:
         """Take one request and ``prompt_tokens`` tokens, or nothing.
@@ -156,7 +146,7 @@ class RateLimiter:
             try:
                 return self._redis(tenant, limits, costs, check)
             except (redis.ConnectionError, redis.TimeoutError) as e:
-                self._trip(e)
+                self.breaker.trip(e)
             except redis.RedisError as e:  # Redis answered, with an error: not an outage
                 if not self._script_failed:
                     self._script_failed = True
@@ -179,22 +169,3 @@ class RateLimiter:
         allowed, levels = self.local.take([(keys[k], limits[k].rate, limits[k].burst, costs.get(k, 0)) for k in kinds],
                                           check, self.clock())
         return _decide(limits, dict(zip(kinds, levels)), allowed)
-
-    def _trip(self, error: Exception) -> None:
-        with self._lock:
-            if self._open:
-                return
-            self._open = True
-        log.warning("Redis unavailable (%s); rate limits fall back to this node's buckets", type(error).__name__)
-        threading.Thread(target=self._probe, name="redis-probe", daemon=True).start()
-
-    def _probe(self) -> None:
-        while True:
-            time.sleep(PROBE_S)
-            try:
-                self.redis.ping()
-            except redis.RedisError:
-                continue
-            self._open = False
-            log.warning("Redis answers again; rate limits are shared across replicas")
-            return
