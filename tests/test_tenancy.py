@@ -222,7 +222,7 @@ def test_bad_tenant_file_stops_start_up_with_one_line(tmp_path):
 TENANTS = [
     {"id": "gold", "api_keys": ["gold-key-1", "gold-key-2"], "priority": "high"},
     {"id": "bronze", "api_keys": ["bronze-key-1"], "priority": "low"},
-    {"id": "metered", "api_keys": ["metered-key"], "tokens_per_second": {"rate": 30, "burst": 30}},
+    {"id": "metered", "api_keys": ["metered-key"], "tokens_per_second": {"rate": 12, "burst": 12}},
     {"id": "single", "api_keys": ["single-key"], "max_concurrent": 1},
 ]
 
@@ -330,13 +330,15 @@ def test_max_concurrent_is_per_tenant(tenant_app):
 
 
 def test_token_rate_holds_with_max_tokens_far_above_it(tenant_app):
-    """30 tokens/s, answers of 90 tokens, one client retrying after Retry-After: between its
-    first admission after the burst and its last, generated tokens come at the bucket's rate."""
+    """12 tokens/s, answers of 36 tokens, one client retrying after Retry-After: between its
+    first admission after the burst and its last, generated tokens come at the bucket's rate.
+    (The rate is well below what one sequence gets while the other pytest worker loads the
+    machine: at 30 tok/s the generation itself, not the bucket, was the limit there.)"""
     admissions = []  # (time the admitted request was sent, completion tokens)
     end = time.monotonic() + 10
     while time.monotonic() < end:
         sent = time.monotonic()
-        status, headers, body = call(tenant_app, COMPLETIONS, hi(90, ignore_eos=True), "metered-key")
+        status, headers, body = call(tenant_app, COMPLETIONS, hi(36, ignore_eos=True), "metered-key")
         if status == 429:
             time.sleep(int(headers["retry-after-ms"]) / 1000)
             continue
@@ -345,8 +347,8 @@ def test_token_rate_holds_with_max_tokens_far_above_it(tenant_app):
     assert len(admissions) >= 3, admissions
     (t_first, _), (t_last, _) = admissions[1], admissions[-1]
     rate = sum(n for _, n in admissions[1:-1]) / (t_last - t_first)
-    print(f"\ngenerated-token rate {rate:.1f} tok/s against a limit of 30 ({len(admissions)} requests)")
-    assert 27 <= rate <= 33
+    print(f"\ngenerated-token rate {rate:.1f} tok/s against a limit of 12 ({len(admissions)} requests)")
+    assert 10.8 <= rate <= 13.2
     tenant_app.wait_idle()
 
 
