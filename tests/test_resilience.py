@@ -128,7 +128,9 @@ def test_a_slow_but_progressing_engine_is_not_killed():
     only an engine that makes no progress at all is killed (the SIGSTOP test above)."""
     import threading
 
-    with running_engine(max_slots=8, supervisor_args={"stall_s": 1.0}) as (client, supervisor):
+    # One compute thread: this tests the watchdog, not the thread count (the busy-neighbour test
+    # below does). Two threads beside the other pytest worker can wait seconds at one barrier.
+    with running_engine(max_slots=8, n_threads=1, supervisor_args={"stall_s": 1.0}) as (client, supervisor):
         params = SamplingParams(max_new_tokens=2, temperature=0, ignore_eos=True)
         pid, stop = client.t.control.engine_pid, threading.Event()
         throttle = threading.Thread(target=_throttle, args=(pid, stop, 0.01, 0.04))
