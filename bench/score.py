@@ -58,8 +58,8 @@ def score(port: int, prompt: list[int]) -> None:
     assert len(lp) == len(prompt) and lp[0] is None and None not in lp[1:], len(lp)
 
 
-def scoring(port: int, prompts: list[list[int]], clients: int) -> float:
-    """Prompt tokens/s scoring every prompt from ``clients`` concurrent clients."""
+def _drain(prompts: list[list[int]], clients: int, one) -> float:
+    """Prompt tokens/s of ``one(prompt)`` over every prompt, ``clients`` at a time."""
     lock, todo = threading.Lock(), list(prompts)
 
     def work(_):
@@ -68,24 +68,20 @@ def scoring(port: int, prompts: list[list[int]], clients: int) -> float:
                 if not todo:
                     return
                 prompt = todo.pop()
-            score(port, prompt)
+            one(prompt)
     wall = concurrently(clients, work)
     return sum(len(p) for p in prompts) / wall
+
+
+def scoring(port: int, prompts: list[list[int]], clients: int) -> float:
+    """Prompt tokens/s scoring every prompt from ``clients`` concurrent clients."""
+    return _drain(prompts, clients, lambda prompt: score(port, prompt))
 
 
 def prefill(port: int, prompts: list[list[int]], clients: int) -> float:
     """Prompt tokens/s of one generated token per prompt, ``clients`` at a time."""
-    lock, todo = threading.Lock(), list(prompts)
-
-    def work(_):
-        while True:
-            with lock:
-                if not todo:
-                    return
-                prompt = todo.pop()
-            post(port, {"prompt": [prompt], "max_tokens": 1, "temperature": 0, "ignore_eos": True})
-    wall = concurrently(clients, work)
-    return sum(len(p) for p in prompts) / wall
+    return _drain(prompts, clients, lambda prompt: post(
+        port, {"prompt": [prompt], "max_tokens": 1, "temperature": 0, "ignore_eos": True}))
 
 
 def generation(port: int, clients: int, requests: int, tokens: int, salt: int) -> tuple[float, float]:
