@@ -77,7 +77,8 @@ class ShuttingDown(EngineUnavailable):
 class ConstraintFailed(EngineError):
     """A constrained sequence's grammar failed mid-way (nothing it allows was left to sample, or
     the constraint library hit a limit): the sequence ended rather than go on unconstrained
-    (HTTP 500 ``constraint_failed``)."""
+    (HTTP 400 ``constraint_failed``: a grammar with no way on, such as a schema whose every
+    instance is infinite, or a regex longer than the library's limits, is the client's to fix)."""
 
     code = "constraint_failed"
 

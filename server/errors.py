@@ -58,6 +58,8 @@ def http_status(ex: BaseException) -> int:
         return ex.status
     if isinstance(ex, RateLimited):
         return 429
+    if isinstance(ex, ConstraintFailed):  # the client's grammar cannot be followed: the client's to fix
+        return 400
     if isinstance(ex, RequestError):
         return _STATUS.get(type(ex), 400)
     if isinstance(ex, (Saturated, EngineUnavailable)):
