@@ -42,11 +42,12 @@ MIN_REUSE_TOKENS = 8
 #: Longest the loop waits, when only sequences whose grammar is compiling are left, before it
 #: looks at its FIFO again.
 COMPILE_WAIT_S = 0.005
-#: Decodes of at least this many tokens report progress from inside llama.cpp (a heartbeat per
-#: graph node, Model.on_progress), so the supervisor's watchdog does not take a long prefill step
-#: under contention for a hung engine. Smaller decodes last milliseconds, and there the hook's
-#: 0.15 ms a decode would cost up to 1-2 % of throughput; their heartbeat is the step's end.
-PROGRESS_HOOK_TOKENS = 64
+#: Decodes expected to last at least this long report progress from inside llama.cpp (a heartbeat
+#: per graph node, Model.on_progress), so the supervisor's watchdog does not take a long step
+#: under contention for a hung engine. Shorter decodes skip the hook, whose 0.15 ms a decode would
+#: cost up to 1-2 % of a small decode's time; their heartbeat is the step's end. Expected time,
+#: not a token count: one thread beside a busy neighbour took 0.33 s for 63 tokens (a CI failure).
+PROGRESS_HOOK_S = 0.05
 
 
 def adaptive_threads(config: EngineConfig, backend: Backend) -> AdaptiveThreads | None:
@@ -86,6 +87,10 @@ class EngineCore:
         self.step_no = transport.control.step
         self.adaptive = adaptive
         model.on_progress(transport.control.beat)
+        # Seconds per batch token of the last decode: predicts the next one's length (None: no
+        # decode yet, so the first reports progress). A poor guess costs 0.15 ms, or a long
+        # decode that beats only at its end, once: the next guess uses its rate.
+        self.s_per_token: float | None = None
         self.step_log = StepLog(config.step_log) if config.step_log else None
         self.cancelled: list[tuple[int, int]] = []  # (mailbox, lease) cancelled this step, for the step log
         self.observe_step = None
@@ -154,7 +159,10 @@ class EngineCore:
         try:
             self.model.set_threads(1 if one_thread else
                                    self.adaptive.threads() if self.adaptive else self.config.threads)
-            self.model.decode(self.batch, report_progress=self.batch.n >= PROGRESS_HOOK_TOKENS)
+            n, start = self.batch.n, time.monotonic()
+            self.model.decode(self.batch, report_progress=self.s_per_token is None
+                              or n * self.s_per_token >= PROGRESS_HOOK_S)
+            self.s_per_token = (time.monotonic() - start) / n
             return True
         except DecodeError as e:
             log.error("%s; failing the sequences of this batch", e)
