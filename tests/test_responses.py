@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import time
 import urllib.error
@@ -260,7 +261,10 @@ def test_another_tenants_response_is_unknown(server):
     ({"text": {"format": {"type": "json_schema", "name": "c", "schema": {"type": "object", "minProperties": "x"}}}},
      "text.format.schema"), ({"tools": [WEATHER], "text": {"format": {"type": "json_object"}}}, "text.format")])
 def test_refusals_name_the_field(server, extra, param):
-    error(call(server, "POST", "/v1/responses", {"input": "Hi", **extra}), 404 if param == "model" else 400, param)
+    err = error(call(server, "POST", "/v1/responses", {"input": "Hi", **extra}), 404 if param == "model" else 400, param)
+    # The message names Responses fields too; a chat message only as what an input became.
+    message = re.sub(r"input \(as the chat message messages\[\d+\][\w.\[\]]*\)", "input", err["message"])
+    assert not re.search(r"response_format|\bmax_tokens\b|\]\.function\b|messages\[", message), err
 
 
 # -- clients ------------------------------------------------------------------------------------------------

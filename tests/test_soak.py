@@ -60,7 +60,7 @@ def test_soak_leaves_nothing_behind(tmp_path):
     assert res["passed"] and not res["failures"] and not res["unexpected"]
     assert not any(k.startswith("unexpected") for k in res["outcomes"])
     assert all(res["outcomes"].get(k, 0) > 0 for k in ("ok", "client_disconnect", "client_error_400",
-                                                      "rate_limited_429", "503_engine_restarting"))
+                                                      "rate_limited_429", "503_engine_restarting")), res["outcomes"]
     assert [e["what"] for e in res["events"]] == ["engine_sigkill", "worker_sigkill"]
     assert res["end_state"]["mailboxes_in_use"] == 0 and res["end_state"]["slots_in_use"] == 0
     assert res["shm"]["left_after_shutdown"] == [] and res["processes_left"] == [] and res["master_exit"] == 0

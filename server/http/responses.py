@@ -24,7 +24,7 @@ from server.generation.pipeline import Generation, Generator
 from server.http.body import read_json
 from server.http.json import dumps
 from server.responses.output import ResponseBuilder
-from server.responses.request import ResponsesRequest, new_id, parse, responses_param
+from server.responses.request import ResponsesRequest, new_id, parse, responses_message, responses_param
 from server.responses.store import StoreUnavailable
 
 log = logging.getLogger("responses")
@@ -62,7 +62,7 @@ class Responses:
             if e.param == "response_id":  # the previous response is unknown to this tenant
                 e.param = "previous_response_id"
                 e.message = f"Previous response with id {body['previous_response_id']!r} not found."
-            e.param = responses_param(e.param)
+            e.param, e.message = responses_param(e.param), responses_message(e.message)
             raise
         req.context.record.attach(gen, body.get("input"))
         builder = ResponseBuilder(new_id("resp"), model, self._echo(body, rr))

@@ -327,3 +327,20 @@ def responses_param(param: str | None) -> str | None:
         if pattern.match(param):
             return pattern.sub(replacement, param)
     return param
+
+
+_FIELD_PATH = re.compile(r"\b(?:max_tokens|response_format|tools|tool_choice|messages)\b[\w.\[\]]*")
+
+
+def responses_message(message: str) -> str:
+    """An error message with every chat field path in it (``response_format.json_schema.schema``,
+    ``max_tokens``...) named as the Responses field it came from, so the message and its ``param``
+    agree; a message path is said to be ``input`` seen as that chat message."""
+    def rename(match: re.Match) -> str:
+        path = match.group(0).rstrip(".")
+        tail = match.group(0)[len(path):]
+        if path.startswith("messages"):  # items and instructions do not map one to one onto messages
+            return f"input (as the chat message {path})" + tail
+        return responses_param(path) + tail
+
+    return _FIELD_PATH.sub(rename, message)
