@@ -322,6 +322,46 @@ def test_the_grammar_admits_what_the_choice_allows(tokenizer, ll_tokenizer, fmt,
         assert read(fmt, text, 5)[1]
 
 
+ANSWER = {"type": "object", "properties": {"answer": {"type": "string"}}, "required": ["answer"],
+          "additionalProperties": False, "x-guidance": {"whitespace_flexible": False, "lenient": False}}
+MISTRAL_CALL = '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}]'
+JSON_ANSWER_CASES = [
+    (formats.GENERIC, '{"response": {"answer": "hi"}}', True, '{"answer": "hi"}'),
+    (formats.GENERIC, '{"response": "hi"}', False, None),
+    (formats.GENERIC, '{"tool_calls": [{"name": "get_weather", "arguments": {"city": "Paris"}}]}', True, ""),
+    (formats.HERMES, '{"answer":"hi"}', True, '{"answer":"hi"}'),
+    (formats.HERMES, "Hello", False, None),
+    (formats.HERMES, HERMES_CALL, True, ""),
+    (formats.HERMES, "Hi " + HERMES_CALL, False, None),
+    (formats.MISTRAL, '{"answer":"hi"}', True, '{"answer":"hi"}'),
+    (formats.MISTRAL, MISTRAL_CALL, True, ""),
+    (formats.MISTRAL, "Sure.", False, None),
+]
+
+
+@pytest.mark.parametrize("fmt,text,accepted,content", JSON_ANSWER_CASES,
+                         ids=[f"{c[0].name}-{i}" for i, c in enumerate(JSON_ANSWER_CASES)])
+def test_with_a_json_format_the_answer_is_a_document_or_calls(tokenizer, ll_tokenizer, fmt, text, accepted, content):
+    """``auto`` with a JSON response format: an answer that is not a call is a document of the
+    format (in the generic envelope's ``response``), and it is read back as the content."""
+    from server.tools.grammar import tool_grammar
+    from server.tools.spec import ToolRequest
+    grammar = tool_grammar(fmt, ToolRequest((W, T), "auto"), content=ANSWER)
+    assert walk(ll_tokenizer, grammar, tokenizer.encode(text)) is accepted
+    if accepted:
+        got, calls, _ = read(fmt, text, 3)
+        assert got == content and bool(calls) == (content == "")
+
+
+def test_a_json_format_with_llama3_calls_is_refused():
+    """Llama 3's calls are a bare JSON object, as the answer would be: nothing tells them apart."""
+    from server.tools.grammar import tool_grammar
+    from server.tools.spec import ToolRequest
+    with pytest.raises(ValueError, match="Llama 3"):
+        tool_grammar(formats.LLAMA3_JSON, ToolRequest((W,), "auto"), content=ANSWER)
+    assert tool_grammar(formats.LLAMA3_JSON, ToolRequest((W,), "required"), content=ANSWER)  # calls only
+
+
 def test_a_marker_that_is_a_special_token_is_named_as_the_token(tokenizer, ll_tokenizer):
     """As Qwen2.5's ``<tool_call>`` is one token: here ``<|im_start|>`` stands in for it."""
     from server.tools.grammar import tool_grammar

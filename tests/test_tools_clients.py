@@ -147,12 +147,46 @@ def test_refusals_name_the_field(client):
               "messages[1].tool_call_id"),
              (dict(tools=[{"type": "function", "function": {"name": "has space"}}]), "tools[0].function.name"),
              (dict(messages=ASK + [{"role": "assistant", "content": "Sure, "}]), "continue_final_message"),
-             (dict(response_format={"type": "json_object"}), "response_format")]
+             (dict(extra_body={"structured_outputs": {"regex": "[a-z]+"}}), "structured_outputs.regex")]
     for kw, param in cases:
         with pytest.raises(openai.BadRequestError) as e:
             client.chat.completions.create(model="local-model", messages=kw.pop("messages", ASK),
                                            tools=kw.pop("tools", TOOLS), max_tokens=4, **kw)
         assert e.value.status_code == 400 and e.value.body["param"] == param
+
+
+CITY = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30}, "country": {"type": "string",
+                                                                                     "maxLength": 30}},
+        "required": ["city", "country"], "additionalProperties": False}
+
+
+def test_tools_with_a_json_format_answer_with_calls_or_a_document(client):
+    """OpenAI allows tools with ``response_format``: an answer is calls, or content that is a
+    document of the format (what the Agents SDK sends for an agent with tools and an
+    ``output_type``). Streamed and not, the same answer."""
+    fmt = {"type": "json_schema", "json_schema": {"name": "city", "schema": CITY, "strict": True}}
+    kinds = set()
+    for seed, question in enumerate(["Name the capital of France, as JSON.", "What is the weather in Paris?",
+                                     "Which city is the Eiffel Tower in?", "Call get_time for UTC."]):
+        messages = [{"role": "user", "content": question}]
+        whole = create(client, messages=messages, response_format=fmt, temperature=0.8, seed=seed, max_tokens=60)
+        content, calls, finish = join_stream(create(client, messages=messages, response_format=fmt, temperature=0.8,
+                                                    seed=seed, max_tokens=60, stream=True))
+        message = whole.choices[0].message
+        assert (content or None) == message.content and finish == whole.choices[0].finish_reason
+        assert [(n, a) for _, n, a in calls] == [(c.function.name, c.function.arguments)
+                                                for c in message.tool_calls or ()]
+        if message.tool_calls:
+            kinds.add("calls")
+            assert finish == "tool_calls" and message.content is None
+            for call in message.tool_calls:
+                valid(call.function.name, call.function.arguments)
+        elif finish == "stop":
+            kinds.add("document")
+            jsonschema.validate(json.loads(message.content), CITY)
+        else:
+            assert finish == "length" and '"response"' not in message.content
+    assert kinds  # at least one answer ended (a call or a whole document)
 
 
 def test_langchain_bind_tools_invoke_and_stream(tool_server):

@@ -17,6 +17,7 @@ Limits (docs/api.md "Structured outputs"): the grammar must fit the request's va
 from __future__ import annotations
 
 import ctypes
+import json
 import threading
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -52,6 +53,20 @@ def check(grammar: str) -> str:
         return llguidance.LLMatcher.validate_grammar(grammar, None, limits=limits())
     except (ValueError, TypeError) as e:  # not a grammar at all (a corrupt record)
         return str(e) or "invalid grammar"
+
+
+def json_schema_of(grammar: str) -> dict | None:
+    """The JSON schema (with its ``x-guidance`` options) of a grammar that is one JSON schema
+    alone (llguidance's JSON form, as ``LLMatcher.grammar_from_json_schema`` writes it), else
+    None (a regex, a choice, Lark, several grammars)."""
+    try:
+        grammars = json.loads(grammar).get("grammars")
+    except (ValueError, AttributeError):
+        return None
+    if not isinstance(grammars, list) or len(grammars) != 1 or not isinstance(grammars[0], dict):
+        return None
+    schema = grammars[0].get("json_schema")
+    return schema if isinstance(schema, dict) and not grammars[0].get("lark_grammar") else None
 
 
 def tokenizer_from_vocab(vocab, n_vocab: int, eos: list[int]) -> llguidance.LLTokenizer:

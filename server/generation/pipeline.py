@@ -16,7 +16,7 @@ from typing import Iterator
 
 from engine.client import EngineClient
 from engine.errors import InvalidRequest, PromptTooLong
-from engine.llama.grammar import CheckedGrammars
+from engine.llama.grammar import CheckedGrammars, json_schema_of
 from engine.request import RequestKind, reduce_seed
 from engine.stream import Stream, Timings, follow
 from engine.llama.tokenizer import Tokenizer
@@ -328,22 +328,34 @@ class Generator:
         render = render or {}
         self._check_logit_bias(req)
         offered = req.tools.tools if req.tools is not None and req.tools.choice != NONE else ()
+        tenant = submit.get("tenant", DEFAULT_TENANT)
+        content = None  # the JSON format an answer that is not a call must follow
         if offered:
-            if req.sampling.grammar is not None:  # a JSON grammar would forbid the call markers
-                raise InvalidRequest(f"tools cannot be combined with {req.grammar_param}", req.grammar_param)
+            if req.sampling.grammar is not None:
+                content = json_schema_of(req.sampling.grammar)
+                if content is None:  # a regex, a choice, Lark: it leaves no place for a call
+                    raise InvalidRequest(f"tools can be combined with a JSON format only, not with "
+                                         f"{req.grammar_param}", req.grammar_param)
+                self._check_grammar(req, tenant)  # the format alone first: its faults name its field
             if render.get("continue_final_message"):  # the call grammar starts where the answer starts
                 raise InvalidRequest("continue_final_message cannot be combined with tools (use tool_choice: none)",
                                      "continue_final_message")
-            req.sampling = dataclasses.replace(req.sampling, grammar=tool_grammar(self.tool_format, req.tools,
-                                                                                  self.tool_specials))
+            try:
+                grammar = tool_grammar(self.tool_format, req.tools, self.tool_specials, content)
+            except InvalidRequest:
+                raise
+            except ValueError as e:  # this model's tool format cannot hold a JSON answer
+                raise InvalidRequest(f"tools cannot be combined with {req.grammar_param} here: {e}",
+                                     req.grammar_param) from None
+            req.sampling = dataclasses.replace(req.sampling, grammar=grammar)
             req.grammar_param = "tools"
-        self._check_grammar(req, submit.get("tenant", DEFAULT_TENANT))
+        self._check_grammar(req, tenant)
         texts = [m["content"] or "" for m in messages] + [json.dumps(t.parameters) for t in offered]
         self._fits_at_all(texts, prompt_param, len(messages) * self.template.tokens_per_message)
         if self.tool_format.native:
             ids = self.template.encode(messages, tools=[t.openai() for t in offered] or None, **render)
         else:
-            ids = self.template.encode(generic_messages(messages, offered), **render)
+            ids = self.template.encode(generic_messages(messages, offered, json_answer=content is not None), **render)
         return Generation(self.engine, self.tool_pieces if offered else self.tokenizer.pieces, [ids], req,
                           prompt_param, limiter=self.limiter, tool_format=self.tool_format if offered else None,
                           **submit).submit()

@@ -29,7 +29,10 @@ from server.tools.spec import Tool
 GENERIC_INSTRUCTIONS = (
     "You can call the following tools (JSON Schema of each one's arguments under \"parameters\"):\n{tools}\n\n"
     "Answer in JSON only. To call tools: {{\"tool_calls\": [{{\"name\": \"<tool name>\", \"arguments\": "
-    "{{<the arguments>}}}}]}}. To answer the user: {{\"response\": \"<your answer>\"}}.")
+    "{{<the arguments>}}}}]}}. To answer the user: {{\"response\": {answer}}}.")
+#: The answer's placeholder in :data:`GENERIC_INSTRUCTIONS`: text, or a document of the request's
+#: JSON format.
+GENERIC_ANSWERS = {False: '\"<your answer>\"', True: "<your answer, as a JSON document of the requested format>"}
 
 
 @dataclass(frozen=True)
@@ -192,8 +195,8 @@ def _generic(fmt: ToolFormat, text: str, final: bool) -> tuple[str, list[CallVie
         j = skip_ws(text, j + 1)
         if j >= len(text):
             return ("" if not final else text), []
-        if key == "response":
-            return _json_string_prefix(text, j, final), []
+        if key == "response":  # a string, or a document of the request's JSON format
+            return (_json_string_prefix(text, j, final) if text[j] == '"' else _json_value_prefix(text, j)), []
         if key == "tool_calls" and text[j] == "[":
             calls, _ = _calls_after(fmt, text, j + 1, ",", "]")
             return "", calls
@@ -222,15 +225,22 @@ def _json_string_prefix(text: str, i: int, final: bool) -> str:
     return ""
 
 
+def _json_value_prefix(text: str, i: int) -> str:
+    """The JSON value at ``text[i]`` as written (compact, as the grammar holds it), as far as it
+    goes: the answer of a request with a JSON format, so it stays JSON text."""
+    end = value_end(text, i)
+    return text[i:end] if end is not None else text[i:]
+
+
 _PARSERS = {"hermes": _hermes, "mistral": _mistral, "llama3_json": _llama3, "generic": _generic}
 
 
 # -- the generic format's prompt -------------------------------------------------------------------
-def generic_messages(messages: list[dict], tools: tuple[Tool, ...]) -> list[dict]:
+def generic_messages(messages: list[dict], tools: tuple[Tool, ...], json_answer: bool = False) -> list[dict]:
     """``messages`` as a template without tool syntax can render them: the tools' description
-    in the system message (the first one, extended, or a new one), earlier calls as their
-    envelope text, tool results as user messages. Every message is then ``{"role", "content":
-    str}``."""
+    in the system message (the first one, extended, or a new one; ``json_answer``: the answer
+    is a document of the request's JSON format), earlier calls as their envelope text, tool
+    results as user messages. Every message is then ``{"role", "content": str}``."""
     names = {}
     out = []
     for m in messages:
@@ -247,7 +257,7 @@ def generic_messages(messages: list[dict], tools: tuple[Tool, ...]) -> list[dict
             out.append({"role": m["role"], "content": m["content"] or "", **({"name": m["name"]} if "name" in m else {})})
     if tools:
         described = json.dumps([t.openai()["function"] for t in tools], ensure_ascii=False, indent=2)
-        instructions = GENERIC_INSTRUCTIONS.format(tools=described)
+        instructions = GENERIC_INSTRUCTIONS.format(tools=described, answer=GENERIC_ANSWERS[json_answer])
         if out[0]["role"] in ("system", "developer"):
             out[0] = {**out[0], "content": f"{out[0]['content']}\n\n{instructions}"}
         else:
