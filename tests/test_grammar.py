@@ -72,6 +72,18 @@ def test_a_grammar_that_fails_ends_the_sequence_with_an_error(engine, tokenizer)
     assert engine.client.mailboxes_in_use() == 0
 
 
+@pytest.mark.parametrize("grammar", [llguidance.LLMatcher.grammar_from_regex(r"[^\s\S]"),
+                                     llguidance.LLMatcher.grammar_from_json_schema({"$ref": "#"})])
+def test_a_grammar_with_no_first_step_ends_the_sequence_with_an_error(engine, tokenizer, grammar):
+    # No text is an instance: llguidance's first mask is in error and holds only the end, which
+    # once passed for an empty "stop". The front end refuses these (check(..., text_only=True));
+    # the engine must not serve one that reaches it.
+    assert check(grammar) == "" and check(grammar, text_only=True)
+    with pytest.raises(ConstraintFailed):
+        _run(engine, tokenizer, "x", max_new_tokens=8, grammar=grammar)
+    assert engine.client.mailboxes_in_use() == 0
+
+
 def test_an_uncompilable_grammar_in_a_record_is_refused_by_the_engine(engine, tokenizer):
     bad = llguidance.LLMatcher.grammar_from_regex("[a-")
     assert "unclosed character class" in check(bad)  # what the front end refuses with a 400

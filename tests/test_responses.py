@@ -272,16 +272,20 @@ def test_another_tenants_response_is_unknown(server):
     ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input[0].type"),
     ({"max_output_tokens": -1}, "max_output_tokens"), ({"temperature": 3}, "temperature"),
     ({"tool_choice": "required"}, "tool_choice"), ({"tools": [{**WEATHER, "name": "a b"}]}, "tools[0].name"),
-    ({"input": [{"type": "function_call_output", "call_id": "nope", "output": "1"}]}, "input"),
+    ({"input": [{"type": "function_call_output", "call_id": "nope", "output": "1"}]}, "input[0].call_id"),
+    ({"instructions": "Be brief.", "tools": [WEATHER],
+      "input": [{"role": "user", "content": "Weather?"}, {"type": "function_call", "call_id": "c1", "name": "get_weather",
+                                                       "arguments": "nope"}]}, "input[1].arguments"),
     ({"previous_response_id": 7}, "previous_response_id"), ({"store": "yes"}, "store"),
     ({"text": {"format": {"type": "xml"}}}, "text.format"), ({"model": "gpt-4o"}, "model"),
     ({"text": {"format": {"type": "json_schema", "name": "c", "schema": {"type": "object", "minProperties": "x"}}}},
      "text.format.schema")])
 def test_refusals_name_the_field(server, extra, param):
     err = error(call(server, "POST", "/v1/responses", {"input": "Hi", **extra}), 404 if param == "model" else 400, param)
-    # The message names Responses fields too; a chat message only as what an input became.
-    message = re.sub(r"input \(as the chat message messages\[\d+\][\w.\[\]]*\)", "input", err["message"])
-    assert not re.search(r"response_format|\bmax_tokens\b|\]\.function\b|messages\[", message), err
+    # The message names Responses fields too, and the same one as param.
+    assert not re.search(r"response_format|\bmax_tokens\b|\]\.function\b|messages\[", err["message"]), err
+    item = re.match(r"input\[\d+\]", param)  # an item's fault: the message names that item
+    assert item is None or item.group(0) in err["message"], err
 
 
 # -- clients ------------------------------------------------------------------------------------------------

@@ -140,7 +140,8 @@ def test_two_replicas_share_the_store_and_redis_down_is_never_a_5xx(tmp_path):
 
 # -- the translation onto chat (no server) ---------------------------------------------------------------
 def test_a_responses_body_becomes_the_chat_body_it_means():
-    from server.responses.request import parse, responses_param
+    from server.responses.errors import responses_message, responses_param
+    from server.responses.request import parse
 
     stored = {"conversation": [{"role": "user", "content": "Earlier"}, {"role": "assistant", "content": "Answer"}]}
     body = {"instructions": "Be brief.", "previous_response_id": "resp_1", "max_output_tokens": 9, "top_p": 0.5,
@@ -171,10 +172,17 @@ def test_a_responses_body_becomes_the_chat_body_it_means():
     assert [i["type"] for i in rr.input_items] == ["message", "function_call", "function_call",
                                                    "function_call_output", "function_call_output"]
     assert all(i["id"] for i in rr.input_items)
-    # a refusal on the chat side names the Responses field
-    assert [responses_param(p) for p in ("max_tokens", "response_format.json_schema.schema", "tools[2].function.name",
-                                         "tool_choice.function.name", "messages[3].content", "temperature")] == \
-        ["max_output_tokens", "text.format.schema", "tools[2].name", "tool_choice.name", "input", "temperature"]
+    # a refusal on the chat side names the Responses field: a message's, the item it came from
+    chat_params = ("max_tokens", "response_format.json_schema.schema", "tools[2].function.name",
+                   "tool_choice.function.name", "temperature", "messages[0].content", "messages[1].content",
+                   "messages[3].content", "messages[3].tool_calls[1].function.arguments", "messages[4].tool_call_id",
+                   "messages[5].content", "messages[9]", "messages")
+    assert [responses_param(p, rr.origins) for p in chat_params] == [
+        "max_output_tokens", "text.format.schema", "tools[2].name", "tool_choice.name", "temperature", "instructions",
+        "previous_response_id", "input[0].content", "input[2].arguments", "input[3].call_id", "input[4].output",
+        "input", "input"]
+    assert responses_message("messages[4].tool_call_id 'c9' answers no call; see tools[0].function.name",
+                             rr.origins) == "input[3].call_id 'c9' answers no call; see tools[0].name"
     # a malformed body is refused before the store is asked
     with pytest.raises(Exception, match="background"):
         parse({"input": "x", "previous_response_id": "resp_1", "background": True}, lambda rid: asked.append(rid))

@@ -103,15 +103,27 @@ def test_text_format_and_strict_false_are_served(app, submits):
 
 def test_a_grammar_with_no_way_on_is_a_400(app):
     """Found by a hostile helper: a schema whose every instance is infinite (a required property
-    of its own type), a regex longer than the library's limits, and a schema or a regex with no
-    instance at all pass the front end's check but leave the sequence nothing to generate (the
-    last two ended with an empty ``stop``). That is the client's grammar, not a server fault: 400
+    of its own type) and a regex longer than the library's limits pass the front end's check but
+    leave the sequence nothing to generate. That is the client's grammar, not a server fault: 400
     ``constraint_failed`` (it was a 500), and the sequence never goes on unconstrained."""
     endless = {"$ref": "#/$defs/n", "$defs": {"n": {"type": "object", "properties": {"c": {"$ref": "#/$defs/n"}},
                                                     "required": ["c"]}}}
-    for fields in ({"response_format": schema_format(endless)}, {"structured_outputs": {"regex": "a{1000000}"}},
-                   # no instance at all: llguidance's first mask then holds only the end of generation
-                   {"response_format": schema_format({"$ref": "#"})}, {"structured_outputs": {"regex": r"[^\s\S]"}}):
+    for fields in ({"response_format": schema_format(endless)}, {"structured_outputs": {"regex": "a{1000000}"}}):
         body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 16, **fields}
         error(post(app, CHAT, body), 400, param=None, code="constraint_failed")
     app.wait_idle()
+
+
+@pytest.mark.parametrize("fields,param", [
+    ({"response_format": schema_format({"$ref": "#"})}, "response_format.json_schema.schema"),
+    ({"structured_outputs": {"regex": r"[^\s\S]"}}, "structured_outputs.regex")])
+def test_a_grammar_with_no_instance_is_refused_up_front(app, submits, fields, param):
+    """A schema or regex no text is an instance of (found by a hostile helper: it ended with an
+    empty ``stop``): the front end takes it one step over bytes and refuses it, naming the
+    field, beside tools too. (Should one reach the engine, its first mask is in error and ends
+    the sequence with ``constraint_failed``: engine/llama/grammar.py ``allowed``.)"""
+    for extra in ({}, {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]}):
+        body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, **fields, **extra}
+        err = error(post(app, CHAT, body), 400, param=param)
+        assert "no text is an instance" in err["message"] or (extra and "JSON format only" in err["message"]), err
+    assert submits == []

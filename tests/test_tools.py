@@ -4,6 +4,7 @@ rendered with tools against Hugging Face's reference rendering (the templates of
 and whole."""
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 import pathlib
@@ -325,8 +326,9 @@ def test_the_grammar_admits_what_the_choice_allows(tokenizer, ll_tokenizer, fmt,
 ANSWER = {"type": "object", "properties": {"answer": {"type": "string"}}, "required": ["answer"],
           "additionalProperties": False, "x-guidance": {"whitespace_flexible": False, "lenient": False}}
 MISTRAL_CALL = '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}]'
-JSON_ANSWER_CASES = [
-    (formats.GENERIC, '{"response": {"answer": "hi"}}', True, '{"answer": "hi"}'),
+JSON_ANSWER_CASES = [  # the document with the format's own separators (ANSWER's: compact)
+    (formats.GENERIC, '{"response": {"answer":"hi"}}', True, '{"answer":"hi"}'),
+    (formats.GENERIC, '{"response": {"answer": "hi"}}', False, None),
     (formats.GENERIC, '{"response": "hi"}', False, None),
     (formats.GENERIC, '{"tool_calls": [{"name": "get_weather", "arguments": {"city": "Paris"}}]}', True, ""),
     (formats.HERMES, '{"answer":"hi"}', True, '{"answer":"hi"}'),
@@ -349,8 +351,40 @@ def test_with_a_json_format_the_answer_is_a_document_or_calls(tokenizer, ll_toke
     grammar = tool_grammar(fmt, ToolRequest((W, T), "auto"), content=ANSWER)
     assert walk(ll_tokenizer, grammar, tokenizer.encode(text)) is accepted
     if accepted:
-        got, calls, _ = read(fmt, text, 3)
+        got, calls, _ = read(dataclasses.replace(fmt, json_answer=True), text, 3)
         assert got == content and bool(calls) == (content == "")
+
+
+# Found by a hostile helper: schemas as given, each its own root (nothing hoisted or rewritten).
+SCHEMA_CASES = [  # (a format's schema, a document of it, one that is not)
+    ({"enum": ["red", "green"]}, '"red"', "red"),  # a string document keeps its quotes
+    ({"type": "object", "properties": {"r": {"const": {"$ref": "#"}}}, "required": ["r"]},
+     '{"r":{"$ref":"#"}}', '{"r":{"$ref":"#/$defs/content."}}'),  # a $ref inside data stays data
+    ({"type": "object", "properties": {"a": {"$ref": "#/$defs/A"}, "b": {"$ref": "#/definitions/A"}},
+      "required": ["a", "b"], "$defs": {"A": {"type": "integer"}}, "definitions": {"A": {"type": "boolean"}}},
+     '{"a":2,"b":true}', '{"a":true,"b":true}'),  # two sections, one name: two definitions
+    ({"type": "object", "properties": {"a": {"type": "integer"}, "b": {"$ref": "#/properties/a"}},
+      "required": ["a", "b"]}, '{"a":1,"b":2}', '{"a":1,"b":"x"}'),  # a pointer into the schema
+    ({"type": "object", "properties": {"e": {"$ref": "#/$defs/"}}, "required": ["e"],
+      "$defs": {"": {"type": "integer", "maximum": 3}}}, '{"e":2}', '{"e":7}'),  # a definition named ""
+]
+
+
+@pytest.mark.parametrize("schema,good,bad", SCHEMA_CASES, ids=range(len(SCHEMA_CASES)))
+def test_a_format_or_parameters_mean_beside_tools_what_they_mean_alone(tokenizer, ll_tokenizer, schema, good, bad):
+    from server.tools.grammar import tool_grammar
+    from server.tools.spec import ToolRequest
+    compact = {**schema, "x-guidance": {"whitespace_flexible": False, "lenient": False}}
+    grammar = tool_grammar(formats.HERMES, ToolRequest((W,), "auto"), content=compact)
+    assert walk(ll_tokenizer, grammar, tokenizer.encode(good))
+    assert not walk(ll_tokenizer, grammar, tokenizer.encode(bad))
+    assert read(dataclasses.replace(formats.GENERIC, json_answer=True), '{"response": ' + good + "}", 2)[0] == good
+    if schema.get("type") == "object":  # the same schema as a function's parameters
+        tool = Tool("f", "", schema)
+        grammar = tool_grammar(formats.HERMES, ToolRequest((tool,), "required"))
+        call = lambda args: tokenizer.encode(f'<tool_call>\n{{"name": "f", "arguments": {args}}}\n</tool_call>')  # noqa: E731
+        assert walk(ll_tokenizer, grammar, call(json.dumps(json.loads(good))))
+        assert not walk(ll_tokenizer, grammar, call(json.dumps(json.loads(bad))))
 
 
 def test_a_json_format_with_llama3_calls_is_refused():

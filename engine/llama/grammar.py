@@ -17,6 +17,7 @@ Limits (docs/api.md "Structured outputs"): the grammar must fit the request's va
 from __future__ import annotations
 
 import ctypes
+import functools
 import json
 import threading
 from collections import OrderedDict
@@ -45,14 +46,31 @@ def limits() -> llguidance.LLParserLimits:
     return llguidance.LLParserLimits(**LIMITS)
 
 
-def check(grammar: str) -> str:
+def check(grammar: str, text_only: bool = False) -> str:
     """Whether llguidance can compile ``grammar`` within :data:`LIMITS`: "" if so, else the
     library's message (a bad schema, regex or Lark, an unimplemented JSON-schema keyword, a
-    grammar over the limits)."""
+    grammar over the limits).
+
+    ``text_only``: the grammar names no special token (a client's structured output), so it is
+    also taken one step over bytes (llguidance's byte tokenizer): one with no first step, as a
+    schema or regex with no instance at all (``{"$ref": "#"}``, ``[^\\s\\S]``), is refused here,
+    naming the client's field, rather than by the engine's first mask."""
     try:
-        return llguidance.LLMatcher.validate_grammar(grammar, None, limits=limits())
+        error = llguidance.LLMatcher.validate_grammar(grammar, None, limits=limits())
+        if error or not text_only:
+            return error
+        matcher = llguidance.LLMatcher(_byte_tokenizer(), grammar, log_level=0, limits=limits())
+        if matcher.is_error():  # it names what bytes cannot stand for (a special token): the engine decides
+            return ""
+        matcher.compute_logit_bias()
+        return "no text is an instance of it" if matcher.is_error() else ""
     except (ValueError, TypeError) as e:  # not a grammar at all (a corrupt record)
         return str(e) or "invalid grammar"
+
+
+@functools.cache
+def _byte_tokenizer() -> llguidance.LLTokenizer:
+    return llguidance.LLTokenizer("byte")
 
 
 def json_schema_of(grammar: str) -> dict | None:
@@ -104,18 +122,18 @@ class CheckedGrammars:
 
     def __init__(self, capacity: int = 256):
         self.capacity = capacity
-        self._verdicts: OrderedDict[tuple[int, str], str] = OrderedDict()
+        self._verdicts: OrderedDict[tuple[int, str, bool], str] = OrderedDict()
         self._lock = threading.Lock()
 
-    def check(self, tenant: int, grammar: str) -> str:
+    def check(self, tenant: int, grammar: str, text_only: bool = False) -> str:
         """:func:`check`'s answer for ``tenant``'s ``grammar``."""
-        key = (tenant, grammar)
+        key = (tenant, grammar, text_only)
         with self._lock:
             verdict = self._verdicts.get(key)
             if verdict is not None:
                 self._verdicts.move_to_end(key)
                 return verdict
-        verdict = check(grammar)  # outside the lock: other threads' cached checks do not wait
+        verdict = check(grammar, text_only)  # outside the lock: other threads' cached checks do not wait
         with self._lock:
             self._verdicts[key] = verdict
             while len(self._verdicts) > self.capacity:

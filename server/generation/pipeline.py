@@ -356,9 +356,9 @@ class Generator:
             ids = self.template.encode(messages, tools=[t.openai() for t in offered] or None, **render)
         else:
             ids = self.template.encode(generic_messages(messages, offered, json_answer=content is not None), **render)
+        tool_format = dataclasses.replace(self.tool_format, json_answer=content is not None) if offered else None
         return Generation(self.engine, self.tool_pieces if offered else self.tokenizer.pieces, [ids], req,
-                          prompt_param, limiter=self.limiter, tool_format=self.tool_format if offered else None,
-                          **submit).submit()
+                          prompt_param, limiter=self.limiter, tool_format=tool_format, **submit).submit()
 
     def _check_logit_bias(self, req: GenerationRequest) -> None:
         """Every token ``logit_bias`` names is in the vocabulary.
@@ -387,7 +387,7 @@ class Generator:
         except InvalidRequest as e:
             e.param = req.grammar_param
             raise
-        error = self.grammars.check(tenant.index, grammar)
+        error = self.grammars.check(tenant.index, grammar, text_only=req.grammar_param != "tools")
         if error:
             raise InvalidRequest(f"{req.grammar_param} cannot be enforced: {error}", req.grammar_param)
 

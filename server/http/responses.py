@@ -24,7 +24,8 @@ from server.generation.pipeline import Generation, Generator
 from server.http.body import read_json
 from server.http.json import dumps
 from server.responses.output import ResponseBuilder
-from server.responses.request import ResponsesRequest, new_id, parse, responses_message, responses_param
+from server.responses.errors import responses_message, responses_param
+from server.responses.request import ResponsesRequest, new_id, parse
 from server.responses.store import StoreUnavailable
 
 log = logging.getLogger("responses")
@@ -48,6 +49,7 @@ class Responses:
     def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
         body = read_json(req, self.config.max_body_bytes)
         tenant = req.context.tenant
+        rr = None
         try:
             model = check_model(body, self.config.model_ids)
             rr = parse(body, lambda rid: self.store.get(tenant.id, rid))
@@ -62,7 +64,8 @@ class Responses:
             if e.param == "response_id":  # the previous response is unknown to this tenant
                 e.param = "previous_response_id"
                 e.message = f"Previous response with id {body['previous_response_id']!r} not found."
-            e.param, e.message = responses_param(e.param), responses_message(e.message)
+            origins = rr.origins if rr is not None else []
+            e.param, e.message = responses_param(e.param, origins), responses_message(e.message, origins)
             raise
         req.context.record.attach(gen, body.get("input"))
         builder = ResponseBuilder(new_id("resp"), model, self._echo(body, rr))

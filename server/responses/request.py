@@ -1,8 +1,8 @@
 """A ``POST /v1/responses`` body (OpenAI API reference, Responses) -> the Chat Completions body
 it means, so that a Responses request runs the chat path unchanged (template, tools, grammar,
 prefix cache, tenants, limits, telemetry): ``server.api.requests.parse_generation`` and
-``parse_messages`` check the translated body, and a refusal's ``param`` is turned back into
-the Responses field it came from (:func:`responses_param`).
+``parse_messages`` check the translated body, and a refusal is turned back into the Responses
+field it came from (``server/responses/errors.py``, with each message's :class:`Origin`).
 
 - ``instructions`` -> a first ``system`` message (not carried to a continuation, as OpenAI's);
 - ``previous_response_id`` -> the stored conversation's chat messages first (the earlier
@@ -25,6 +25,7 @@ from typing import Callable
 import ujson
 
 from engine.errors import InvalidRequest
+from server.responses.errors import Origin
 
 #: Fields this route implements, or accepts because they cannot change what is generated.
 FIELDS = {"model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "tools", "tool_choice",
@@ -74,6 +75,8 @@ class ResponsesRequest:
     stream: bool = False
     previous_response_id: str | None = None
     echo: dict = field(default_factory=dict)
+    #: Where each of ``chat["messages"]`` came from (to name a refusal's field).
+    origins: list[Origin] = field(default_factory=list)
 
 
 def _same(a, b) -> bool:
@@ -117,11 +120,13 @@ def parse(body: dict, load_previous: Callable[[str], dict]) -> ResponsesRequest:
     instructions = body.get("instructions")
     if instructions is not None and not isinstance(instructions, str):
         raise InvalidRequest("instructions must be a string", "instructions")
-    items, messages = _input(body.get("input"))
+    items, messages, origins = _input(body.get("input"))
     history = list(previous["conversation"]) if previous else []
     conversation = history + messages
     chat = {k: body[k] for k in PASSED if body.get(k) is not None}
     chat["messages"] = ([{"role": "system", "content": instructions}] if instructions else []) + conversation
+    origins = ([Origin("instructions", "system")] if instructions else []) + \
+        [Origin("previous_response_id", m["role"]) for m in history] + origins
     chat["add_generation_prompt"] = True  # a new assistant turn, even after an assistant message
     if body.get("max_output_tokens") is not None:
         chat["max_tokens"] = body["max_output_tokens"]
@@ -141,19 +146,20 @@ def parse(body: dict, load_previous: Callable[[str], dict]) -> ResponsesRequest:
     return ResponsesRequest(chat, items, conversation, store=body.get("store") is not False,
                             stream=body.get("stream") is True, previous_response_id=body.get("previous_response_id"),
                             echo={"instructions": instructions, "tools": body.get("tools") or [],
-                                  "tool_choice": body.get("tool_choice") or "auto", "text": body.get("text")})
+                                  "tool_choice": body.get("tool_choice") or "auto", "text": body.get("text")},
+                            origins=origins)
 
 
 # -- input -------------------------------------------------------------------------------------------
-def _input(raw) -> tuple[list[dict], list[dict]]:
-    """``input`` -> (stored items with ids, chat messages)."""
+def _input(raw) -> tuple[list[dict], list[dict], list[Origin]]:
+    """``input`` -> (stored items with ids, chat messages, where each message came from)."""
     if isinstance(raw, str):
-        return [_message_item("user", raw)], [{"role": "user", "content": raw}]
+        return [_message_item("user", raw)], [{"role": "user", "content": raw}], [Origin("input", "user")]
     if not isinstance(raw, list) or not raw:
         raise InvalidRequest("input must be a string or a non-empty array of input items", "input")
     if len(raw) > MAX_INPUT_ITEMS:
         raise InvalidRequest(f"input holds {len(raw)} items, more than {MAX_INPUT_ITEMS}", "input")
-    items, messages = [], []
+    items, messages, origins = [], [], []
     for i, item in enumerate(raw):
         where = f"input[{i}]"
         if not isinstance(item, dict):
@@ -163,6 +169,7 @@ def _input(raw) -> tuple[list[dict], list[dict]]:
             role, text = _message(item, where)
             items.append(_message_item(role, text, _item_id(item, where, "msg")))
             messages.append({"role": role, "content": text})
+            origins.append(Origin(where, role))
         elif kind == "function_call":
             call = _function_call(item, where)
             items.append(call)
@@ -172,15 +179,19 @@ def _input(raw) -> tuple[list[dict], list[dict]]:
             if last is not None and last["role"] == "assistant":
                 last.setdefault("tool_calls", []).append(chat_call)  # one assistant turn: text and calls
             else:
-                messages.append({"role": "assistant", "content": None, "tool_calls": [chat_call]})
+                messages.append({"role": "assistant", "content": None, "tool_calls": []})
+                messages[-1]["tool_calls"].append(chat_call)
+                origins.append(Origin(where, "assistant"))
+            origins[-1].calls.append(where)
         elif kind == "function_call_output":
             out = _function_call_output(item, where)
             items.append(out)
             messages.append({"role": "tool", "tool_call_id": out["call_id"], "content": out["output"]})
+            origins.append(Origin(where, "tool"))
         else:
             raise InvalidRequest(f"{where}.type {ujson.dumps(kind)} is not supported: input items may be messages, "
                                  "function_call and function_call_output", f"{where}.type")
-    return items, messages
+    return items, messages, origins
 
 
 def _message(item: dict, where: str) -> tuple[str, str]:
@@ -307,40 +318,3 @@ def _text_format(text) -> dict | None:
                                                        if k in fmt}}
     raise InvalidRequest("text.format must be {\"type\": \"text\"}, {\"type\": \"json_object\"} or a json_schema "
                          "format", "text.format")
-
-
-# -- errors ------------------------------------------------------------------------------------------
-_PARAM = [(re.compile(r"^max_tokens$"), "max_output_tokens"),
-          (re.compile(r"^response_format\.json_schema(.*)$"), r"text.format\1"),
-          (re.compile(r"^response_format(.*)$"), r"text.format\1"),
-          (re.compile(r"^tools\[(\d+)\]\.function(.*)$"), r"tools[\1]\2"),
-          (re.compile(r"^tool_choice\.function\.name$"), "tool_choice.name"),
-          (re.compile(r"^messages.*$"), "input")]
-
-
-def responses_param(param: str | None) -> str | None:
-    """A chat field named in an error (``max_tokens``, ``response_format...``,
-    ``tools[i].function...``, ``messages...``) as the Responses field it came from."""
-    if param is None:
-        return None
-    for pattern, replacement in _PARAM:
-        if pattern.match(param):
-            return pattern.sub(replacement, param)
-    return param
-
-
-_FIELD_PATH = re.compile(r"\b(?:max_tokens|response_format|tools|tool_choice|messages)\b[\w.\[\]]*")
-
-
-def responses_message(message: str) -> str:
-    """An error message with every chat field path in it (``response_format.json_schema.schema``,
-    ``max_tokens``...) named as the Responses field it came from, so the message and its ``param``
-    agree; a message path is said to be ``input`` seen as that chat message."""
-    def rename(match: re.Match) -> str:
-        path = match.group(0).rstrip(".")
-        tail = match.group(0)[len(path):]
-        if path.startswith("messages"):  # items and instructions do not map one to one onto messages
-            return f"input (as the chat message {path})" + tail
-        return responses_param(path) + tail
-
-    return _FIELD_PATH.sub(rename, message)

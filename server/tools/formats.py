@@ -46,6 +46,9 @@ class ToolFormat:
             special token (markers and closing tags).
         args_keys: the call object's key for its arguments. id_length: a call id's length when
             the template demands one (Mistral's 9 alphanumerics), else 0 (``call_`` + 24 hex).
+        json_answer: a request's JSON format holds the answers that are not calls, so an answer
+            is read as JSON text (the generic envelope's ``response`` kept as written, a string
+            with its quotes); ``dataclasses.replace`` sets it per request.
     """
 
     name: str
@@ -54,6 +57,7 @@ class ToolFormat:
     literals: tuple[str, ...] = ()
     args_keys: tuple[str, ...] = ("arguments",)
     id_length: int = 0
+    json_answer: bool = False
 
     def new_id(self) -> str:
         """A fresh call id in the form the template accepts back in the next turn."""
@@ -196,7 +200,7 @@ def _generic(fmt: ToolFormat, text: str, final: bool) -> tuple[str, list[CallVie
         if j >= len(text):
             return ("" if not final else text), []
         if key == "response":  # a string, or a document of the request's JSON format
-            return (_json_string_prefix(text, j, final) if text[j] == '"' else _json_value_prefix(text, j)), []
+            return (_json_value_prefix(text, j) if fmt.json_answer else _json_string_prefix(text, j, final)), []
         if key == "tool_calls" and text[j] == "[":
             calls, _ = _calls_after(fmt, text, j + 1, ",", "]")
             return "", calls

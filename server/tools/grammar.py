@@ -2,9 +2,12 @@
 with each call's JSON Schema inlined (``%json``), sent as ``SamplingParams.grammar`` and
 enforced per sequence by the engine (docs/architecture.md "Grammar constraints").
 
-A call is a JSON object ``{"name": <const>, "arguments": <the function's parameters>}`` (key
-``parameters`` for Llama 3), one schema per callable function under ``anyOf``, written with the
-separators ``json.dumps`` uses (what the templates show the model). Per ``tool_choice``:
+A call is the text ``{"name": "<name>", "arguments": <JSON of the function's parameters>}`` (key
+``parameters`` for Llama 3), one Lark rule per callable function: the fixed text as literals,
+the arguments a ``%json`` of the function's ``parameters`` as given, so its ``$ref``s resolve
+in it alone and no two functions' definitions meet (nothing is rewritten: a ``$ref`` inside a
+``const`` stays data). JSON is written with the separators ``json.dumps`` uses (what the
+templates show the model). Per ``tool_choice``:
 
 - ``required`` / a named function: the answer is the format's call section and nothing else,
   one or more calls (exactly one when ``parallel_tool_calls`` is false);
@@ -18,8 +21,9 @@ separators ``json.dumps`` uses (what the templates show the model). Per ``tool_c
 With a JSON response format (``response_format``, the Responses API's ``text.format``) under
 ``auto``, the answer that is not a call is a document of that format instead of free text: the
 format's schema where the free text was (Hermes and Mistral: the document, or the calls
-straight away; the generic format: ``{"response": <the document>}``). ``required`` and a named
-function answer with calls, so the format has nothing to hold there.
+straight away; the generic format: ``{"response": <the document>}``), a ``%json`` of the
+format's schema with its own options (``x-guidance``). ``required`` and a named function answer
+with calls, so the format has nothing to hold there.
 """
 from __future__ import annotations
 
@@ -36,52 +40,20 @@ from server.tools.spec import AUTO, ToolRequest
 COMPACT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
-def call_schema(fmt: ToolFormat, request: ToolRequest, defs: dict) -> dict:
-    """One call of any function the request lets the model call. Each function's definitions
-    (``$defs``, ``definitions``: what pydantic writes for nested models) move into ``defs``,
-    which goes to the root of the whole grammar's schema, under names of their own."""
-    schemas = [{"type": "object", "properties": {"name": {"const": t.name},
-                                                 fmt.args_keys[0]: _hoist(t.parameters, f"f{i}.", defs)},
-                "required": ["name", fmt.args_keys[0]], "additionalProperties": False}
-               for i, t in enumerate(request.callable())]
-    return schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
+def _arguments(parameters: dict) -> str:
+    """A function's arguments: its ``parameters`` as their own ``%json`` root."""
+    return "%json " + json.dumps({**parameters, "x-guidance": COMPACT})
 
 
-def _hoist(parameters: dict, prefix: str, defs: dict) -> dict:
-    """``parameters`` with its local references (``#``, ``#/$defs/X``, ``#/definitions/X``)
-    pointing at ``#/$defs/<prefix>X`` (its root at ``#/$defs/<prefix>``), those definitions
-    added to ``defs``: embedded in a larger schema, they would otherwise resolve against its
-    root."""
-    seen = []
-
-    def walk(node):
-        if isinstance(node, list):
-            return [walk(v) for v in node]
-        if not isinstance(node, dict):
-            return node
-        out = {}
-        for key, value in node.items():
-            if key == "$ref" and value == "#":
-                seen.append(True)
-                value = f"#/$defs/{prefix}"
-            elif key == "$ref" and isinstance(value, str):
-                for section in ("#/$defs/", "#/definitions/"):
-                    if value.startswith(section):
-                        value = f"#/$defs/{prefix}{value[len(section):]}"
-            elif key in ("$defs", "definitions") and node is parameters and isinstance(value, dict):
-                defs.update((f"{prefix}{name}", walk(d)) for name, d in value.items())
-                continue
-            out[key] = walk(value)
-        return out
-
-    hoisted = walk(parameters)
-    if seen:
-        defs[prefix] = hoisted
-    return hoisted
-
-
-def _json(schema: dict, defs: dict) -> str:
-    return "%json " + json.dumps({**schema, **({"$defs": defs} if defs else {}), "x-guidance": COMPACT})
+def _calls(fmt: ToolFormat, request: ToolRequest) -> str:
+    """The Lark rules ``call`` (one call of any function the request lets the model call) and
+    one ``call_<i>`` / ``arguments_<i>`` pair per function."""
+    rules, names = [], []
+    for i, tool in enumerate(request.callable()):
+        opening = json.dumps(f'{{"name": {json.dumps(tool.name)}, "{fmt.args_keys[0]}": ')
+        rules.append(f'call_{i}: {opening} arguments_{i} "}}"\narguments_{i}: {_arguments(tool.parameters)}\n')
+        names.append(f"call_{i}")
+    return f"call: {' | '.join(names)}\n" + "".join(rules)
 
 
 def tool_grammar(fmt: ToolFormat, request: ToolRequest, specials: dict[str, int] | None = None,
@@ -102,8 +74,6 @@ def tool_grammar(fmt: ToolFormat, request: ToolRequest, specials: dict[str, int]
             (Llama 3's: both are a JSON object).
     """
     required = request.choice != AUTO
-    defs: dict = {}
-    call = _json(call_schema(fmt, request, defs), defs)
     specials = specials or {}
     if content is not None and fmt.name == "llama3_json" and not required:
         raise ValueError("Llama 3's tool calls are a bare JSON object, as a JSON answer would be")
@@ -116,26 +86,18 @@ def tool_grammar(fmt: ToolFormat, request: ToolRequest, specials: dict[str, int]
         return (f"head: TEXT {lit(marker)}\n" if marker in specials else
                 f"head[lazy]: TEXT {lit(marker)}\n") + "TEXT: /(.|\\n)*/\n"
     if fmt.name == "generic":
-        defs = {}
-        calls = {"type": "array", "items": call_schema(fmt, request, defs), "minItems": 1}
-        if not request.parallel:
-            calls["maxItems"] = 1
-        envelope = {"type": "object", "properties": {"tool_calls": calls}, "required": ["tool_calls"],
-                    "additionalProperties": False}
-        if not required:
-            answer = {"type": "string"} if content is None else _hoist(
-                {k: v for k, v in content.items() if k != "x-guidance"}, "content.", defs)
-            envelope = {"anyOf": [envelope, {"type": "object", "properties": {"response": answer},
-                                             "required": ["response"], "additionalProperties": False}]}
-        lark = f"start: {_json(envelope, defs)}\n"
+        calls = '"{\\"tool_calls\\": [" call' + (' (", " call)*' if request.parallel else "") + ' "]}"'
+        lark = f"start: {calls}\n"
+        if not required:  # or the answer: a JSON string, or a document of the format
+            lark = (f'start: {calls} | "{{\\"response\\": " answer "}}"\n'
+                    f'answer: {document or "%json " + json.dumps({"type": "string", "x-guidance": COMPACT})}\n')
     elif fmt.name == "hermes":
         repeat = ' ("\\n" tool_call)*' if request.parallel else ""
-        calls = f"tool_call{repeat}"
         closed = f'tool_call: {lit("<tool_call>")} "\\n" call "\\n" {lit("</tool_call>")}\n'
         if required:
-            lark = f"start: {calls}\n" + closed
+            lark = f"start: tool_call{repeat}\n" + closed
         elif document:  # the document, or the calls straight away
-            lark = f"start: document | {calls}\ndocument: {document}\n" + closed
+            lark = f"start: document | tool_call{repeat}\ndocument: {document}\n" + closed
         else:  # text, then calls each opened by the marker (lazy: the text ends at the marker)
             lark = (f"start: opened{'*' if request.parallel else '?'} TEXT\n"
                     f'opened: head "\\n" call "\\n" {lit("</tool_call>")}\n' + head("<tool_call>"))
@@ -151,24 +113,22 @@ def tool_grammar(fmt: ToolFormat, request: ToolRequest, specials: dict[str, int]
     else:
         raise ValueError(f"no grammar for format {fmt.name}")
     try:
-        grammar = llguidance.grammar_from("lark", f"%llguidance {{}}\n{lark}call: {call}\n")
+        grammar = llguidance.grammar_from("lark", f"%llguidance {{}}\n{lark}{_calls(fmt, request)}")
     except ValueError as e:
         grammar, error = None, str(e)
     else:
         error = check(grammar)
     if error:
-        raise InvalidRequest(f"the tools cannot be enforced: {error}", _culprit(fmt, request))
+        raise InvalidRequest(f"the tools cannot be enforced: {error}", _culprit(request))
     return grammar
 
 
-def _culprit(fmt: ToolFormat, request: ToolRequest) -> str:
+def _culprit(request: ToolRequest) -> str:
     """The field to blame: the first function whose parameters do not compile alone."""
     for i, tool in enumerate(request.tools):
         if tool in request.callable():
-            defs: dict = {}
-            schema = _hoist(tool.parameters, "f0.", defs)
             try:
-                alone = check(llguidance.grammar_from("lark", f"%llguidance {{}}\nstart: {_json(schema, defs)}\n"))
+                alone = check(llguidance.grammar_from("lark", f"%llguidance {{}}\nstart: {_arguments(tool.parameters)}\n"))
             except ValueError as e:
                 alone = str(e)
             if alone:
