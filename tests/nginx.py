@@ -106,16 +106,16 @@ class Nginx:
 
     def requests(self) -> list[dict]:
         """The access log so far, a dict per request: ``request`` (method and path),
-        ``status``, ``upstreams`` (each replica tried, in order: more than one is a retry) and
-        ``upstream_statuses``."""
+        ``status``, ``upstreams`` (each replica tried, in order: more than one is a retry),
+        ``upstream_statuses`` and ``conversation`` (its X-Conversation-ID, or "-")."""
         pattern = re.compile(r'"(?P<request>[^"]*)" (?P<status>\d+) .*upstream="(?P<up>[^"]*)" '
-                             r'upstream_status="(?P<us>[^"]*)"')
+                             r'upstream_status="(?P<us>[^"]*)" conversation="(?P<conversation>[^"]*)"')
         def tried(field: str) -> list[str]:  # nginx writes "a, b" for a retry, "a : b" for a redirect
             return re.split(r"\s*[,:]\s+", field) if field != "-" else []
         with open(self.log) as f:
             matches = [pattern.search(line) for line in f]
         return [{"request": m["request"], "status": int(m["status"]), "upstreams": tried(m["up"]),
-                 "upstream_statuses": tried(m["us"])} for m in matches if m]
+                 "upstream_statuses": tried(m["us"]), "conversation": m["conversation"]} for m in matches if m]
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
