@@ -19,7 +19,7 @@ from shm.wakeup import Wakeups
 
 # `make test` runs the suite on two pytest-xdist workers, a file to a worker (--dist loadfile):
 # the files that take longest go first, so that none of them starts last and runs alone.
-LONGEST_FIRST = ("test_soak.py", "test_prefix_cache.py", "test_tenancy.py", "test_bench_threads.py",
+LONGEST_FIRST = ("test_soak.py", "test_prefix_cache.py", "test_tenancy.py", "test_multinode.py", "test_bench_threads.py",
                  "test_engine.py", "test_http_contract.py")
 
 
@@ -264,6 +264,23 @@ def running_server(*flags: str, env: dict | None = None, grpc: bool = False, new
         yield server
     finally:
         server.stop()
+
+
+@contextlib.contextmanager
+def running_replicas(hosts: tuple[str, ...], *flags: str, **options):
+    """Servers started at once, one on each loopback address of ``hosts`` (replicas: each its own
+    engine; ``options`` as :class:`RunningServer`'s); yields them in that order and stops every one
+    that started."""
+    import concurrent.futures
+
+    with concurrent.futures.ThreadPoolExecutor(len(hosts)) as pool:
+        starts = [pool.submit(RunningServer, *flags, host=host, **options) for host in hosts]
+    try:
+        yield [s.result() for s in starts]
+    finally:
+        for s in starts:
+            if s.exception() is None:
+                s.result().stop()
 
 
 @pytest.fixture(scope="session")

@@ -117,6 +117,18 @@ class Nginx:
         return [{"request": m["request"], "status": int(m["status"]), "upstreams": tried(m["up"]),
                  "upstream_statuses": tried(m["us"]), "conversation": m["conversation"]} for m in matches if m]
 
+    def logged(self, prefix: str, n: int, timeout: float = 10.0) -> list[dict]:
+        """The access-log entries of the ``n`` requests whose X-Conversation-ID starts with
+        ``prefix``, in the order they ended; nginx writes an entry just after its response ends,
+        so this waits up to ``timeout`` seconds for them. Raises AssertionError when they are not
+        ``n``."""
+        end = time.monotonic() + timeout
+        while len(entries := [r for r in self.requests() if r["conversation"].startswith(prefix)]) < n:
+            assert time.monotonic() < end, entries
+            time.sleep(0.02)
+        assert len(entries) == n, entries
+        return entries
+
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.terminate()  # nginx's fast shutdown

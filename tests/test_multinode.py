@@ -23,8 +23,8 @@ from engine.supervisor import pid_alive
 from proto import inference_pb2 as pb
 from proto import inference_pb2_grpc
 from shm.segment import remove_orphans
-from tests.conftest import RunningServer, needs_redis, redis_server
-from tests.nginx import LEAST_CONN, AFFINITY, Nginx, needs_nginx
+from tests.conftest import needs_redis, redis_server, running_replicas
+from tests.nginx import AFFINITY, LEAST_CONN, Nginx, needs_nginx
 from tests.test_tenancy import write_tenants
 
 pytestmark = [needs_nginx, needs_redis]
@@ -42,23 +42,15 @@ FLAGS = ("--max-slots", "2", "--max-queued", "22", "--max-seq-len", "256", "--wo
 def cluster(tmp_path_factory):
     """``(proxy, replicas)``: nginx (least_conn) in front of three replicas sharing one Redis."""
     tenants = write_tenants(tmp_path_factory.mktemp("multinode") / "tenants.json", TENANTS)
-    with redis_server() as (url, _), concurrent.futures.ThreadPoolExecutor(3) as pool:
-        starts = [pool.submit(RunningServer, *FLAGS, "--tenants", tenants, "--redis-url", url, grpc=True, host=h)
-                  for h in HOSTS]
-        replicas = []
+    with redis_server() as (url, _), \
+            running_replicas(HOSTS, *FLAGS, "--tenants", tenants, "--redis-url", url, grpc=True) as replicas:
+        # a first decode pays once for the memory it touches first: not in any test's figures
+        assert [post(r.port, "Hi", 2, "warm-up", host=r.host)[0] for r in replicas] == [200] * 3
+        proxy = Nginx(replicas, LEAST_CONN, max_body_bytes=65536)
         try:
-            replicas = [s.result() for s in starts]
-            # a first decode pays once for the memory it touches first: not in any test's figures
-            assert list(pool.map(lambda r: post(r.port, "Hi", 2, "warm-up", host=r.host)[0], replicas)) == [200] * 3
-            proxy = Nginx(replicas, LEAST_CONN, max_body_bytes=65536)
-            try:
-                yield proxy, replicas
-            finally:
-                proxy.stop()
+            yield proxy, replicas
         finally:
-            for s in starts:
-                if s.exception() is None:
-                    s.result().stop()
+            proxy.stop()
 
 
 class SSE:
@@ -142,17 +134,6 @@ def address(replica) -> str:
     return f"{replica.host}:{replica.port}"
 
 
-def logged(proxy: Nginx, prefix: str, n: int) -> list[dict]:
-    """The proxy's access-log entries of the ``n`` requests tagged ``prefix...``, in the order they
-    ended (nginx writes an entry just after the response's end: waited for)."""
-    end = time.monotonic() + 10
-    while len(entries := [r for r in proxy.requests() if r["conversation"].startswith(prefix)]) < n:
-        assert time.monotonic() < end, entries
-        time.sleep(0.02)
-    assert len(entries) == n, entries
-    return entries
-
-
 def in_flight(replica) -> int:
     """Requests the replica holds (queued, running, or being sent): its leased mailboxes."""
     return replica.engine.mailboxes_in_use()
@@ -203,7 +184,7 @@ def test_48_concurrent_requests_reach_every_replica(cluster):
     with concurrent.futures.ThreadPoolExecutor(48) as pool:
         statuses = list(pool.map(lambda i: post(proxy.port, f"What is {i} plus {i}?", 1, f"many-{i}")[0], range(48)))
     assert statuses == [200] * 48
-    served = [r["upstreams"][-1] for r in logged(proxy, "many-", 48)]
+    served = [r["upstreams"][-1] for r in proxy.logged("many-", 48)]
     assert set(served) == {address(r) for r in replicas}
     print("\nrequests per replica:", {a: served.count(a) for a in sorted(set(served))})
 
@@ -213,7 +194,7 @@ def test_one_tenants_quota_holds_across_the_three(cluster):
     statuses = [post(proxy.port, "Hi", 1, f"quota-{i}", key="metered-key")[0] for i in range(9)]
     # burst 6 in one Redis bucket; each replica alone would have let all 9 through
     assert statuses == [200] * 6 + [429] * 3
-    log = logged(proxy, "quota-", 9)
+    log = proxy.logged("quota-", 9)
     assert {r["upstreams"][-1] for r in log if r["status"] == 200} == {address(r) for r in replicas}
     assert all(len(r["upstreams"]) == 1 for r in log)  # a 429 is not retried
 
@@ -230,7 +211,7 @@ def test_grpc_goes_through_the_same_proxy(cluster):
     with grpc.insecure_channel(f"{replicas[0].host}:{replicas[0].grpc_port}") as channel:
         direct = inference_pb2_grpc.InferenceServiceStub(channel).ChatComplete(request, metadata=metadata, timeout=60)
     assert answers == [direct.choices[0].text] * 3 and streamed == direct.choices[0].text
-    calls = [r for r in logged(proxy, "grpc", 4) if "InferenceService/ChatComplete " in r["request"]]
+    calls = [r for r in proxy.logged("grpc", 4) if "InferenceService/ChatComplete " in r["request"]]
     assert {r["upstreams"][-1] for r in calls} == {f"{r.host}:{r.grpc_port}" for r in replicas}
 
 
@@ -261,7 +242,7 @@ def test_a_replica_killed_under_load_ends_its_streams_with_an_error_and_fails_no
     assert len(errors) == on_victim and {e["code"] for e in errors} == {"engine_unavailable"}, errors
     # The proxy tried the victim for one new request at most (then retried it elsewhere) and
     # sent it nothing more while its failure mark lasted (fail_timeout=5s).
-    log = logged(proxy, "after-kill-", 6)
+    log = proxy.logged("after-kill-", 6)
     tried = [i for i, r in enumerate(log) if address(victim) in r["upstreams"]]
     assert all(r["upstreams"][-1] != address(victim) for r in log)
     assert [i for i in tried if started[i] - started[tried[0]] < 5] == tried[:1], log
@@ -283,4 +264,4 @@ def test_a_replica_drained_with_sigterm_finishes_its_streams_and_refuses_nothing
     for s in streams:  # the drained replica's included
         assert s.finish()[-1]["choices"][0]["finish_reason"] == "length"
     assert drained.proc.wait(60) == 0
-    assert all(r["upstreams"][-1] == address(replicas[0]) for r in logged(proxy, "after-term-", 6))
+    assert all(r["upstreams"][-1] == address(replicas[0]) for r in proxy.logged("after-term-", 6))
