@@ -29,6 +29,8 @@ NO_NGINX = ("no nginx: install Debian's nginx package (`apt-get install nginx`, 
 
 #: the balancing methods the template's ``${BALANCE}`` takes (docs/operations.md, "Load balancing")
 LEAST_CONN, AFFINITY = "least_conn", "hash $affinity consistent"
+#: seconds a replica gets no request after it failed one (the template's ``fail_timeout``)
+FAIL_TIMEOUT_S = float(re.search(r"fail_timeout=(\d+)s", TEMPLATE.read_text())[1])
 
 
 def nginx_executable() -> str | None:

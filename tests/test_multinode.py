@@ -24,7 +24,7 @@ from proto import inference_pb2 as pb
 from proto import inference_pb2_grpc
 from shm.segment import remove_orphans
 from tests.conftest import needs_redis, redis_server, running_replicas
-from tests.nginx import AFFINITY, LEAST_CONN, Nginx, needs_nginx
+from tests.nginx import AFFINITY, FAIL_TIMEOUT_S, LEAST_CONN, Nginx, needs_nginx
 from tests.test_tenancy import write_tenants
 
 pytestmark = [needs_nginx, needs_redis]
@@ -130,6 +130,14 @@ def post(port: int, content: str, max_tokens: int, tag: str, key: str = KEY, hos
         conn.close()
 
 
+def streaming(proxy: Nginx, n: int, max_tokens: int) -> list[SSE]:
+    """``n`` long streams through ``proxy``, each past its first token."""
+    streams = [SSE(proxy.port, f"Tell a long story, number {i}.", max_tokens) for i in range(n)]
+    for s in streams:
+        assert s.first_content.wait(60)
+    return streams
+
+
 def address(replica) -> str:
     return f"{replica.host}:{replica.port}"
 
@@ -146,11 +154,17 @@ def wait_gone(pids: list[int], timeout: float = 30.0) -> None:
         time.sleep(0.05)
 
 
-def test_the_shipped_configuration_passes_nginx_t_with_either_balancing():
-    class Absent:  # nothing listens there: nginx -t and the start do not connect
+def test_the_shipped_configuration_passes_nginx_t_and_with_no_replica_answers_503():
+    class Absent:  # nothing listens there
         host, port, grpc_port = "127.0.0.2", 1, 2
     for balance in (LEAST_CONN, AFFINITY):
-        Nginx([Absent] * 3, balance).stop()  # raises with nginx's message if -t refuses it
+        proxy = Nginx([Absent] * 3, balance)  # raises with nginx's message if -t refuses it
+        try:
+            status, body = post(proxy.port, "Hi", 1, "absent")
+        finally:
+            proxy.stop()
+        # every replica refused: the replicas' own overload answer, not nginx's HTML 502
+        assert status == 503 and body["error"]["code"] == "no_replica_available"
 
 
 def test_streams_pass_through_unbuffered_with_their_keepalive_comments(cluster):
@@ -168,9 +182,7 @@ def test_streams_pass_through_unbuffered_with_their_keepalive_comments(cluster):
           "(one of each: bench.multinode compares them)")
     # Six long streams fill the six slots; a seventh waits in a queue, and its keep-alive
     # comments reach the client through the proxy before its first token.
-    running = [SSE(proxy.port, f"Count to a hundred, take {i}.", 32) for i in range(6)]
-    for s in running:
-        assert s.first_content.wait(60)
+    running = streaming(proxy, 6, 32)
     queued = SSE(proxy.port, "Say hello.", 4)
     queued.finish()
     waited = [line for _, line in queued.lines[:queued.first_token()]]
@@ -218,9 +230,7 @@ def test_grpc_goes_through_the_same_proxy(cluster):
 def test_a_replica_killed_under_load_ends_its_streams_with_an_error_and_fails_no_new_request(cluster):
     proxy, replicas = cluster
     victim = replicas[2]
-    streams = [SSE(proxy.port, f"Tell a long story, number {i}.", 64) for i in range(6)]
-    for s in streams:
-        assert s.first_content.wait(60)
+    streams = streaming(proxy, 6, 64)
     on_victim = in_flight(victim)
     assert on_victim >= 1
     processes = [victim.proc.pid, *victim.children()]
@@ -241,11 +251,11 @@ def test_a_replica_killed_under_load_ends_its_streams_with_an_error_and_fails_no
             assert chunks[-1]["choices"][0]["finish_reason"] == "length"
     assert len(errors) == on_victim and {e["code"] for e in errors} == {"engine_unavailable"}, errors
     # The proxy tried the victim for one new request at most (then retried it elsewhere) and
-    # sent it nothing more while its failure mark lasted (fail_timeout=5s).
+    # sent it nothing more while its failure mark lasted (fail_timeout).
     log = proxy.logged("after-kill-", 6)
     tried = [i for i, r in enumerate(log) if address(victim) in r["upstreams"]]
     assert all(r["upstreams"][-1] != address(victim) for r in log)
-    assert [i for i in tried if started[i] - started[tried[0]] < 5] == tried[:1], log
+    assert [i for i in tried if started[i] - started[tried[0]] < FAIL_TIMEOUT_S] == tried[:1], log
     wait_gone(processes)  # its workers left once their streams ended
     remove_orphans()  # what a new start on this node does with the killed server's segment
     assert not os.path.exists(f"/dev/shm/{victim.shm}")
@@ -254,9 +264,7 @@ def test_a_replica_killed_under_load_ends_its_streams_with_an_error_and_fails_no
 def test_a_replica_drained_with_sigterm_finishes_its_streams_and_refuses_nothing(cluster):
     proxy, replicas = cluster
     drained = replicas[1]
-    streams = [SSE(proxy.port, f"Tell a long story, number {i}.", 64) for i in range(4)]
-    for s in streams:
-        assert s.first_content.wait(60)
+    streams = streaming(proxy, 4, 64)
     assert in_flight(drained) >= 1
     drained.proc.send_signal(signal.SIGTERM)
     for i in range(6):
