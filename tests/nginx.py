@@ -89,9 +89,11 @@ class Nginx:
             raise
 
     def command(self, *args: str) -> list[str]:
+        """nginx's command line for this prefix and configuration, then ``args``."""
         return [nginx_executable(), "-p", self.prefix, "-c", self.conf, "-e", "stderr", *args]
 
     def run(self, *args: str) -> subprocess.CompletedProcess:
+        """Run nginx once with ``args`` (``-t``: check the configuration); its output as text."""
         return subprocess.run(self.command(*args), capture_output=True, text=True)
 
     def _wait_listening(self, timeout: float = 10.0) -> None:
@@ -132,6 +134,7 @@ class Nginx:
         return entries
 
     def stop(self) -> None:
+        """Stop nginx (fast shutdown) and remove its prefix folder, log included."""
         if self.proc is not None and self.proc.poll() is None:
             self.proc.terminate()  # nginx's fast shutdown
             try:
