@@ -138,6 +138,11 @@ def streaming(proxy: Nginx, n: int, max_tokens: int) -> list[SSE]:
     return streams
 
 
+def attempts(log: list[dict]) -> list[list[tuple[str, str]]]:
+    """Each logged request's ``(replica, status)`` attempts (nginx logs a refused connection as 502)."""
+    return [list(zip(r["upstreams"], r["upstream_statuses"])) for r in log]
+
+
 def address(replica) -> str:
     return f"{replica.host}:{replica.port}"
 
@@ -253,6 +258,7 @@ def test_a_replica_killed_under_load_ends_its_streams_with_an_error_and_fails_no
     # The proxy tried the victim for one new request at most (then retried it elsewhere) and
     # sent it nothing more while its failure mark lasted (fail_timeout).
     log = proxy.logged("after-kill-", 6)
+    print("\nafter the kill, each request's attempts:", attempts(log))
     tried = [i for i, r in enumerate(log) if address(victim) in r["upstreams"]]
     assert all(r["upstreams"][-1] != address(victim) for r in log)
     assert [i for i in tried if started[i] - started[tried[0]] < FAIL_TIMEOUT_S] == tried[:1], log
@@ -272,4 +278,6 @@ def test_a_replica_drained_with_sigterm_finishes_its_streams_and_refuses_nothing
     for s in streams:  # the drained replica's included
         assert s.finish()[-1]["choices"][0]["finish_reason"] == "length"
     assert drained.proc.wait(60) == 0
-    assert all(r["upstreams"][-1] == address(replicas[0]) for r in proxy.logged("after-term-", 6))
+    log = proxy.logged("after-term-", 6)
+    print("\nafter the SIGTERM, each request's attempts:", attempts(log))
+    assert all(r["upstreams"][-1] == address(replicas[0]) for r in log)
