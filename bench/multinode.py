@@ -99,7 +99,8 @@ def conversations(proxy: Nginx, salt: str, per_tenant: int = 3, turns: int = 6) 
     cached = sum((r["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0) for r in results)
     served = collections.Counter(e["upstreams"][-1] for e in proxy.logged(salt, len(results)))
     return {"requests_per_s": len(results) / wall, "ttft_p50_ms": p50_ms(results), "prompt_tokens": prompt,
-            "cached_tokens": cached, "prefilled_tokens": prompt - cached, "cached_share": cached / prompt, "requests_per_replica": sorted(served.values())}
+            "cached_tokens": cached, "prefilled_tokens": prompt - cached, "cached_share": cached / prompt,
+            "requests_per_replica": sorted(served.values())}
 
 
 def main(argv=None) -> int:
