@@ -2,7 +2,7 @@
 ``tests/nginx.py``) in front of one and of three replicas, and least connections against
 consistent hashing on multi-turn conversations, in one run.
 
-    python -m bench.multinode [--clients 12 --requests 48 --rounds 1] [--json out.json]
+    python -m bench.multinode [--clients 12 --requests 48 --rounds 1 --parts all] [--json out.json]
 
 Starts three real replicas on 127.0.0.2, .3 and .4 (4 slots, 1024 tokens, one worker, the
 default adaptive compute threads, a tenant file of three tenants; the three engines share this
@@ -110,56 +110,61 @@ def main(argv=None) -> int:
     p.add_argument("--clients", type=int, default=12)
     p.add_argument("--requests", type=int, default=48)
     p.add_argument("--rounds", type=int, default=1, help="affinity runs of each balancing, alternating")
+    p.add_argument("--parts", choices=("all", "scaling", "affinity"), default="all",
+                   help="scaling: the proxy's cost and one against three replicas; affinity: the balancings")
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
     with tempfile.NamedTemporaryFile("w", suffix=".json") as tenants:
         json.dump({"tenants": [{"id": f"t{i}", "api_keys": [f"key-{i}"]} for i in range(TENANTS)]}, tenants)
         tenants.flush()
         with running_replicas(HOSTS, *FLAGS, "--tenants", tenants.name) as replicas:
-            return run(a, replicas)
-
-
-def run(a, replicas: list[RunningServer]) -> int:
-    for r in replicas:  # a first decode pays once for the memory it touches first
-        chat_stream(r.port, [{"role": "user", "content": "Hi"}], 4, headers=auth(0), host=r.host)
-    results = {}
-    one = Nginx([replicas[0]] * 3)
-    try:
-        results["proxy_cost"] = proxy_cost(one, replicas[0])
-        results["one_replica"] = spread(one, a.clients, a.requests, "one")
-    finally:
-        one.stop()
-    three = Nginx(replicas)
-    try:
-        results["three_replicas"] = spread(three, a.clients, a.requests, "three")
-    finally:
-        three.stop()
-    runs = {LEAST_CONN: [], AFFINITY: []}
-    for k in range(a.rounds):
-        for balance in (LEAST_CONN, AFFINITY):
-            proxy = Nginx(replicas, balance)
-            try:
-                runs[balance].append(conversations(proxy, f"r{k}{balance[:4]}"))
-            finally:
-                proxy.stop()
-            for r in replicas:
-                r.wait_idle()
-    results["affinity"] = {"least_conn": runs[LEAST_CONN], "hash": runs[AFFINITY]}
-    cost, one_r, three_r = results["proxy_cost"], results["one_replica"], results["three_replicas"]
-    print(f"proxy: TTFT p50 direct {cost['direct_ttft_p50_ms']:.1f} ms, through nginx {cost['proxy_ttft_p50_ms']:.1f} "
-          f"ms (+{cost['added_ms']:.1f} ms)")
-    print(f"one replica: {one_r['requests_per_s']:.2f} req/s, TTFT p50 {one_r['ttft_p50_ms']:.0f} ms, p95 "
-          f"{one_r['ttft_p95_ms']:.0f} ms; three: {three_r['requests_per_s']:.2f} req/s, TTFT p50 "
-          f"{three_r['ttft_p50_ms']:.0f} ms, p95 {three_r['ttft_p95_ms']:.0f} ms; ratio "
-          f"{three_r['requests_per_s'] / one_r['requests_per_s']:.2f}x req/s")
-    for name, balance in (("least_conn", LEAST_CONN), ("hash", AFFINITY)):
-        for r in runs[balance]:
-            print(f"{name}: cached {r['cached_tokens']}/{r['prompt_tokens']} prompt tokens ({r['cached_share']:.1%}; "
-                  f"{r['prefilled_tokens']} prefilled), "
-                  f"TTFT p50 {r['ttft_p50_ms']:.0f} ms, {r['requests_per_s']:.2f} req/s, per replica "
-                  f"{r['requests_per_replica']}")
+            for r in replicas:  # a first decode pays once for the memory it touches first
+                chat_stream(r.port, [{"role": "user", "content": "Hi"}], 4, headers=auth(0), host=r.host)
+            results = {}
+            if a.parts in ("all", "scaling"):
+                results.update(scaling(replicas, a.clients, a.requests))
+            if a.parts in ("all", "affinity"):
+                results["affinity"] = affinity(replicas, a.rounds)
     save(results, a.json)
     return 0
+
+
+def scaling(replicas: list[RunningServer], clients: int, requests: int) -> dict:
+    """The proxy's cost, then :func:`spread` through nginx to replica 1 alone and to all three."""
+    results = {}
+    for name, upstreams in (("one_replica", [replicas[0]] * 3), ("three_replicas", replicas)):
+        proxy = Nginx(upstreams)
+        try:
+            if name == "one_replica":
+                results["proxy_cost"] = cost = proxy_cost(proxy, replicas[0])
+                print(f"proxy: TTFT p50 direct {cost['direct_ttft_p50_ms']:.1f} ms, through nginx "
+                      f"{cost['proxy_ttft_p50_ms']:.1f} ms ({cost['added_ms']:+.1f} ms)")
+            results[name] = r = spread(proxy, clients, requests, name)
+        finally:
+            proxy.stop()
+        print(f"{name}: {r['requests_per_s']:.2f} req/s, TTFT p50 {r['ttft_p50_ms']:.0f} ms, "
+              f"p95 {r['ttft_p95_ms']:.0f} ms")
+    print(f"three / one: {results['three_replicas']['requests_per_s'] / results['one_replica']['requests_per_s']:.2f}x "
+          "req/s")
+    return results
+
+
+def affinity(replicas: list[RunningServer], rounds: int) -> dict:
+    """:func:`conversations` under ``least_conn`` and under consistent hashing, alternating."""
+    runs = {"least_conn": [], "hash": []}
+    for k in range(rounds):
+        for name, balance in (("least_conn", LEAST_CONN), ("hash", AFFINITY)):
+            proxy = Nginx(replicas, balance)
+            try:
+                runs[name].append(r := conversations(proxy, f"r{k}{name}-"))
+            finally:
+                proxy.stop()
+            for replica in replicas:
+                replica.wait_idle()
+            print(f"{name}: cached {r['cached_tokens']}/{r['prompt_tokens']} prompt tokens ({r['cached_share']:.1%}; "
+                  f"{r['prefilled_tokens']} prefilled), TTFT p50 {r['ttft_p50_ms']:.0f} ms, "
+                  f"{r['requests_per_s']:.2f} req/s, per replica {r['requests_per_replica']}")
+    return runs
 
 
 if __name__ == "__main__":
