@@ -53,8 +53,8 @@ class EngineClient:
 
     def ready(self, stall_s: float = STALL_S) -> bool:
         """True when the engine has loaded the model, made progress within ``stall_s`` seconds,
-        and its process exists (after the master was killed its engine is gone, but nobody is
-        left to mark it so in the control block)."""
+        and its process exists (an engine killed with its master leaves no one to mark it dead in
+        the control block)."""
         return self.t.control.ready(stall_s) and self.engine_alive()
 
     def draining(self) -> bool:

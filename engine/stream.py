@@ -129,11 +129,12 @@ class Stream:
 
     def check_engine(self) -> None:
         """Fail this sequence (``EngineUnavailable`` at the next :meth:`poll`) if the engine
-        process holding it is gone. The supervisor fails a dead engine's sequences within a sweep,
-        but when the server's master was killed (the engine dies with it, ``PR_SET_PDEATHSIG``)
-        no supervisor is left, and the front ends, which outlive the master for a moment, must
-        end their streams themselves (with an error event, not a cut connection). Only this
-        sequence's own lease is failed: it was submitted to the engine whose pid is read."""
+        process holding it is gone. The supervisor fails a dead engine's sequences within a sweep;
+        an engine whose master died alone ends them itself (``PR_SET_PDEATHSIG`` sends it SIGTERM);
+        but when both were killed no one is left to, and the front ends, which outlive the master
+        for a moment, must end their streams themselves (with an error event, not a cut
+        connection). Only this sequence's own lease is failed: it was submitted to the engine
+        whose pid is read."""
         if self.engine_alive is not None and not self.engine_alive():
             self.mailboxes.fail(self.lease, ErrorCode.ENGINE_DIED)
 
