@@ -43,6 +43,7 @@ bench: install
 	$(PY) -m bench.responses --json bench/results/responses.json
 	$(PY) -m bench.grpc --json bench/results/grpc.json
 	$(PY) -m bench.metrics --json bench/results/metrics.json
+	$(PY) -m bench.multinode --json bench/results/multinode.json
 	$(PY) -m bench.overload --ramp 1 --json bench/results/overload.json
 	$(PY) -m bench.slowloris --json bench/results/slowloris.json
 	$(PY) -m bench.discard --json bench/results/discard.json

@@ -43,13 +43,15 @@ QUESTIONS = ["When is breakfast?", "Is the pool open in winter?", "How do I get 
              "Is there a taxi at night?", "What can I do in town?"]
 
 
-def chat_stream(port: int, messages: list[dict], max_tokens: int, extra: dict | None = None) -> dict:
-    """One streaming chat completion; ``{"ttft", "done", "usage", "text"}`` (seconds)."""
+def chat_stream(port: int, messages: list[dict], max_tokens: int, extra: dict | None = None,
+                headers: dict | None = None, host: str = "127.0.0.1") -> dict:
+    """One streaming chat completion to ``host:port`` (``headers`` added to the request's);
+    ``{"ttft", "done", "usage", "text"}`` (seconds)."""
     body = json.dumps({"messages": messages, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
                        "stream": True, "stream_options": {"include_usage": True}, **(extra or {})})
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
+    conn = http.client.HTTPConnection(host, port, timeout=600)
     t0 = time.perf_counter()
-    conn.request("POST", "/v1/chat/completions", body, {"Content-Type": "application/json"})
+    conn.request("POST", "/v1/chat/completions", body, {"Content-Type": "application/json", **(headers or {})})
     resp = conn.getresponse()
     assert resp.status == 200, resp.read()
     ttft, usage, text = None, None, []

@@ -22,6 +22,7 @@ import numpy as np
 from engine.errors import ClientDisconnected, EngineUnavailable, RateLimited, Saturated, ShuttingDown
 from engine.request import EngineRequest, Priority, RequestKind, SamplingParams, extras_room
 from engine.stream import Stream
+from engine.supervisor import pid_alive
 from shm.buckets import SharedBuckets
 from shm.control import Snapshot
 from shm.mailbox import TenantBusy
@@ -51,8 +52,10 @@ class EngineClient:
         return cls(Transport.attach(name))
 
     def ready(self, stall_s: float = STALL_S) -> bool:
-        """True when the engine has loaded the model and made progress within ``stall_s`` seconds."""
-        return self.t.control.ready(stall_s)
+        """True when the engine has loaded the model, made progress within ``stall_s`` seconds,
+        and its process exists (an engine killed with its master leaves no one to mark it dead in
+        the control block)."""
+        return self.t.control.ready(stall_s) and self.engine_alive()
 
     def draining(self) -> bool:
         """True once the server started draining (SIGTERM): no new request is taken."""
@@ -112,7 +115,13 @@ class EngineClient:
             raise Saturated(retry_after=1)
         self.t.mailboxes.submit(lease, len(request.prompt),
                                 functools.partial(request.encode, max_seq_len=self.max_seq_len))
-        return Stream(self.t.mailboxes, lease, len(request.prompt), params.logprobs, watch_socket)
+        return Stream(self.t.mailboxes, lease, len(request.prompt), params.logprobs, watch_socket, self.engine_alive)
+
+    def engine_alive(self) -> bool:
+        """The engine process named in the control block exists (False once it died, until a
+        new one starts); read by a stream that waited a poll period for nothing
+        (``Stream.check_engine``)."""
+        return pid_alive(self.t.control.engine_pid)
 
     @property
     def buckets(self) -> SharedBuckets:

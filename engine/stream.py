@@ -6,7 +6,7 @@ from __future__ import annotations
 import socket
 import time
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Callable, Iterator
 
 from engine.errors import (ClientDisconnected, ConstraintFailed, DeadlineExceeded, EngineUnavailable, InvalidRequest,
                            ShuttingDown)
@@ -58,8 +58,8 @@ class Stream:
     """
 
     def __init__(self, mailboxes: Mailboxes, lease: Lease, n_prompt: int, n_logprobs: int | None,
-                 watch_socket: socket.socket | None = None):
-        self.mailboxes, self.lease = mailboxes, lease
+                 watch_socket: socket.socket | None = None, engine_alive: Callable[[], bool] | None = None):
+        self.mailboxes, self.lease, self.engine_alive = mailboxes, lease, engine_alive
         self.n_prompt, self.n_logprobs, self.watch_socket = n_prompt, n_logprobs, watch_socket
         self.n_generated = 0
         self.n_cached = 0
@@ -126,6 +126,17 @@ class Stream:
         o = self.mailboxes.outcome(self.lease)
         return Timings(o.t_queued, o.t_admitted, o.t_prefill_done, o.t_first_token, o.t_finished,
                        o.step_admitted, o.step_finished)
+
+    def check_engine(self) -> None:
+        """Fail this sequence (``EngineUnavailable`` at the next :meth:`poll`) if the engine
+        process holding it is gone. The supervisor fails a dead engine's sequences within a sweep;
+        an engine whose master died alone ends them itself (``PR_SET_PDEATHSIG`` sends it SIGTERM);
+        but when both were killed no one is left to, and the front ends, which outlive the master
+        for a moment, must end their streams themselves (with an error event, not a cut
+        connection). Only this sequence's own lease is failed: it was submitted to the engine
+        whose pid is read."""
+        if self.engine_alive is not None and not self.engine_alive():
+            self.mailboxes.fail(self.lease, ErrorCode.ENGINE_DIED)
 
     def cancel(self) -> None:
         """Ask the engine to stop this sequence (it finishes it within one step)."""
@@ -199,5 +210,7 @@ def follow(streams: list[Stream], watch_socket: socket.socket | None = None,
             for k in open_.values():
                 streams[k].cancel()
             raise ClientDisconnected("client closed the connection")
-        if not due:
-            due = set(open_)  # timed out: look at everything (a restart, a lost wake-up)
+        if not due:  # timed out: look at everything (a restart, a lost wake-up, an engine gone)
+            for k in open_.values():
+                streams[k].check_engine()
+            due = set(open_)

@@ -293,6 +293,17 @@ class Mailboxes:
                     mb["cancel"][i] = 1
         return freed
 
+    def fail(self, lease: Lease, error: ErrorCode) -> None:
+        """Finish ``lease``'s mailbox with ``error`` if it is still QUEUED or RUNNING under that
+        lease, and wake its reader: its engine is gone (``engine.stream.Stream.check_engine``)."""
+        mb = self.boxes
+        with self.lock:
+            if int(mb["lease"][lease.index]) != lease.number or int(mb["state"][lease.index]) not in (QUEUED, RUNNING):
+                return
+            mb["error"][lease.index], mb["finish"][lease.index] = error, Finish.ERROR
+            mb["state"][lease.index] = DONE
+        self.wakeups.wake(lease.index)
+
     def fail_in_flight(self, error: ErrorCode) -> int:
         """Finish every QUEUED/RUNNING mailbox with ``error`` and wake its reader (the engine
         died or stopped, so no client waits forever). Returns the number failed."""

