@@ -15,6 +15,8 @@ import os
 import signal
 import threading
 import time
+import urllib.error
+import urllib.request
 
 import grpc
 import pytest
@@ -147,6 +149,14 @@ def address(replica) -> str:
     return f"{replica.host}:{replica.port}"
 
 
+def _status(url: str) -> int:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as r:
+            return r.status
+    except urllib.error.HTTPError as e:
+        return e.code
+
+
 def in_flight(replica) -> int:
     """Requests the replica holds (queued, running, or being sent): its leased mailboxes."""
     return replica.engine.mailboxes_in_use()
@@ -273,6 +283,12 @@ def test_a_replica_drained_with_sigterm_finishes_its_streams_and_refuses_nothing
     streams = streaming(proxy, 4, 64)
     assert in_flight(drained) >= 1
     drained.proc.send_signal(signal.SIGTERM)
+    # Until its master has seen the signal a request it gets is served (not new to a drain):
+    # the new ones are sent once it refuses.
+    deadline = time.monotonic() + 5
+    while _status(drained.url + "/health/ready") != 503:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
     for i in range(6):
         assert post(proxy.port, f"Another question {i}?", 2, f"after-term-{i}")[0] == 200
     for s in streams:  # the drained replica's included
