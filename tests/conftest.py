@@ -20,7 +20,8 @@ from shm.wakeup import Wakeups
 # `make test` runs the suite on two pytest-xdist workers, a file to a worker (--dist loadfile):
 # the files that take longest go first, so that none of them starts last and runs alone.
 LONGEST_FIRST = ("test_soak.py", "test_prefix_cache.py", "test_tenancy.py", "test_multinode.py",
-                 "test_bench_threads.py", "test_engine.py", "test_http_contract.py")
+                 "test_bench_threads.py", "test_engine.py", "test_http_contract.py", "test_lm_eval.py",
+                 "test_structured.py", "test_resilience.py", "test_drain.py")
 
 
 def pytest_collection_modifyitems(items):
