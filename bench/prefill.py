@@ -40,7 +40,7 @@ import sys
 import threading
 import time
 
-from bench.common import save
+from bench.common import save, wait_healthy
 from bench.policies import Request, drive, one_stream, percentile, summarize, workload
 
 WORDS = ("harbor lantern meadow orchard granite willow ember falcon compass tide glacier canyon thistle "
@@ -136,22 +136,6 @@ def run_itl(port: int, prompts: Prompts) -> dict:
 
 RUNS = {"cold": run_cold, "distinct8": run_distinct8, "stream": run_stream, "fixed": run_fixed, "mix": run_mix,
         "itl": run_itl}
-
-
-def wait_healthy(port: int, proc: subprocess.Popen, timeout_s: float = 120) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError("llama-server exited")
-        try:
-            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
-            conn.request("GET", "/health")
-            if conn.getresponse().status == 200:
-                return
-        except OSError:
-            pass
-        time.sleep(0.2)
-    raise RuntimeError("llama-server did not start")
 
 
 def main(argv=None) -> int:
