@@ -23,7 +23,8 @@ run finds another's in a prefix cache):
 
 Servers: ``ours`` (the defaults but ``--threads``, the gunicorn request threads),
 ``deterministic`` (the same with ``--deterministic``; its price), ``llama-server`` (at its
-defaults but ``-np 16 -c 16 x max-seq-len -t CPUs``, given the Q8_0 file this server converts
+defaults but ``-np 16 -c 16 x max-seq-len -t CPUs`` (and ``--no-repack`` where this CPU
+faults on AMX, as the engine loads), given the Q8_0 file this server converts
 the bundled model to, so both compute with the same weights). Each round runs every workload on
 every server, one server after the other; the figures are the medians over the rounds, and
 the ratios of each median, ours ÷ llama-server and ours ÷ deterministic (per second: > 1 is
@@ -143,6 +144,7 @@ def main(argv=None) -> int:
     import contextlib
 
     from engine.config import EngineConfig, default_model_path
+    from engine.llama.library import amx_faults
     from engine.llama.tokenizer import Tokenizer
     from engine.llama.weights import weights_path
     from tests.conftest import free_port, running_server
@@ -171,10 +173,13 @@ def main(argv=None) -> int:
         ports = {}
         for s in servers:
             if s == "llama-server":
-                ports[s] = free_port()
-                proc = subprocess.Popen([a.llama_server, "-m", weights_path(default_model_path(), "auto"),
-                                         "--port", str(ports[s]), "-np", str(slots), "-c", str(slots * max_seq_len),
-                                         "-t", str(cpus)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                ports[s], path = free_port(), weights_path(default_model_path(), "auto")
+                # Where this CPU faults on AMX, the engine loads without llama.cpp's extra buffer
+                # types (engine/llama/library.py); llama-server then needs the same, or it dies.
+                repack = ["--no-repack"] if amx_faults(path) else []
+                proc = subprocess.Popen([a.llama_server, "-m", path, "--port", str(ports[s]), "-np", str(slots),
+                                         "-c", str(slots * max_seq_len), "-t", str(cpus), *repack],
+                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
                 stack.callback(lambda proc=proc: (proc.terminate(), proc.wait(30)))
                 wait_healthy(ports[s], proc)
             else:
