@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import http.client
 import json
 import subprocess
 import sys
@@ -26,6 +27,27 @@ def engine(config: EngineConfig):
         yield EngineClient(supervisor.t)
     finally:
         supervisor.stop()
+
+
+def wait_healthy(port: int, proc: subprocess.Popen, timeout_s: float = 120) -> None:
+    """Return once a peer server (``llama-server``) answers 200 at ``/health``.
+
+    Raises:
+        RuntimeError: it exited, or did not answer within ``timeout_s`` seconds.
+    """
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError("llama-server exited")
+        try:
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
+            conn.request("GET", "/health")
+            if conn.getresponse().status == 200:
+                return
+        except OSError:
+            pass
+        time.sleep(0.2)
+    raise RuntimeError("llama-server did not start")
 
 
 def limit(batch: int, prompt: int, gen: int, threads: int = 0, weights: str = "auto") -> dict:

@@ -239,6 +239,7 @@ def machine(threads: int, weights_file: str = "") -> dict:
 
 def peer(binary: str, requests: list[Request], a, max_seq_len: int, threads: int) -> dict:
     """llama.cpp's server at its defaults but slots, context and threads (ours)."""
+    from bench.common import wait_healthy
     from engine.config import default_model_path
     from tests.conftest import free_port
 
@@ -247,18 +248,7 @@ def peer(binary: str, requests: list[Request], a, max_seq_len: int, threads: int
                              "-c", str(a.slots * max_seq_len), "-t", str(threads)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                conn = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
-                conn.request("GET", "/health")
-                if conn.getresponse().status == 200:
-                    break
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError("llama-server did not start")
-            time.sleep(0.2)
+        wait_healthy(port, proc)
         one_stream(port, Request("warm up", 4), time.perf_counter())
         samples, wall, busy = drive(port, requests, a.concurrency)
         result = summarize(samples, wall, busy)

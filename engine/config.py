@@ -73,6 +73,9 @@ class EngineConfig:
             (``auto``: Q4_1 and Q5_1 files are converted to Q8_0 once; see that module).
         max_request_extras_bytes: bound of a request record's variable section (its
             ``logit_bias``, later a constraint; :mod:`engine.request`); every ring record holds it.
+        deterministic: greedy output identical whatever the batch and with or without a
+            prefix-cache hit, at the price of slower prefill and long lone decodes
+            (:data:`engine.llama.backend.CPU_DETERMINISTIC`; CPU only).
     """
 
     model_path: str = field(default_factory=default_model_path)
@@ -88,6 +91,7 @@ class EngineConfig:
     step_log: str = ""
     weights: str = "auto"
     max_request_extras_bytes: int = 32768
+    deterministic: bool = False
 
     def __post_init__(self):
         if self.policy not in POLICIES:

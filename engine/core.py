@@ -250,20 +250,19 @@ class EngineCore:
 
     def awaits_prefix(self, seq: Sequence) -> bool:
         """Whether ``seq`` should wait a step for a running sequence of its tenant that is
-        prefilling a prefix they share, at least a chunk of which it has still to prefill, and is
-        already at least as far into it as ``seq`` would start (what the cache holds): admitted
-        now, ``seq`` would prefill the same tokens
-        beside it, no sooner (both take the backend's ``max_chunk_tokens`` a step); admitted once they
-        are in the KV cache, it copies them. Sixteen requests with one new system prompt then
-        prefill it once, not sixteen times."""
+        prefilling a prefix they share, at least :data:`MIN_REUSE_TOKENS` of which it has still
+        to prefill, and is already at least as far into it as ``seq`` would start (what the cache
+        holds): admitted now, ``seq`` would prefill the same tokens beside it, in the same steps'
+        token budget, so no sooner; admitted once they are in the KV cache, it copies them.
+        Sixteen requests with one new system prompt then prefill it once, not sixteen times."""
         if seq.scoring:
             return False  # it reuses nothing (start)
         resident = None
         for other in self.sched.running.values():
             if other.prefilling and other.request.tenant == seq.request.tenant:
                 shared = common_prefix(other.prompt, seq.prompt)
-                if shared - other.n_past < self.backend.max_chunk_tokens:
-                    continue  # less than a step's chunk to gain: not worth a step's wait
+                if shared - other.n_past < MIN_REUSE_TOKENS:
+                    continue  # too little left to gain to be worth a step's wait
                 if resident is None:
                     resident = self.cache.lookup(seq.request.tenant, seq.prompt, touch=False)[1]
                 if other.n_past >= resident:

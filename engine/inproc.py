@@ -27,7 +27,7 @@ class InprocEngine:
 
         self.transport = Transport.create(config.layout())
         try:
-            backend = detect()
+            backend = detect(deterministic=config.deterministic)
             adaptive = adaptive_threads(config, backend)
             self.model = Model.from_config(config, backend)
         except BaseException:

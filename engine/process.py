@@ -33,7 +33,7 @@ def main(argv: list[str]) -> int:
     from engine.llama.backend import detect
     from engine.llama.model import Model
 
-    backend = detect()
+    backend = detect(deterministic=config.deterministic)
     adaptive = adaptive_threads(config, backend)
     model = Model.from_config(config, backend)
     core = EngineCore(config, transport, model, adaptive)

@@ -67,6 +67,10 @@ class ServerConfig:
                                             "bytes a request may carry beyond numbers and its prompt (its logit_bias); "
                                             "every ring record holds them; a request needing more gets 400",
                                             engine="max_request_extras_bytes")
+    deterministic: bool = _option("--deterministic", "DETERMINISTIC",
+                                  "greedy output identical whatever the batch and with or without a prefix-cache "
+                                  "hit (the flag or 1; CPU only), at the price of slower long prompts",
+                                  engine="deterministic", shown="0")
     workers: int = _option("--workers", "WORKERS", "gunicorn worker processes", 2)
     threads: int = _option("--threads", "THREADS",
                            "threads per gunicorn worker: requests it handles at once (0: one per slot and queue "
@@ -172,7 +176,8 @@ class ServerConfig:
                             max_seq_len=self.max_seq_len, max_queued=self.max_queued,
                             n_batch=self.n_batch, n_threads=self.engine_threads, policy=self.policy,
                             prefix_cache_tokens=self.prefix_cache_tokens, metrics=self.metrics,
-                            step_log=self.step_log, weights=self.weights)
+                            step_log=self.step_log, weights=self.weights,
+                            deterministic=self.deterministic)
 
     def check_model(self) -> None:
         """Raise ConfigError (one line) unless the model file is a readable GGUF."""

@@ -323,13 +323,16 @@ def app(model_path, tokenizer, chat):
     It computes with the model file's own Q4_1 weights (``--weights file``): the exact greedy
     replies that tests/test_http_contract.py pins (multibyte text, an emoji first, stop strings
     inside a token) were found with them. The default format (Q8_0, engine/llama/weights.py) gives
-    other replies; every real-server fixture runs it."""
+    other replies; every real-server fixture runs it. It is ``--deterministic`` (the batch-invariant
+    profile, engine/llama/backend.py), so those replies do not depend on what else is batched or
+    cached, and tests that compare outputs with and without a prefix-cache hit can hold it to
+    that promise."""
     from engine.inproc import InprocEngine
     from server.config import ServerConfig
     from server.generation.pipeline import Generator
 
     config = ServerConfig(model_path=model_path, max_slots=4, max_seq_len=512, max_queued=16,
-                          max_body_bytes=65536, weights="file")
+                          max_body_bytes=65536, weights="file", deterministic=True)
     with InprocEngine(config.engine_config()) as engine:
         yield AppServer(config, Generator(engine.client, tokenizer, chat))
     assert not os.path.exists(f"/dev/shm/{engine.transport.name}"), "segment not unlinked"

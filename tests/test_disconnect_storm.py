@@ -18,7 +18,7 @@ POINTS = ("before_admission", "during_prefill", "during_decode", "between_events
 
 
 def _body(point: str, rng: random.Random) -> bytes:
-    # A long prompt (several 63-token prefill chunks) gives the prefill time to be interrupted.
+    # A long prompt (about 400 tokens: a prefill step of its own) gives the prefill time to be interrupted.
     words = 400 if point == "during_prefill" else 20
     content = " ".join(rng.choice(["sea", "cat", "moon", "river", "stone"]) for _ in range(words))
     stream = point in ("between_events", "mid_event") or rng.random() < 0.5

@@ -41,8 +41,9 @@ def evaluation(server, tmp_path_factory, request):
 def reference():
     """Loglikelihoods from llama-cpp-python's own ``Llama`` over the engine's weight file
     (Q8_0, converted as the engine converts it: engine/llama/weights.py), in prompt chunks of
-    at most 63 tokens with flash attention, as the engine decodes (each row's logits do not
-    depend on what else a decode holds: docs/architecture.md, "Prefix cache")."""
+    at most 63 tokens with flash attention, so on its row-by-row path, where the engine decodes
+    these prompts of under 64 tokens too (each row's logits do not depend on what else a decode
+    holds: docs/architecture.md, "Prefix cache")."""
     import llama_cpp
     import llama_cpp.llama_cpp as low
 

@@ -1,4 +1,4 @@
-"""The prefix cache: reused KV cells give the same greedy output, exact ``cached_tokens``, reuse
+"""The prefix cache: reused KV cells give the same greedy output (``--deterministic``), exact ``cached_tokens``, reuse
 scoped per tenant, bounded memory, and the usual guarantees on disconnects, deadlines and engine
 restarts. Real model, real engine (in-process or its own process), real app."""
 from __future__ import annotations
@@ -10,14 +10,16 @@ import pytest
 
 from engine.config import EngineConfig
 from engine.core import MIN_REUSE_TOKENS
-from engine.llama.backend import CPU
+from engine.llama.backend import CPU_DETERMINISTIC
 from engine.inproc import InprocEngine
 from engine.request import SamplingParams
 from tests.conftest import AppServer, assert_idle_and_clean, kill_engine_mid_stream, running_engine, wait_steps
 
 GREEDY = SamplingParams(max_new_tokens=12, temperature=0.0)
 # Long enough (about 300 tokens with the template) that contexts pass 256 cells, where llama.cpp's
-# attention changes kernels for a lone sequence (engine.llama.backend: split_kv_after_tokens).
+# attention changes kernels for a lone sequence (engine.llama.backend: split_kv_after_tokens), and
+# past 64 tokens, where it changes kernels for a prompt chunk: the identity they test is the
+# deterministic profile's promise (the default profile makes none past those bounds).
 SYSTEM = ("You are the support assistant of the Northwind Trading Company. Answer in one short sentence, "
           "politely, and never invent order numbers. Our shop sells tea, coffee, spices and dried fruit; "
           "shipping takes three to five working days and returns are accepted within thirty days. ") * 5
@@ -49,9 +51,9 @@ def _config(model_path, **kw) -> EngineConfig:
 def test_shared_prefix_outputs_equal_cache_off_and_cached_tokens_exact(model_path, chat):
     prompts = _prompts(chat, 12)  # more than the 8 slots: some wait for a free one as well
     shared = len(chat.encode([{"role": "system", "content": SYSTEM}], add_generation_prompt=False))
-    with InprocEngine(_config(model_path, prefix_cache_tokens=0)) as off_engine:
+    with InprocEngine(_config(model_path, prefix_cache_tokens=0, deterministic=True)) as off_engine:
         off = _run_all(off_engine, prompts)
-    with InprocEngine(_config(model_path)) as on_engine:
+    with InprocEngine(_config(model_path, deterministic=True)) as on_engine:
         on = _run_all(on_engine, prompts)
         assert_idle_and_clean(on_engine.client)
     assert [ids for ids, _, _ in on] == [ids for ids, _, _ in off]
@@ -66,7 +68,7 @@ def test_shared_prefix_outputs_equal_cache_off_and_cached_tokens_exact(model_pat
         if step == first:
             assert n_cached == 0
         else:
-            assert shared - CPU.max_chunk_tokens < n_cached < len(prompts[0]), (n_cached, step)
+            assert shared - CPU_DETERMINISTIC.max_chunk_tokens < n_cached < len(prompts[0]), (n_cached, step)
 
 
 def _conversation(app) -> list[tuple[str, dict]]:
@@ -88,6 +90,7 @@ def _conversation(app) -> list[tuple[str, dict]]:
 
 
 def test_four_turn_conversation_reuses_every_previous_turn(app, model_path, tokenizer, chat):
+    """On the deterministic ``app`` (and an engine like it without the cache): the same replies."""
     from server.generation.pipeline import Generator
 
     turns = _conversation(app)
@@ -188,7 +191,8 @@ def test_eviction_keeps_the_cache_within_its_budget_and_leaks_nothing(model_path
 def test_cancel_deadline_and_engine_restart_with_the_cache_on(chat):
     prompts = _prompts(chat, 3)
     long = SamplingParams(max_new_tokens=200, temperature=0, ignore_eos=True)
-    with running_engine(max_slots=2, max_seq_len=512, max_queued=8) as (client, supervisor):
+    # --deterministic: a 300-token prompt cold and from the cache are compared token for token.
+    with running_engine(max_slots=2, max_seq_len=512, max_queued=8, deterministic=True) as (client, supervisor):
         with client.submit(prompts[0], GREEDY) as s:
             expected = [t.id for t in s]
         # A cancelled and a timed-out sequence that both reused the prefix.

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from engine.config import ConfigError
 from engine.request import EngineRequest, Priority, SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence
@@ -27,10 +28,10 @@ def admitted_tenants(sched: Scheduler, now: float = 0.0) -> list[int]:
 def test_schedule_plans_decodes_first_then_chunks_within_the_budget():
     """The step as a value: admitted sequences, then one token per decoding sequence and prompt
     chunks of at most the backend's chunk, in slot order within n_batch; statuses move on."""
-    from engine.llama.backend import CPU
+    from engine.llama.backend import CPU_DETERMINISTIC
     from engine.sequence import SequenceStatus
 
-    sched = Scheduler(max_slots=3, policy="continuous", aging_s=1e9, n_batch=100, backend=CPU)
+    sched = Scheduler(max_slots=3, policy="continuous", aging_s=1e9, n_batch=100, backend=CPU_DETERMINISTIC)
     long_prompt = EngineRequest(np.arange(1, 151, dtype=np.int32), SamplingParams(max_new_tokens=4), NORMAL, 0.0, 0)
     a, b = Sequence(0, 1, long_prompt, 0.0), make(tenant=1)
     sched.add(a)
@@ -51,10 +52,26 @@ def test_schedule_plans_decodes_first_then_chunks_within_the_budget():
     assert a.status == SequenceStatus.DECODE
 
 
-def test_schedule_closes_gaps_and_asks_one_thread_past_the_split_kv_limit():
-    from engine.llama.backend import CPU, GPU
+def test_fast_profile_prefills_whole_micro_batches():
+    """The default CPU profile gives a prompt the step's whole budget (llama-server's n_ubatch)."""
+    from engine.llama.backend import CPU
 
-    for backend, expected in ((CPU, True), (GPU, False)):
+    sched = Scheduler(max_slots=2, policy="continuous", aging_s=1e9, n_batch=512, backend=CPU)
+    a = Sequence(0, 1, EngineRequest(np.arange(1, 1201, dtype=np.int32), SamplingParams(max_new_tokens=4), NORMAL,
+                                     0.0, 0), 0.0)
+    b = make(tenant=1)
+    sched.add(a)
+    sched.add(b)
+    plan = sched.schedule(0.0, lambda seq: None)
+    assert [(r.seq, len(r.tokens)) for r in plan.rows] == [(a, 512)]  # b is admitted, waits for room
+    assert [(r.seq, len(r.tokens)) for r in sched.schedule(0.0, lambda seq: None).rows] == [(a, 512)]
+    assert [(r.seq, len(r.tokens)) for r in sched.schedule(0.0, lambda seq: None).rows] == [(a, 176), (b, 2)]
+
+
+def test_schedule_closes_gaps_and_asks_one_thread_past_the_split_kv_limit():
+    from engine.llama.backend import CPU, CPU_DETERMINISTIC, GPU
+
+    for backend, expected in ((CPU_DETERMINISTIC, True), (CPU, False), (GPU, False)):
         sched = Scheduler(max_slots=2, policy="continuous", aging_s=1e9, n_batch=512, backend=backend)
         first, second = make(tenant=0), make(tenant=1)
         sched.add(first)
@@ -64,7 +81,7 @@ def test_schedule_closes_gaps_and_asks_one_thread_past_the_split_kv_limit():
         second.n_generated = 299  # a long sequence decoding alone: past 256 tokens after this step
         plan = sched.schedule(0.0, lambda seq: None)
         assert plan.moves == [(second, 1, 0)] and second.slot == 0
-        assert plan.single_thread is expected  # CPU: split-KV attention sums in another order on 2 threads
+        assert plan.single_thread is expected  # split-KV attention sums in another order on 2 threads
 
 
 def test_backend_profile_follows_the_device_llama_cpp_reports():
@@ -72,8 +89,12 @@ def test_backend_profile_follows_the_device_llama_cpp_reports():
 
     assert backend.detect(lambda: True) is backend.GPU and backend.detect(lambda: False) is backend.CPU
     assert backend.GPU.n_gpu_layers == -1 and not backend.GPU.adaptive_threads and not backend.GPU.convert_unbatched
-    assert backend.CPU.max_chunk_tokens == 63 and backend.CPU.adaptive_threads and backend.CPU.convert_unbatched
+    assert backend.CPU.max_chunk_tokens == 512 and backend.CPU.adaptive_threads and backend.CPU.convert_unbatched
+    assert backend.CPU_DETERMINISTIC.max_chunk_tokens == 63 and backend.CPU_DETERMINISTIC.batch_invariant
     assert backend.detect() is backend.CPU  # this build has no GPU device
+    assert backend.detect(lambda: False, deterministic=True) is backend.CPU_DETERMINISTIC
+    with pytest.raises(ConfigError, match="--deterministic"):  # refused, never ignored
+        backend.detect(lambda: True, deterministic=True)
 
 
 def test_tenant_with_least_weighted_service_goes_first():

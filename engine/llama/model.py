@@ -46,8 +46,9 @@ class Model:
         params.n_batch = params.n_ubatch = n_batch
         params.n_seq_max = max_slots + cache_streams
         params.kv_unified = False  # one stream per sequence (see Scheduler.gap)
-        # Flash attention computes each query row on its own on the paths the engine keeps to
-        # (the backend profile's max_chunk_tokens, engine.llama.backend): outputs do not depend on the batch (docs/architecture.md).
+        # Flash attention: on the paths the deterministic profile keeps to (engine.llama.backend)
+        # it computes each query row on its own, so outputs do not depend on the batch
+        # (docs/architecture.md, "Prefix cache").
         params.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED
         params.n_threads = params.n_threads_batch = self.n_threads = n_threads
         params.no_perf = True
@@ -64,7 +65,7 @@ class Model:
         """The model an engine with ``config`` computes with, on ``backend`` (default: the one
         llama.cpp reports, :func:`engine.llama.backend.detect`), its weights in the configured
         format (converted once if need be, :func:`engine.llama.weights.weights_path`)."""
-        backend = backend or detect()
+        backend = backend or detect(deterministic=config.deterministic)
         path = weights_path(config.model_path, config.weights, backend=backend)
         return cls(path, config.max_slots, config.max_seq_len, config.n_batch, config.threads,
                    config.cache_streams, backend)
