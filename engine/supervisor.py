@@ -119,8 +119,8 @@ class EngineSupervisor:
         """
         end = time.monotonic() + timeout
         while time.monotonic() < end:
-            if self.t.control.state == EngineState.READY:
-                return True
+            if self.t.control.state == EngineState.READY and pid_alive(self.t.control.engine_pid):
+                return True  # not a stale READY: a killed engine's, before this loop saw it die
             if self._thread is None or not self._thread.is_alive():
                 return False  # stopped, or the engine stopped for good
             time.sleep(0.05)
@@ -167,6 +167,7 @@ class EngineSupervisor:
         silent = self.t.control.seconds_since_progress()
         if silent > self.stall_s:
             log.error("engine made no progress for %.0f s; killing it", silent)
+            self.t.control.set_state(EngineState.DEAD)  # not ready from now: its streams may see it gone first
             self.proc.kill()
 
     # -- the server's drain -------------------------------------------------------------------------
