@@ -317,32 +317,6 @@ def test_agents_sdk_runs_an_agent_with_a_function_tool(server):
     assert result.last_response_id.startswith("resp_")
 
 
-def test_agents_sdk_agent_with_a_tool_and_an_output_type(server):
-    """An agent with a function tool and an ``output_type`` (the SDK sends ``tools`` with a JSON
-    ``text.format``): its final output is an instance of the type, whether it called first."""
-    import agents
-    import openai
-    import pydantic
-
-    class City(pydantic.BaseModel):
-        name: str = pydantic.Field(max_length=20)
-        country: str = pydantic.Field(max_length=20)
-
-    @agents.function_tool
-    def get_weather(city: str) -> str:
-        """Current weather in a city."""
-        return f"It is sunny and 21 C in {city}."
-
-    agents.set_tracing_disabled(True)
-    model = agents.OpenAIResponsesModel(model="local-model", openai_client=openai.AsyncOpenAI(
-        base_url=server.url + "/v1", api_key="key-a", max_retries=0, timeout=120))
-    agent = agents.Agent(name="cities", instructions="Answer with the city the user means.", tools=[get_weather],
-                         output_type=City, model=model,
-                         model_settings=agents.ModelSettings(max_tokens=60, temperature=0))
-    result = agents.Runner.run_sync(agent, "Which city is the Eiffel Tower in?", max_turns=4)
-    assert isinstance(result.final_output, City) and result.final_output.name
-
-
 def test_langchain_on_the_responses_api(server):
     from langchain_openai import ChatOpenAI
 
