@@ -139,7 +139,9 @@ def test_cache_is_scoped_per_tenant(tmp_path, model_path, tokenizer, chat):
     path = tmp_path / "tenants.json"
     path.write_text(json.dumps({"tenants": [{"id": "alpha", "api_keys": ["alpha-key"]},
                                             {"id": "beta", "api_keys": ["beta-key"]}]}))
-    config = ServerConfig(model_path=model_path, max_slots=4, max_seq_len=512, tenants_file=str(path))
+    # --deterministic: beta's second answer comes from the cache (past 64 tokens) in both servers.
+    config = ServerConfig(model_path=model_path, max_slots=4, max_seq_len=512, tenants_file=str(path),
+                          deterministic=True)
     canary = "Zanzibar-Quokka-7731"
 
     def ask(key: str, question: str) -> dict:

@@ -32,11 +32,12 @@ ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 @pytest.fixture(scope="module")
 def tool_server():
-    # No prefix cache: tests compare a streamed answer with the same request's non-streamed one,
-    # and the tools make the prompt longer than the 64 tokens up to which a cache hit gives the
-    # same logits by default (README "Same output"); a prompt computed afresh each time does.
+    # --deterministic: tests compare a streamed answer with the same request's non-streamed one,
+    # and the tools make the context longer than the 256 tokens up to which the default profile
+    # gives the same greedy output whatever the thread count and the prefix cache (README "Same
+    # output"; past them a lone decode's attention sums in as many chunks as it has threads).
     with running_server("--max-slots", "4", "--max-seq-len", "1024", "--max-queued", "16", "--workers", "1",
-                        "--threads", "24", "--no-prefix-cache", grpc=True) as s:
+                        "--threads", "24", "--deterministic", grpc=True) as s:
         yield s
 
 
