@@ -32,12 +32,15 @@ from engine.supervisor import EngineSupervisor, SharedMemoryTooSmall
 from server.config import ServerConfig
 from server.grpc.keeper import Sidecar
 from server.http.worker import discard_body
+from server import private_dir
 from server.observability import metrics_dir
 from server.tenancy.tenants import Tenants
 
 #: The node's response store (``server/responses/store.py``, SQLite): a file in a private
 #: directory the master creates, which every worker opens (a continuation may reach any of them).
 RESPONSES_DB_ENV = "INFERENCE_RESPONSES_DB"
+#: The private directory of the Responses store's SQLite file without ``--redis-url``.
+RESPONSES_DIR_PREFIX = "inference-responses-"
 
 try:
     _config = ServerConfig.from_env()
@@ -90,8 +93,7 @@ def _start_engine(server) -> None:
         import prometheus_client.multiprocess  # noqa: F401
         from server.observability import metrics as _metrics  # noqa: F401
     if not _config.redis_url:
-        import tempfile
-        _state["responses_dir"] = tempfile.mkdtemp(prefix="inference-responses-")
+        _state["responses_dir"] = private_dir.create(RESPONSES_DIR_PREFIX)
         os.environ[RESPONSES_DB_ENV] = os.path.join(_state["responses_dir"], "responses.db")
     engine = _config.engine_config()
     # INFERENCE_SHM may name the segment in advance (tests attach to it to inspect the engine).
@@ -293,8 +295,7 @@ def on_exit(server) -> None:
         supervisor.stop()  # also unlinks the shared memory it created
     responses_dir = _state.pop("responses_dir", None)
     if responses_dir is not None:
-        import shutil
-        shutil.rmtree(responses_dir, ignore_errors=True)
+        private_dir.remove(responses_dir)
     path, owned = _state.pop("metrics_dir", (None, False))
     if owned:
         metrics_dir.remove(path)

@@ -4,16 +4,22 @@ leftovers are removed by the next start.
 """
 from __future__ import annotations
 
+import fcntl
+import glob
 import os
 import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 
 import pytest
 
 from engine.config import EngineConfig
+from server import private_dir
+from server.gunicorn_conf import RESPONSES_DIR_PREFIX
+from server.observability import metrics_dir
 from shm import segment
 from shm.transport import Transport
 from tests.conftest import free_port, running_server
@@ -58,6 +64,22 @@ def test_server_refuses_to_start_when_dev_shm_is_too_small():
     assert "--max-seq-len" in lines[0] and "shm_size" in lines[0] and "medium: Memory" in lines[0]
 
 
+def _private_dirs() -> set[str]:
+    """The metrics and Responses-store directories of servers on this machine (server.private_dir)."""
+    return set(glob.glob(f"/dev/shm/{metrics_dir.PREFIX}*")) | \
+        set(glob.glob(os.path.join(tempfile.gettempdir(), RESPONSES_DIR_PREFIX + "*")))
+
+
+def _orphaned(path: str) -> bool:
+    """Whether the owner lock of a private directory is free (its master is gone)."""
+    try:
+        with open(os.path.join(path, private_dir.OWNER)) as f:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+    except (BlockingIOError, FileNotFoundError):
+        return False
+
+
 def _alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:
@@ -71,9 +93,10 @@ def test_a_killed_servers_segment_is_removed_by_the_next_start(kill):
     """SIGKILL of the whole server (master, workers, engine, Python's resource tracker: a
     container's end) leaves its segment and FIFO folder; SIGKILL of the master alone leaves at
     least the folder (the resource tracker may unlink the segment). The next start removes
-    them, while a live server's stay."""
+    them and its private directories (metrics, the Responses store), while a live server's stay."""
     flags = ("--workers", "1", "--max-slots", "2", "--max-queued", "2")
     with running_server(*flags) as live:
+        before = _private_dirs()
         with running_server(*flags, new_session=True) as dead:
             children = dead.children()
             if kill == "group":
@@ -90,6 +113,11 @@ def test_a_killed_servers_segment_is_removed_by_the_next_start(kill):
                 assert left == [dead.shm, dead.shm + ".d"]
             else:
                 assert dead.shm + ".d" in left
+            # Another test file's server may have started meanwhile: the dead server's are the
+            # new ones whose owner is gone.
+            orphans = {d for d in _private_dirs() - before if _orphaned(d)}
+            assert len(orphans) == 2, orphans
             with running_server(*flags):
                 assert not [n for n in os.listdir("/dev/shm") if n.startswith(dead.shm)]
+                assert not [d for d in orphans if os.path.exists(d)]
                 assert os.path.exists(f"/dev/shm/{live.shm}") and os.path.isdir(f"/dev/shm/{live.shm}.d")

@@ -7,9 +7,8 @@ writes its own memory-mapped files there, named ``<type>_<pid>.db``; a scrape ad
 - **Empty at start.** Files left by an earlier run would be added to this run's counters. The
   master (:func:`prepare`) creates a private directory on tmpfs (``/dev/shm``, so the files
   cost no disk writes), or empties the operator's ``PROMETHEUS_MULTIPROC_DIR``, before any
-  process that records metrics starts. It holds an ``flock`` on the private directory's
-  ``.owner`` for its lifetime; the kernel drops it when the master dies, however it dies, so
-  a later start removes private directories nobody holds (:func:`remove_orphans`).
+  process that records metrics starts. A later start removes a private directory whose master
+  died without removing it (:mod:`server.private_dir`).
 - **Live gauges of dead processes go.** :func:`retire` calls ``mark_process_dead``.
 - **Dead processes' counts stay, in one file.** A dead worker's counters and histograms still
   count (its requests happened), but a scrape reads every file: after many worker restarts
@@ -28,22 +27,16 @@ import contextlib
 import fcntl
 import glob
 import os
-import shutil
 import sys
-import tempfile
-import time
 from typing import Iterator
+
+from server import private_dir
 
 ENV = "PROMETHEUS_MULTIPROC_DIR"
 TMPFS = "/dev/shm"
 PREFIX = "inference-metrics-"
 _LOCK = ".lock"
-_OWNER = ".owner"
 _RETIRED = "retired"
-#: A private directory without an owner file this old is a leftover (none is ever that young
-#: and ownerless but between ``mkdtemp`` and the lock, microseconds).
-_OWNERLESS_S = 60.0
-_held: list = []  # the open owner files of this process (their flocks live as long as they do)
 
 
 def prepare() -> tuple[str, bool]:
@@ -64,42 +57,15 @@ def prepare() -> tuple[str, bool]:
             os.remove(f)
         owned = False
     else:
-        base = TMPFS if os.access(TMPFS, os.W_OK) else tempfile.gettempdir()
-        remove_orphans(base)
-        path, owned = tempfile.mkdtemp(prefix=PREFIX, dir=base), True
-        owner = open(os.path.join(path, _OWNER), "w")
-        fcntl.flock(owner, fcntl.LOCK_EX)
-        _held.append(owner)
+        path, owned = private_dir.create(PREFIX, TMPFS if os.access(TMPFS, os.W_OK) else None), True
         os.environ[ENV] = path
     open(os.path.join(path, _LOCK), "a").close()
     return path, owned
 
 
-def remove_orphans(base: str) -> list[str]:
-    """Remove the private directories under ``base`` whose master is gone (its ``.owner``
-    lock is free, or it never had one and is old). Returns the removed paths."""
-    removed = []
-    for path in glob.glob(os.path.join(base, PREFIX + "*")):
-        try:
-            with open(os.path.join(path, _OWNER)) as f:
-                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)  # raises while the owner lives
-        except BlockingIOError:
-            continue
-        except FileNotFoundError:
-            try:
-                if time.time() - os.stat(path).st_mtime < _OWNERLESS_S:
-                    continue
-            except FileNotFoundError:
-                continue
-        shutil.rmtree(path, ignore_errors=True)
-        removed.append(path)
-    return removed
-
-
 def remove(path: str) -> None:
-    shutil.rmtree(path, ignore_errors=True)
-    while _held:
-        _held.pop().close()
+    """Delete the private directory :func:`prepare` created."""
+    private_dir.remove(path)
 
 
 @contextlib.contextmanager
