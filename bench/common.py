@@ -50,12 +50,12 @@ def wait_healthy(port: int, proc: subprocess.Popen, timeout_s: float = 120) -> N
     raise RuntimeError("llama-server did not start")
 
 
-def limit(batch: int, prompt: int, gen: int, threads: int = 0, weights: str = "auto") -> dict:
+def limit(batch: int, prompt: int, gen: int, threads: int = 0, weights: str = "auto", all_logits: bool = False) -> dict:
     """Run ``python -m bench.limit`` in a child process (its own llama.cpp) and return its JSON."""
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         subprocess.run([sys.executable, "-m", "bench.limit", "--batch", str(batch), "--prompt-tokens",
                         str(prompt), "--gen-tokens", str(gen), "--engine-threads", str(threads), "--weights", weights,
-                        "--json", f.name],
+                        "--json", f.name] + (["--all-logits"] if all_logits else []),
                        check=True, stdout=subprocess.DEVNULL)
         return json.load(open(f.name))
 

@@ -3,7 +3,8 @@
     python -m bench.limit --batch 16 --prompt-tokens 32 --gen-tokens 128 [--json out.json]
     python -m bench.limit --batch 16 --mix requests.json [--json out.json]
 
-Each of the B sequences gets a P-token prompt (all prefilled in one batch), then G greedy tokens
+Each of the B sequences gets a P-token prompt (all prefilled in one batch; ``--all-logits``: with
+the logits of every prompt row, scoring's ceiling), then G greedy tokens
 with end-of-generation tokens masked, one ``llama_decode`` per step over all B sequences, with
 the engine's thread count, weights and OpenMP environment. Prints generated tokens/s over the
 whole run (prefill included, as a client sees it) and over the decode steps alone.
@@ -27,8 +28,11 @@ def prompt_tokens(batch: int, n: int, n_vocab: int) -> list[list[int]]:
     return [[(1000 + 37 * b + 11 * i) % (n_vocab - 1000) + 500 for i in range(n)] for b in range(batch)]
 
 
-def measure(model_path: str, batch: int, prompt: int, gen: int, threads: int, weights: str = "auto") -> dict:
-    """Run the ceiling loop once; returns figures in tokens/s and seconds."""
+def measure(model_path: str, batch: int, prompt: int, gen: int, threads: int, weights: str = "auto",
+            all_logits: bool = False) -> dict:
+    """Run the ceiling loop once; returns figures in tokens/s and seconds. ``all_logits``: the
+    prefill computes the logits of every prompt row, as scoring a prompt needs (the output
+    matrix for each row rather than each sequence's last), and nothing more."""
     import numpy as np
 
     from engine.llama.batch import Batch
@@ -42,7 +46,7 @@ def measure(model_path: str, batch: int, prompt: int, gen: int, threads: int, we
     prompts = prompt_tokens(batch, prompt, model.n_vocab)
     try:
         t0 = time.perf_counter()
-        rows = [b.add(np.array(p, np.int32), 0, s, True) for s, p in enumerate(prompts)]
+        rows = [b.add(np.array(p, np.int32), 0, s, True, all_logits) for s, p in enumerate(prompts)]
         model.decode(b)
         last = [_greedy(model.logits(r), eog) for r in rows]
         t1 = time.perf_counter()
@@ -56,6 +60,7 @@ def measure(model_path: str, batch: int, prompt: int, gen: int, threads: int, we
         path = model.path
         model.close()
     return {"batch": batch, "prompt_tokens": prompt, "gen_tokens": gen, "threads": threads, "weights": weights,
+            "all_logits": all_logits,
             "weights_file": os.path.basename(path),
             "seconds": t2 - t0, "prefill_seconds": t1 - t0,
             "tokens_per_s": batch * gen / (t2 - t0),
@@ -140,6 +145,7 @@ def main(argv=None) -> int:
     p.add_argument("--model", default=None)
     p.add_argument("--weights", default="auto", help="weight format, as the server's --weights")
     p.add_argument("--mix", default=None, help="JSON list of [prompt token ids, tokens to generate] to replay")
+    p.add_argument("--all-logits", action="store_true", help="the prefill computes every prompt row's logits")
     a = p.parse_args(argv)
     model = a.model or default_model_path()
     threads = a.engine_threads or EngineConfig(model_path=model).threads
@@ -151,7 +157,7 @@ def main(argv=None) -> int:
               f"{r['tokens_per_s']:.1f} generated tok/s while every lane was busy "
               f"({r['whole_run_tokens_per_s']:.1f} over the whole run)")
     else:
-        r = measure(model, a.batch, a.prompt_tokens, a.gen_tokens, threads, a.weights)
+        r = measure(model, a.batch, a.prompt_tokens, a.gen_tokens, threads, a.weights, a.all_logits)
         print(f"limit: B={a.batch} P={a.prompt_tokens} G={a.gen_tokens} threads={threads}: "
               f"{r['tokens_per_s']:.1f} generated tok/s ({r['decode_tokens_per_s']:.1f} in decode steps)")
     save(r, a.json)

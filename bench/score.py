@@ -9,6 +9,10 @@ hold a slot) and measures, alternating with the ceiling so machine noise hits bo
 * ceiling: ``bench.limit``'s prefill (``--batch`` clients x ``--prompt-tokens``, one bare
   ``llama_decode``, logits of the last token only), run before and after scoring; prompt
   tokens/s = tokens / its ``prefill_seconds``.
+* scoring ceiling: the same decode with the logits of every prompt row (``bench.limit
+  --all-logits``), which scoring cannot do without: its ratio to the ceiling is the most any
+  server can score at, over the ceiling, on this model (the output matrix is about a fifth of
+  SmolLM2-135M's work per token). Alternated with the ceiling.
 * scoring: ``--prompts`` distinct token-id prompts scored by ``--clients`` concurrent clients,
   one prompt per request (lm-eval's shape); prompt tokens/s over the wall time, every answer
   checked to hold one entry per prompt token.
@@ -22,7 +26,7 @@ hold a slot) and measures, alternating with the ceiling so machine noise hits bo
   tokens/s, and scoring's share of the tokens the engine took in meanwhile (prompt tokens
   scored / (those + generated tokens)).
 
-Reported: scoring / ceiling, and generation mixed / alone next to ``1 - share``, the speed
+Reported: scoring / ceiling, scoring / scoring ceiling, and generation mixed / alone next to ``1 - share``, the speed
 generation would keep if scoring took exactly its share of every batch.
 """
 from __future__ import annotations
@@ -145,19 +149,22 @@ def main() -> None:
     c = args.clients
     both = prompt_tokens(2 * args.prompts, args.prompt_tokens, 49152)  # distinct: no prefix cache hits
     prompts, others = both[:args.prompts], both[args.prompts:]
-    ceilings, alone = [], []
+    ceilings, score_ceilings, alone = [], [], []
     with running_server("--max-slots", str(2 * c), "--max-queued", str(2 * c), "--max-seq-len", "512",
                         "--workers", "2", "--threads", str(4 * c), "--engine-threads", str(args.engine_threads)) as server:
         port = server.port
         score(port, prompts[0])  # warm up
-        run = lambda: limit(c, args.prompt_tokens, 1, args.engine_threads)  # noqa: E731
-        ceilings.append(run())
-        log(f"ceiling {ceilings[-1]['prefill_seconds']:.2f} s")
+        def run():
+            ceilings.append(limit(c, args.prompt_tokens, 1, args.engine_threads))
+            score_ceilings.append(limit(c, args.prompt_tokens, 1, args.engine_threads, all_logits=True))
+            log(f"ceiling {ceilings[-1]['prefill_seconds']:.2f} s, with every row's logits "
+                f"{score_ceilings[-1]['prefill_seconds']:.2f} s")
+        run()
         score_tps = scoring(port, prompts, c)
         log(f"scoring {score_tps:.0f} tok/s")
         prefill_tps = prefill(port, others, c)
         log(f"engine prefill {prefill_tps:.0f} tok/s")
-        ceilings.append(run())
+        run()
         alone.append(generation(port, c, args.gen_requests, args.gen_tokens, salt=0)[0])
         log(f"generation alone {alone[-1]:.1f} tok/s")
         mix = mixed(port, prompts, c, args.gen_requests, args.gen_tokens)
@@ -165,16 +172,23 @@ def main() -> None:
         alone.append(generation(port, c, args.gen_requests, args.gen_tokens, salt=1)[0])
     ceiling_runs = [r["batch"] * r["prompt_tokens"] / r["prefill_seconds"] for r in ceilings]
     ceiling = statistics.mean(ceiling_runs)
+    score_ceiling_runs = [r["batch"] * r["prompt_tokens"] / r["prefill_seconds"] for r in score_ceilings]
+    score_ceiling = statistics.mean(score_ceiling_runs)
     gen_alone = statistics.mean(alone)
     result = {"prompts": args.prompts, "engine_threads": args.engine_threads, "prompt_tokens": args.prompt_tokens, "clients": c,
               "score_tokens_per_s": score_tps, "prefill_ceiling_tokens_per_s": ceiling, "prefill_ceiling_runs": ceiling_runs,
-              "score_ratio": score_tps / ceiling, "engine_prefill_tokens_per_s": prefill_tps,
+              "score_ratio": score_tps / ceiling, "score_ceiling_tokens_per_s": score_ceiling,
+              "score_ceiling_runs": score_ceiling_runs, "score_to_score_ceiling": score_tps / score_ceiling,
+              "score_ceiling_ratio": score_ceiling / ceiling, "engine_prefill_tokens_per_s": prefill_tps,
               "score_to_engine_prefill": score_tps / prefill_tps,
               "gen_alone_tokens_per_s": gen_alone, "gen_alone_runs": alone, **mix,
               "gen_mixed_ratio": mix["gen_tokens_per_s"] / gen_alone, "gen_fair_ratio": 1 - mix["score_share"]}
     print(f"scoring: {score_tps:.0f} prompt tok/s; prefill ceiling {ceiling:.0f} tok/s (runs "
           f"{ceiling_runs[0]:.0f}, {ceiling_runs[1]:.0f}); ratio {result['score_ratio']:.3f}; the engine's own prefill "
           f"{prefill_tps:.0f} tok/s: scoring / it {result['score_to_engine_prefill']:.3f}")
+    print(f"scoring ceiling (every row's logits): {score_ceiling:.0f} tok/s (runs {score_ceiling_runs[0]:.0f}, "
+          f"{score_ceiling_runs[1]:.0f}), {result['score_ceiling_ratio']:.3f} of the ceiling; scoring / it "
+          f"{result['score_to_score_ceiling']:.3f}")
     print(f"generation: alone {gen_alone:.1f} tok/s (runs {alone[0]:.1f}, {alone[1]:.1f}), beside scoring "
           f"{mix['gen_tokens_per_s']:.1f} tok/s: ratio {result['gen_mixed_ratio']:.3f}; scoring's share of the "
           f"tokens {mix['score_share']:.3f}, so its fair ratio {result['gen_fair_ratio']:.3f}")

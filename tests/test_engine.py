@@ -103,12 +103,15 @@ def test_continuous_admits_into_a_freed_slot_on_the_next_step():
             {"prompt": [504, 505], "params": {**GREEDY, "max_new_tokens": 20, "ignore_eos": True}}]
     with running_engine(max_slots=2) as (client, _):
         results = _in_other_process(client.t.name, jobs)
-    short, long_, queued = _spans(results)
-    if queued[0] < short[0]:  # the two short ones may be admitted in either order
-        short, queued = queued, short
-    assert queued[0] > long_[0], "the third request must have waited for a slot"
-    assert queued[0] == short[1] + 1
-    assert queued[1] < long_[1], "the queued request had to wait for the long one"
+    spans = _spans(results)
+    # The producer's threads submit in any order: the queued one is the one admitted last.
+    queued = max(range(3), key=lambda i: spans[i][0])
+    running = [spans[i] for i in range(3) if i != queued]
+    assert all(spans[queued][0] > admitted for admitted, _ in running), "one request must have waited for a slot"
+    # Admitted on the step after the first of the running ones finished (a short one).
+    assert spans[queued][0] == min(finished for _, finished in running) + 1, spans
+    if queued != 1:  # a short one waited, and still finished before the long one beside it
+        assert spans[queued][1] < spans[1][1], spans
 
 
 def _blocker(client, n=60):
