@@ -49,11 +49,11 @@ def _config(model_path, **kw) -> EngineConfig:
 
 
 def test_shared_prefix_outputs_equal_cache_off_and_cached_tokens_exact(model_path, chat):
-    prompts = _prompts(chat, 12)  # more than the 8 slots: some wait for a free one as well
+    prompts = _prompts(chat, 6)  # more than the 4 slots: some wait for a free one as well
     shared = len(chat.encode([{"role": "system", "content": SYSTEM}], add_generation_prompt=False))
-    with InprocEngine(_config(model_path, prefix_cache_tokens=0, deterministic=True)) as off_engine:
+    with InprocEngine(_config(model_path, max_slots=4, prefix_cache_tokens=0, deterministic=True)) as off_engine:
         off = _run_all(off_engine, prompts)
-    with InprocEngine(_config(model_path, deterministic=True)) as on_engine:
+    with InprocEngine(_config(model_path, max_slots=4, deterministic=True)) as on_engine:
         on = _run_all(on_engine, prompts)
         assert_idle_and_clean(on_engine.client)
     assert [ids for ids, _, _ in on] == [ids for ids, _, _ in off]
