@@ -78,9 +78,14 @@ class ConstraintFailed(EngineError):
     """A constrained sequence's grammar failed mid-way (nothing it allows was left to sample, or
     the constraint library hit a limit): the sequence ended rather than go on unconstrained
     (HTTP 400 ``constraint_failed``: a grammar with no way on, such as a schema whose every
-    instance is infinite, or a regex longer than the library's limits, is the client's to fix)."""
+    instance is infinite, or a regex longer than the library's limits, is the client's to fix).
+    ``param``: the request field the grammar came from; None until the front end names it."""
 
     code = "constraint_failed"
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.message, self.param = message, param
 
 
 class DeadlineExceeded(EngineError):

@@ -80,7 +80,7 @@ def http_error(ex: Exception) -> tuple[int, dict, dict]:
         message, param, code = ex.message, ex.param, ex.code
         headers = {"WWW-Authenticate": "Bearer"} if status == 401 else {}
     elif isinstance(ex, ConstraintFailed):
-        message, code = str(ex), ex.code
+        message, param, code = ex.message, ex.param, ex.code
     elif isinstance(ex, (Saturated, EngineUnavailable)):
         message = str(ex) or "engine unavailable"
         code = ("server_overloaded" if isinstance(ex, Saturated) else

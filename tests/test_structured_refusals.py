@@ -105,12 +105,22 @@ def test_a_grammar_with_no_way_on_is_a_400(app):
     """Found by a hostile helper: a schema whose every instance is infinite (a required property
     of its own type) and a regex longer than the library's limits pass the front end's check but
     leave the sequence nothing to generate. That is the client's grammar, not a server fault: 400
-    ``constraint_failed`` (it was a 500), and the sequence never goes on unconstrained."""
+    ``constraint_failed`` (it was a 500) naming the field the grammar came from, in the
+    Responses API's terms there, and the sequence never goes on unconstrained."""
     endless = {"$ref": "#/$defs/n", "$defs": {"n": {"type": "object", "properties": {"c": {"$ref": "#/$defs/n"}},
                                                     "required": ["c"]}}}
-    for fields in ({"response_format": schema_format(endless)}, {"structured_outputs": {"regex": "a{1000000}"}}):
+    for fields, param in (({"response_format": schema_format(endless)}, "response_format.json_schema.schema"),
+                          ({"structured_outputs": {"regex": "a{1000000}"}}, "structured_outputs.regex")):
         body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 16, **fields}
-        error(post(app, CHAT, body), 400, param=None, code="constraint_failed")
+        error(post(app, CHAT, body), 400, param=param, code="constraint_failed")
+    body = {"input": "hi", "max_output_tokens": 16, "store": False,
+            "text": {"format": {"type": "json_schema", "name": "x", "schema": endless}}}
+    error(post(app, "/v1/responses", body), 400, param="text.format.schema", code="constraint_failed")
+    status, _, raw = app.request("POST", "/v1/responses", json.dumps({**body, "stream": True}).encode(),
+                                 {"Content-Type": "application/json"})
+    events = [json.loads(line[6:]) for line in raw.decode().splitlines() if line.startswith("data: ")]
+    assert status == 200 and [e["type"] for e in events][-2:] == ["error", "response.failed"], events
+    assert events[-2]["code"] == "constraint_failed" and events[-2]["param"] == "text.format.schema", events[-2]
     app.wait_idle()
 
 

@@ -15,7 +15,7 @@ import time
 from typing import Iterator
 
 from engine.client import EngineClient
-from engine.errors import InvalidRequest, PromptTooLong
+from engine.errors import ConstraintFailed, InvalidRequest, PromptTooLong
 from engine.llama.grammar import CheckedGrammars, json_schema_of
 from engine.request import RequestKind, reduce_seed
 from engine.stream import Stream, Timings, follow
@@ -193,6 +193,8 @@ class Generation:
                         ended[k] = True
                         yield self._finish(k, detoks[k].flush(), parser, self.streams[k].finish_reason)
         except BaseException as e:  # GeneratorExit too: the reader stopped (a stream's client left)
+            if isinstance(e, ConstraintFailed):
+                e.param = self.req.grammar_param
             self.error = e
             raise
         finally:

@@ -16,7 +16,7 @@ from typing import Iterator
 
 import falcon
 
-from engine.errors import ClientDisconnected, InvalidRequest, RequestError
+from engine.errors import ClientDisconnected, ConstraintFailed, InvalidRequest, RequestError
 from server.api.requests import check_model, parse_generation, parse_messages, render_options
 from server.config import ServerConfig
 from server.errors import http_error
@@ -78,9 +78,13 @@ class Responses:
             resp.stream = self.sse_events(gen, builder, rr, tenant.id if will_store else None)
             return
         finish = None
-        for d in gen.deltas():
-            builder.feed(d)
-            finish = d.finish_reason or finish
+        try:
+            for d in gen.deltas():
+                builder.feed(d)
+                finish = d.finish_reason or finish
+        except ConstraintFailed as e:
+            e.param = responses_param(e.param, rr.origins)
+            raise
         builder.finish(finish, gen.usage())
         stored = rr.store and self._store(tenant.id, builder, rr)
         resp.set_header(STORED_HEADER, "true" if stored else "false")
@@ -111,6 +115,8 @@ class Responses:
         except ClientDisconnected:
             return
         except Exception as ex:  # noqa: BLE001 - headers are sent: the error becomes events
+            if isinstance(ex, ConstraintFailed):
+                ex.param = responses_param(ex.param, rr.origins)
             err = http_error(ex)[1]["error"]
             for e in builder.fail(err["message"], err["code"], err["param"]):
                 yield event(e)
