@@ -4,14 +4,11 @@ leftovers are removed by the next start.
 """
 from __future__ import annotations
 
-import fcntl
-import glob
 import os
 import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 
 import pytest
@@ -64,20 +61,18 @@ def test_server_refuses_to_start_when_dev_shm_is_too_small():
     assert "--max-seq-len" in lines[0] and "shm_size" in lines[0] and "medium: Memory" in lines[0]
 
 
-def _private_dirs() -> set[str]:
-    """The metrics and Responses-store directories of servers on this machine (server.private_dir)."""
-    return set(glob.glob(f"/dev/shm/{metrics_dir.PREFIX}*")) | \
-        set(glob.glob(os.path.join(tempfile.gettempdir(), RESPONSES_DIR_PREFIX + "*")))
-
-
-def _orphaned(path: str) -> bool:
-    """Whether the owner lock of a private directory is free (its master is gone)."""
-    try:
-        with open(os.path.join(path, private_dir.OWNER)) as f:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            return True
-    except (BlockingIOError, FileNotFoundError):
-        return False
+def _private_dirs(pid: int) -> list[str]:
+    """The private directories (metrics, the Responses store: server.private_dir) whose owner
+    lock process ``pid`` holds open."""
+    dirs = []
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except FileNotFoundError:
+            continue
+        if os.path.basename(target) == private_dir.OWNER:
+            dirs.append(os.path.dirname(target))
+    return sorted(dirs)
 
 
 def _alive(pid: int) -> bool:
@@ -96,8 +91,11 @@ def test_a_killed_servers_segment_is_removed_by_the_next_start(kill):
     them and its private directories (metrics, the Responses store), while a live server's stay."""
     flags = ("--workers", "1", "--max-slots", "2", "--max-queued", "2")
     with running_server(*flags) as live:
-        before = _private_dirs()
         with running_server(*flags, new_session=True) as dead:
+            owned = _private_dirs(dead.proc.pid)
+            prefixes = (metrics_dir.PREFIX, RESPONSES_DIR_PREFIX)
+            assert sorted(p for d in owned for p in prefixes if os.path.basename(d).startswith(p)) == \
+                sorted(prefixes), owned
             children = dead.children()
             if kill == "group":
                 os.killpg(dead.proc.pid, signal.SIGKILL)
@@ -113,11 +111,9 @@ def test_a_killed_servers_segment_is_removed_by_the_next_start(kill):
                 assert left == [dead.shm, dead.shm + ".d"]
             else:
                 assert dead.shm + ".d" in left
-            # Another test file's server may have started meanwhile: the dead server's are the
-            # new ones whose owner is gone.
-            orphans = {d for d in _private_dirs() - before if _orphaned(d)}
-            assert len(orphans) == 2, orphans
             with running_server(*flags):
                 assert not [n for n in os.listdir("/dev/shm") if n.startswith(dead.shm)]
-                assert not [d for d in orphans if os.path.exists(d)]
+                assert not [d for d in owned if os.path.exists(d)]
+                live_dirs = _private_dirs(live.proc.pid)
+                assert len(live_dirs) == 2 and all(os.path.exists(d) for d in live_dirs)
                 assert os.path.exists(f"/dev/shm/{live.shm}") and os.path.isdir(f"/dev/shm/{live.shm}.d")
