@@ -29,10 +29,10 @@ import time
 
 from engine.config import ConfigError
 from engine.supervisor import EngineSupervisor, SharedMemoryTooSmall
+from server import private_dir
 from server.config import ServerConfig
 from server.grpc.keeper import Sidecar
 from server.http.worker import discard_body
-from server import private_dir
 from server.observability import metrics_dir
 from server.tenancy.tenants import Tenants
 
@@ -298,4 +298,4 @@ def on_exit(server) -> None:
         private_dir.remove(responses_dir)
     path, owned = _state.pop("metrics_dir", (None, False))
     if owned:
-        metrics_dir.remove(path)
+        private_dir.remove(path)

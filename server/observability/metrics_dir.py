@@ -44,7 +44,7 @@ def prepare() -> tuple[str, bool]:
     process and its children.
 
     Returns:
-        ``(path, owned)``: ``owned`` when this call created it (then :func:`remove` deletes it).
+        ``(path, owned)``: ``owned`` when this call created it (then ``server.private_dir.remove`` deletes it).
     Raises:
         RuntimeError: prometheus-client was imported first (its values would not be shared).
     """
@@ -61,11 +61,6 @@ def prepare() -> tuple[str, bool]:
         os.environ[ENV] = path
     open(os.path.join(path, _LOCK), "a").close()
     return path, owned
-
-
-def remove(path: str) -> None:
-    """Delete the private directory :func:`prepare` created."""
-    private_dir.remove(path)
 
 
 @contextlib.contextmanager
