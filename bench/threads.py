@@ -3,7 +3,8 @@ contention that comes before the server, while it idles, or from a CPU quota, in
 
     python -m bench.threads [--quick] [--clients 16] [--requests 32] [--conditions ...] [--json PATH]
 
-For each setting (the default, adaptive; 1 thread; 2 threads with libgomp's bounded spin;
+For each setting (the default, adaptive; 1 thread; 2 threads with the engine's default wait, a
+brief spin, ``engine.threads.SPIN_COUNT``; 2 threads with libgomp's own bounded spin, 300,000;
 2 threads spinning, ``OMP_WAIT_POLICY=ACTIVE``; 2 threads parked, ``OMP_WAIT_POLICY=PASSIVE``)
 real servers run under each condition:
 
@@ -44,11 +45,15 @@ import threading
 import time
 
 from bench.policies import Request, drive, one_stream, summarize, workload
+from engine.threads import SPIN_COUNT
 
 SETTINGS = {  # key -> (shown as, flags, extra environment of the server and the ceiling)
     "adaptive": ("adaptive (default)", [], {}),
     "1": ("1 thread", ["--engine-threads", "1"], {}),
-    "2-spin": ("2 threads, bounded spin", ["--engine-threads", "2"], {}),
+    "2-brief": ("2 threads, GOMP_SPINCOUNT=3000 (the engine's default wait)", ["--engine-threads", "2"],
+                {"GOMP_SPINCOUNT": str(SPIN_COUNT)}),
+    "2-spin": ("2 threads, GOMP_SPINCOUNT=300000 (libgomp's default)", ["--engine-threads", "2"],
+               {"GOMP_SPINCOUNT": "300000"}),
     "2-active": ("2 threads, OMP_WAIT_POLICY=ACTIVE", ["--engine-threads", "2"], {"OMP_WAIT_POLICY": "ACTIVE"}),
     "2-passive": ("2 threads, OMP_WAIT_POLICY=PASSIVE", ["--engine-threads", "2"], {"OMP_WAIT_POLICY": "PASSIVE"}),
 }
@@ -196,6 +201,9 @@ def main(argv=None) -> int:
     p.add_argument("--requests", type=int, default=None, help="per run (default 32; --quick 8)")
     p.add_argument("--settings", default=None,
                    help="comma-separated: " + ", ".join(SETTINGS) + " (default all; --quick adaptive,1)")
+    p.add_argument("--idle-only", default="",
+                   help="comma-separated settings measured under the idle condition only (the long spins: "
+                        "beside busy processes they run at a tenth of one thread's speed, for minutes a run)")
     p.add_argument("--conditions", default=None,
                    help="comma-separated: " + ", ".join(CONDITIONS) + " (default all; --quick all but quota)")
     p.add_argument("--repeat", type=int, default=1,
@@ -215,18 +223,20 @@ def main(argv=None) -> int:
     conditions = (a.conditions or ",".join(c for c in CONDITIONS if c != "quota" or not a.quick)).split(",")
     result: dict = {"clients": a.clients, "requests": n, "repeat": a.repeat, "settings": {}, "runs": {},
                     "errors": {}, "restarts": {}}
+    idle_only = [k for k in a.idle_only.split(",") if k]
     for _ in range(a.repeat):
-        for key in names:
+        for key in names + [k for k in idle_only if k not in names]:
             name, flags, env = SETTINGS[key]
             runs = result["runs"].setdefault(name, {})
-            for condition, figures in _conditions(a, conditions, flags, env, fixed, mix):
+            asked = ["idle"] if key in idle_only else conditions
+            for condition, figures in _conditions(a, asked, flags, env, fixed, mix):
                 for column, (value, errors, restarts) in figures.items():
                     runs.setdefault(f"{condition} {column}", []).append(value)
                     result["errors"][f"{name}, {condition}"] = result["errors"].get(f"{name}, {condition}", 0) + errors
                     result["restarts"][f"{name}, {condition}"] = \
                         result["restarts"].get(f"{name}, {condition}", 0) + restarts
             # The ceiling alone: an idle server would still hold CPUs (ACTIVE threads spin on).
-            for condition in ("idle", "busy") if flags and not a.no_ceiling else ():
+            for condition in (asked if key in idle_only else ("idle", "busy")) if flags and not a.no_ceiling else ():
                 with BusyProcess() if condition == "busy" else contextlib.nullcontext():
                     runs.setdefault(f"{condition} ceiling tok/s", []).append(
                         ceiling(a.clients, gen, int(flags[1]), env))

@@ -15,6 +15,7 @@ import time
 from typing import Callable
 
 from engine.config import EngineConfig
+from engine.threads import wait_environment
 from shm import EngineState, ErrorCode
 from shm.segment import SharedMemoryTooSmall  # noqa: F401 - raised by create(), caught by the server
 from shm.transport import Transport
@@ -59,9 +60,10 @@ class EngineSupervisor:
     Args:
         transport: the shared memory the engine attaches to; :meth:`create` makes one that the
             supervisor owns and unlinks in :meth:`stop`.
-        env: extra environment for the engine (e.g. ``OMP_WAIT_POLICY``; by default the
-            engine gets the server's, so libgomp's bounded spin unless the operator says
-            otherwise: docs/performance.md "Threads").
+        env: extra environment for the engine (e.g. ``OMP_WAIT_POLICY``). The engine gets the
+            server's environment with it, plus a short libgomp spin
+            (:func:`engine.threads.wait_environment`) unless either sets the wait itself
+            (docs/performance.md "Threads").
         on_exit: called from the watching thread with ``(pid, crashed)`` after an engine process
             exited (``crashed``: not told to stop, so it is restarted; the master counts restarts
             and retires the process's metric files).
@@ -75,7 +77,8 @@ class EngineSupervisor:
         self.on_exit = on_exit
         self.t = transport
         self.owns_transport = owns_transport
-        self.env = {**os.environ, **(env or {})}
+        given = {**os.environ, **(env or {})}
+        self.env = {**given, **wait_environment(given)}
         self.sweep_s = sweep_s
         self.restart_delay_s = restart_delay_s
         self.max_restart_delay_s = max_restart_delay_s

@@ -169,6 +169,9 @@ def test_a_busy_neighbour_from_before_the_start_fails_no_request():
         time.sleep(0.5)
         with running_server("--max-slots", "16", "--max-seq-len", "512", "--threads", "20") as server:
             pid = server.engine.t.control.engine_pid
+            if not {"OMP_WAIT_POLICY", "GOMP_SPINCOUNT"} & set(os.environ):  # else the operator's own wait
+                with open(f"/proc/{pid}/environ", "rb") as f:  # the brief spin (engine.threads.wait_environment)
+                    assert b"GOMP_SPINCOUNT=3000" in f.read().split(b"\0")
 
             def ask(i):
                 body = {"prompt": f"Client {i} asks for a long story about the sea, the wind, the stars and the "

@@ -371,6 +371,61 @@ def test_adaptive_threads_start_at_one_and_let_a_sample_they_can_trust_decide_al
     assert adaptive.threads() == 2
 
 
+def test_adaptive_threads_take_every_cpu_when_one_thread_waits_on_the_run_queue():
+    """Two busy processes on two CPUs: one engine thread gets a third of the machine and waits a
+    third of the time on the run queue; two threads that sleep at the barrier get half. One busy
+    process leaves one thread a whole CPU: it waits about nothing, and one thread stays
+    (engine/threads.py; the waits are the ones measured there)."""
+    from engine.threads import RECHECK_S, AdaptiveThreads
+
+    for brief, expected in ((False, 1), (True, 2)):  # long spinners stay on one thread
+        fake, waited = _FakeCpus(), [0.0]
+        adaptive = AdaptiveThreads(2, cpus={0, 1}, clock=fake.clock, read_cpus=fake.cpus, read_own=fake.own,
+                                   read_wait=lambda: waited[0], brief_wait=brief)
+        fake.advance(4 / 3, own=2 / 3)  # the model loads on one thread beside two busy processes
+        waited[0] += 0.5 / 3
+        assert adaptive.threads() == expected, brief  # the first sample decides alone
+        for _ in range(int(RECHECK_S / 0.5) - 2):  # two threads get half the CPUs and wait as much
+            fake.advance(1.0, own=1.0) if adaptive.current == 2 else fake.advance(4 / 3, own=2 / 3)
+            waited[0] += 0.35
+            assert adaptive.threads() == expected
+    # Past RECHECK_S the ordinary rule takes it to one thread (two samples), which looks again:
+    # still starved, so back to two after two more.
+    seen = []
+    for _ in range(8):
+        if adaptive.current == 2:
+            fake.advance(1.0, own=1.0)
+            waited[0] += 0.35
+        else:
+            fake.advance(4 / 3, own=2 / 3)
+            waited[0] += 0.5 / 3
+        seen.append(adaptive.threads())
+    assert 1 in seen and seen[-1] == 2, seen
+
+    fake, waited = _FakeCpus(), [0.0]
+    adaptive = AdaptiveThreads(2, cpus={0, 1}, clock=fake.clock, read_cpus=fake.cpus, read_own=fake.own,
+                               read_wait=lambda: waited[0], brief_wait=True)
+    for _ in range(4):  # one busy process beside one thread and the front ends' bursts
+        fake.advance(1.2, own=0.8)
+        waited[0] += 0.005
+        assert adaptive.threads() == 1
+
+
+@pytest.mark.parametrize("environ, extra, brief", [
+    ({}, {"GOMP_SPINCOUNT": "3000"}, True),
+    ({"OMP_WAIT_POLICY": "ACTIVE"}, {}, False),
+    ({"OMP_WAIT_POLICY": "passive"}, {}, True),
+    ({"GOMP_SPINCOUNT": "300000"}, {}, False),
+    ({"GOMP_SPINCOUNT": "1k"}, {}, False),  # libgomp's suffixes are not read here: the safe answer
+    ({"GOMP_SPINCOUNT": "100", "OMP_WAIT_POLICY": "ACTIVE"}, {}, True),  # the count wins in libgomp
+])
+def test_the_engine_spins_briefly_unless_the_operator_chose(environ, extra, brief):
+    from engine.threads import wait_environment, waits_briefly
+
+    assert wait_environment(environ) == extra
+    assert waits_briefly({**environ, **extra}) is brief
+
+
 @pytest.mark.parametrize("files,expected", [
     ({"cgroup": "0::/pod/c1\n", "pod/c1/cpu.max": "150000 100000\n"}, 1.5),
     ({"cgroup": "0::/\n", "cpu.max": "max 100000\n"}, None),
