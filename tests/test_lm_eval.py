@@ -53,7 +53,7 @@ def reference():
 
     path = weights_path(default_model_path(), "auto")
     params = low.llama_model_default_params()
-    params.use_extra_bufts = not amx_faults(path)  # where AMX faults (SIGILL), as the engine loads it
+    params.use_extra_bufts = not amx_faults(path)  # where AMX faults, as the engine loads it
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(low, "llama_model_default_params", lambda: params)
         llm = llama_cpp.Llama(path, n_ctx=512, n_batch=63, n_ubatch=63, logits_all=True, flash_attn=True,

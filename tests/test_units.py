@@ -506,3 +506,24 @@ def test_logprobs_of_many_rows_match_float64():
             assert one[0] == got[row] and one[1].tolist() == [ids[row, 0]]
         assert lp.rows(logits, tokens, 0)[1].shape == (37, 0)
         lp.close()
+
+
+@pytest.mark.parametrize("end, faults", [
+    ("SIGILL", True),  # tilezero an invalid opcode (one kind of VM)
+    ("SIGSEGV", True),  # ldtilecfg a general protection fault (another): the probe said "runs" there
+    ("SIGBUS", True),
+    ("SIGTERM", False), ("raise", False), ("return", False),
+])
+def test_the_amx_probe_counts_every_fault_signal_and_nothing_else(end, faults):
+    import os
+    import signal
+
+    from engine.llama.library import dies_of_fault
+
+    def run():
+        if end == "raise":
+            raise RuntimeError("llama.cpp refused the model")
+        if end != "return":
+            os.kill(os.getpid(), getattr(signal, end))
+
+    assert dies_of_fault(run) is faults

@@ -13,6 +13,7 @@ import hashlib
 import os
 import signal
 import tempfile
+from typing import Callable
 
 import llama_cpp
 
@@ -52,11 +53,21 @@ def _cpu_flags(path: str = "/proc/cpuinfo") -> set[str]:
     return set()
 
 
+#: Bumped whenever what :func:`_amx_probe` counts as a fault changes, so an answer remembered by
+#: an older probe on this boot is not taken for its own (version 1 counted SIGILL only, and said
+#: "runs" where ``ldtilecfg`` raised a general protection fault).
+PROBE_VERSION = 2
+#: How a CPU that advertises AMX faults on it: an invalid opcode (SIGILL) or a general protection
+#: fault (SIGSEGV; SIGBUS for completeness), by VM.
+FAULT_SIGNALS = frozenset({signal.SIGILL, signal.SIGSEGV, signal.SIGBUS})
+
+
 @functools.cache
 def amx_faults(path: str) -> bool:
     """Whether this CPU advertises AMX but faults on it running ``path`` (:func:`_amx_probe`),
-    remembered for the machine's boot in the cache folder, so engine starts pay the probe's
-    second or two once. CPUs without the ``amx_int8`` flag skip it (no cost on AMD)."""
+    remembered for the machine's boot in the cache folder (keyed by :data:`PROBE_VERSION` too),
+    so engine starts pay the probe's second or two once. CPUs without the ``amx_int8`` flag skip
+    it (no cost on AMD)."""
     if "amx_int8" not in _cpu_flags():
         return False
     try:
@@ -64,7 +75,8 @@ def amx_faults(path: str) -> bool:
             boot = f.read().strip()
     except OSError:
         return _amx_probe(path)
-    key = hashlib.sha256(f"{boot}:{os.path.realpath(path)}:{os.path.getsize(path)}".encode()).hexdigest()[:16]
+    identity = f"{boot}:{PROBE_VERSION}:{os.path.realpath(path)}:{os.path.getsize(path)}"
+    key = hashlib.sha256(identity.encode()).hexdigest()[:16]
     marker = os.path.join(cache_dir(), f"amx-probe-{key}")
     try:
         with open(marker) as f:
@@ -86,27 +98,39 @@ def _amx_probe(path: str) -> bool:
     buffer type" of its CPU backend, used for Q4_0, Q4_1, Q8_0 and K-quants) must not be used.
 
     Seen on Sapphire Rapids guests of Firecracker VMs: CPUID lists ``amx_int8`` and the kernel
-    grants ``ARCH_REQ_XCOMP_PERM``, yet the first ``tilezero`` is an invalid opcode (SIGILL)
-    inside ``llama_decode``. Nothing short of running a tile instruction tells, so a forked
-    child loads ``path`` with the extra buffer types and decodes a few tokens; its death by
-    SIGILL is the answer.
+    grants ``ARCH_REQ_XCOMP_PERM``, yet inside ``llama_decode`` the first ``tilezero`` is an
+    invalid opcode (SIGILL) on some, and ``ldtilecfg`` a general protection fault (SIGSEGV, in
+    ``ggml_backend_amx_mul_mat``) on others. Nothing short of running a tile instruction tells,
+    so a forked child loads ``path`` with the extra buffer types and decodes a few tokens; its
+    death by one of :data:`FAULT_SIGNALS` is the answer. Loading without them always works, so
+    a wrong "faults" costs speed only, a wrong "runs" every decode.
     """
+    return dies_of_fault(lambda: _decode_with_extra_buffers(path))
+
+
+def dies_of_fault(run: Callable[[], object]) -> bool:
+    """Whether ``run()``, called in a forked child, kills it with one of :data:`FAULT_SIGNALS`;
+    any other end (a return, an exception) is "no fault"."""
     pid = os.fork()
-    if pid == 0:  # the probe: any failure but the instruction fault counts as "no fault"
+    if pid == 0:
         try:
             faulthandler.disable()  # its death is the answer, not an error to print
             devnull = os.open(os.devnull, os.O_WRONLY)
             os.dup2(devnull, 2)
-            model = _load(path, vocab_only=False, extra_buffers=True)
-            params = llama_cpp.llama_context_default_params()
-            params.n_ctx, params.n_batch, params.n_threads, params.n_threads_batch = 64, 64, 1, 1
-            ctx = llama_cpp.llama_init_from_model(model, params)
-            tokens = (llama_cpp.llama_token * 8)(*range(1, 9))
-            llama_cpp.llama_decode(ctx, llama_cpp.llama_batch_get_one(tokens, 8))
+            run()
         finally:
             os._exit(0)
     _, status = os.waitpid(pid, 0)
-    return os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGILL
+    return os.WIFSIGNALED(status) and os.WTERMSIG(status) in FAULT_SIGNALS
+
+
+def _decode_with_extra_buffers(path: str) -> None:
+    model = _load(path, vocab_only=False, extra_buffers=True)
+    params = llama_cpp.llama_context_default_params()
+    params.n_ctx, params.n_batch, params.n_threads, params.n_threads_batch = 64, 64, 1, 1
+    ctx = llama_cpp.llama_init_from_model(model, params)
+    tokens = (llama_cpp.llama_token * 8)(*range(1, 9))
+    llama_cpp.llama_decode(ctx, llama_cpp.llama_batch_get_one(tokens, 8))
 
 
 def load_model(path: str, vocab_only: bool = False, n_gpu_layers: int = 0):
