@@ -34,6 +34,7 @@ from server.config import ServerConfig
 from server.grpc.keeper import Sidecar
 from server.http.worker import discard_body
 from server.observability import metrics_dir
+from server.responses.store import create_database
 from server.tenancy.tenants import Tenants
 
 #: The node's response store (``server/responses/store.py``, SQLite): a file in a private
@@ -94,7 +95,9 @@ def _start_engine(server) -> None:
         from server.observability import metrics as _metrics  # noqa: F401
     if not _config.redis_url:
         _state["responses_dir"] = private_dir.create(RESPONSES_DIR_PREFIX)
-        os.environ[RESPONSES_DB_ENV] = os.path.join(_state["responses_dir"], "responses.db")
+        path = os.path.join(_state["responses_dir"], "responses.db")
+        create_database(path)  # before any worker opens it (server.responses.store)
+        os.environ[RESPONSES_DB_ENV] = path
     engine = _config.engine_config()
     # INFERENCE_SHM may name the segment in advance (tests attach to it to inspect the engine).
     try:

@@ -6,13 +6,15 @@ stored, and a continuation is a clear 424. And the translation of a Responses bo
 chat body it means (``server/responses/request.py``), without a server."""
 from __future__ import annotations
 
+import multiprocessing
 import os
+import sqlite3
 import time
 
 import pytest
 import redis
 
-from server.responses.store import LocalStore, RedisStore, ResponseNotFound, StoreLimits, StoreUnavailable
+from server.responses.store import LocalStore, RedisStore, create_database, ResponseNotFound, StoreLimits, StoreUnavailable
 from tests.conftest import free_port, needs_redis, redis_server, running_server
 from tests.test_responses import call, create, error
 
@@ -51,6 +53,7 @@ def fill_and_check(store, n: int = 10_000) -> None:
 @pytest.mark.parametrize("limits", BOUNDS)
 def test_local_store_bounds_under_10000_responses(tmp_path, limits):
     path = str(tmp_path / "responses.db")
+    create_database(path)
     store = LocalStore(path, limits)
     started = time.perf_counter()
     fill_and_check(store)
@@ -58,6 +61,38 @@ def test_local_store_bounds_under_10000_responses(tmp_path, limits):
           f"(entries, bytes); file {os.path.getsize(path) + os.path.getsize(path + '-wal')} bytes with its WAL")
     # another process's view of the same file (another worker of the node)
     assert LocalStore(path, limits).get("a", "resp_0") == doc(0)
+
+
+def _boot_and_write(path: str, barrier, worker: int) -> None:
+    barrier.wait()  # every "worker" opens the file at once, as gunicorn's do after the fork
+    store = LocalStore(path, LIMITS)
+    for i in range(20):
+        store.put("a", f"resp_{worker}_{i}", doc(i, 100))
+        assert store.get("a", f"resp_{worker}_{i}") == doc(i, 100)
+
+
+def test_workers_booting_together_all_open_the_masters_file(tmp_path):
+    """CI once saw a worker fail to boot with "database is locked": each worker switched the
+    new file to WAL, which needs the file to itself. The master makes the file, WAL included;
+    eight workers that open and write it at once all succeed, and the file stays WAL."""
+    path = str(tmp_path / "responses.db")
+    create_database(path)
+    context = multiprocessing.get_context("fork")
+    barrier = context.Barrier(8)
+    workers = [context.Process(target=_boot_and_write, args=(path, barrier, w)) for w in range(8)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join(60)
+    assert [w.exitcode for w in workers] == [0] * 8
+    assert LocalStore(path, LIMITS).usage("a")[0] == 160
+    assert sqlite3.connect(path).execute("PRAGMA journal_mode").fetchone() == ("wal",)
+
+
+def test_a_missing_store_file_is_an_error_not_a_new_file(tmp_path):
+    with pytest.raises(FileNotFoundError, match="create_database"):
+        LocalStore(str(tmp_path / "none.db"), LIMITS)
+    assert not os.path.exists(tmp_path / "none.db")
 
 
 def test_local_store_forgets_what_was_not_used_for_ttl():

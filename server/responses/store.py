@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sqlite3
 import threading
 import time
@@ -94,12 +95,39 @@ class _Transaction:
                 self.lock.release()
 
 
+# How long a connection waits for another's write lock. Writes are a few rows, but a worker
+# may be descheduled while it holds the lock on a busy node.
+_BUSY_TIMEOUT_S = 5.0
+
+
+_SCHEMA = ("CREATE TABLE IF NOT EXISTS responses (tenant TEXT, id TEXT, doc TEXT, bytes INTEGER, "
+           "used REAL, PRIMARY KEY (tenant, id))",
+           "CREATE INDEX IF NOT EXISTS responses_lru ON responses (tenant, used)")
+
+
+def create_database(path: str) -> None:
+    """Make the node's database file at ``path`` (or check the one there): the table, and the
+    WAL journal mode, which the file keeps, so that readers never wait for the writer.
+
+    Called once by the gunicorn master before it forks a worker (``server/gunicorn_conf.py``).
+    The switch to WAL needs the file to itself: when each worker switched a new file as it
+    booted, two booting together could fail one of them with "database is locked" (CI did).
+    Raises ``sqlite3.Error`` when the file cannot be made or is not such a database."""
+    db = sqlite3.connect(path, timeout=_BUSY_TIMEOUT_S, isolation_level=None)
+    try:
+        db.execute("PRAGMA journal_mode=WAL")
+        for statement in _SCHEMA:
+            db.execute(statement)
+    finally:
+        db.close()
+
+
 class LocalStore:
-    """The node's store in SQLite (see the module). ``path``: the database file (created if
-    absent), or ``:memory:`` for this process only. ``clock``: wall-clock seconds.
+    """The node's store in SQLite (see the module). ``path``: a database file made by
+    :func:`create_database`, or ``:memory:`` for this process only. ``clock``: wall-clock seconds.
 
     Thread-safe: one connection per thread; SQLite's file locks order the node's processes
-    (WAL journal, 1 s busy timeout)."""
+    (WAL journal, a 5 s busy timeout). Raises ``FileNotFoundError`` when ``path`` is missing."""
 
     available = True  # a local file is always there
 
@@ -110,18 +138,17 @@ class LocalStore:
         if path == ":memory:":  # one connection for every thread: there is no file to share
             self._shared = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
             self._lock = threading.Lock()
-        with self._connection() as db:
-            db.execute("CREATE TABLE IF NOT EXISTS responses (tenant TEXT, id TEXT, doc TEXT, bytes INTEGER, "
-                       "used REAL, PRIMARY KEY (tenant, id))")
-            db.execute("CREATE INDEX IF NOT EXISTS responses_lru ON responses (tenant, used)")
+            for statement in _SCHEMA:
+                self._shared.execute(statement)
+        elif not os.path.isfile(path):  # a worker opens what its master made, never a new file
+            raise FileNotFoundError(f"no response store at {path} (server.responses.store.create_database)")
 
     def _connection(self) -> _Transaction:
         if self._shared is not None:
             return _Transaction(self._shared, self._lock)
         db = getattr(self._local, "db", None)
-        if db is None:
-            db = self._local.db = sqlite3.connect(self.path, timeout=1.0, isolation_level=None)
-            db.execute("PRAGMA journal_mode=WAL")
+        if db is None:  # WAL is the file's own mode (create_database): nothing to switch here
+            db = self._local.db = sqlite3.connect(self.path, timeout=_BUSY_TIMEOUT_S, isolation_level=None)
             db.execute("PRAGMA synchronous=OFF")  # a node's store does not outlive the node
         return _Transaction(db, None)
 
