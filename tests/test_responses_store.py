@@ -14,7 +14,8 @@ import time
 import pytest
 import redis
 
-from server.responses.store import LocalStore, RedisStore, create_database, ResponseNotFound, StoreLimits, StoreUnavailable
+from server.responses.store import (LocalStore, RedisStore, ResponseNotFound, StoreLimits, StoreUnavailable,
+                                    create_database)
 from tests.conftest import free_port, needs_redis, redis_server, running_server
 from tests.test_responses import call, create, error
 

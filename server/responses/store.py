@@ -98,8 +98,6 @@ class _Transaction:
 # How long a connection waits for another's write lock. Writes are a few rows, but a worker
 # may be descheduled while it holds the lock on a busy node.
 _BUSY_TIMEOUT_S = 5.0
-
-
 _SCHEMA = ("CREATE TABLE IF NOT EXISTS responses (tenant TEXT, id TEXT, doc TEXT, bytes INTEGER, "
            "used REAL, PRIMARY KEY (tenant, id))",
            "CREATE INDEX IF NOT EXISTS responses_lru ON responses (tenant, used)")
