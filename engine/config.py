@@ -13,6 +13,9 @@ POLICIES = ("continuous", "static", "fifo")
 #: batches, ``file`` never converts, the others always convert to themselves.
 WEIGHTS = ("auto", "file", "q8_0", "bf16", "f16")
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+#: Tokens of an average prefix-cache entry, which sizes the number of entries (EngineConfig.cache_streams):
+#: a system prompt or a conversation so far, rarely the whole context.
+CACHE_ENTRY_TOKENS = 2048
 
 
 class ConfigError(ValueError):
@@ -57,8 +60,14 @@ class EngineConfig:
 
     Attributes:
         model_path: GGUF file (default: the bundled SmolLM2-135M).
-        max_slots: sequences decoded together; KV cache ``n_ctx = max_slots * max_seq_len``.
-        max_seq_len: tokens per sequence (prompt + generation).
+        max_slots: sequences decoded together, each in a KV stream of ``max_seq_len`` cells.
+        max_seq_len: tokens per sequence (prompt + generation); default the bundled model's
+            trained context.
+        kv_cache_tokens: KV cells the running sequences may hold together (``>= max_seq_len``):
+            admission counts them, and the youngest sequence is preempted when growing ones
+            run short (:mod:`engine.scheduler`). Where the backend gives unused streams' memory
+            back (:mod:`engine.llama.kv_pages`), this bounds the KV memory of running sequences;
+            the default is what 16 streams of 2,048 cells took before that.
         max_queued: requests that may wait beyond the slots (more -> "saturated").
         n_batch: token budget of one ``llama_decode`` (decode tokens + prefill chunks).
         n_threads: llama.cpp compute threads; 0 adapts between 1 and :func:`default_threads`
@@ -80,7 +89,8 @@ class EngineConfig:
 
     model_path: str = field(default_factory=default_model_path)
     max_slots: int = 16
-    max_seq_len: int = 2048
+    max_seq_len: int = 8192
+    kv_cache_tokens: int = 32768
     max_queued: int = 64
     n_batch: int = 512
     n_threads: int = 0
@@ -96,11 +106,14 @@ class EngineConfig:
     def __post_init__(self):
         if self.policy not in POLICIES:
             raise ConfigError(f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
-        for name, low in (("max_slots", 1), ("max_seq_len", 8), ("max_queued", 0),
+        for name, low in (("max_slots", 1), ("max_seq_len", 8), ("kv_cache_tokens", 8), ("max_queued", 0),
                           ("n_batch", 1), ("n_threads", 0), ("prefix_cache_tokens", 0),
                           ("max_request_extras_bytes", 0)):
             if getattr(self, name) < low:
                 raise ConfigError(f"{name} must be >= {low}, got {getattr(self, name)}")
+        if self.kv_cache_tokens < self.max_seq_len:
+            raise ConfigError(f"kv_cache_tokens must be >= max_seq_len ({self.max_seq_len}), "
+                              f"got {self.kv_cache_tokens}: one sequence must always fit")
         if self.max_slots > 256:
             raise ConfigError(f"max_slots must be <= 256 (llama.cpp's LLAMA_MAX_SEQ), got {self.max_slots}")
         if self.weights not in WEIGHTS:
@@ -110,10 +123,12 @@ class EngineConfig:
 
     @property
     def cache_streams(self) -> int:
-        """KV streams of the prefix cache: ``ceil(prefix_cache_tokens / max_seq_len)``, within
-        llama.cpp's 256 sequences. Each takes ``max_seq_len`` cells, so the cache costs about
-        ``prefix_cache_tokens`` cells of KV memory (SmolLM2-135M, f16: 22.5 KiB per cell)."""
-        wanted = -(-self.prefix_cache_tokens // self.max_seq_len)
+        """KV streams of the prefix cache, one per entry: ``ceil(prefix_cache_tokens / n)`` with
+        ``n = min(max_seq_len, CACHE_ENTRY_TOKENS)``, within llama.cpp's 256 sequences. Entries
+        hold ``prefix_cache_tokens`` cells together (SmolLM2-135M, f16: 22.5 KiB per cell); the
+        streams' other cells cost memory only where the backend keeps unused pages resident
+        (:mod:`engine.llama.kv_pages`)."""
+        wanted = -(-self.prefix_cache_tokens // min(self.max_seq_len, CACHE_ENTRY_TOKENS))
         return min(wanted, 256 - self.max_slots)
 
     @property

@@ -7,6 +7,9 @@ middle planned as a value (vLLM v1's ``schedule() -> execute_model() -> update_f
     ingest -> expire -> schedule (admit + reuse a cached prefix, compact, plan the batch)
            -> execute (moves, batch, decode) -> sample + publish
            -> retire (+ keep the cells in the prefix cache)
+
+where schedule may first preempt the youngest sequences when the decodes would outgrow the KV
+budget (their cells kept in the prefix cache when they fit; they wait to prefill again).
 """
 from __future__ import annotations
 
@@ -74,7 +77,8 @@ class EngineCore:
         self.boxes = transport.mailboxes
         self.model = model
         self.backend = model.backend
-        self.sched = Scheduler(config.max_slots, config.policy, config.aging_s, config.n_batch, self.backend)
+        self.sched = Scheduler(config.max_slots, config.policy, config.aging_s, config.n_batch, self.backend,
+                               config.kv_cache_tokens)
         self.batch = Batch(config.n_batch)
         self.logprobs = LogProbs(model.n_vocab, threads=min(2, config.threads or 2))
         self.cache = PrefixCache(config.max_slots, config.cache_streams, config.prefix_cache_tokens) \
@@ -121,7 +125,7 @@ class EngineCore:
         now = time.monotonic()
         self.ingest(now)
         self.expire(now)
-        plan = self.sched.schedule(now, lambda seq: self.start(seq, now), self.hold)
+        plan = self.sched.schedule(now, lambda seq: self.start(seq, now), self.hold, self.preempt)
         rows, scored = self.execute(plan)
         decoded = time.monotonic()
         for seq, reason, error in self.score(scored, decoded) + self.sample_and_publish(rows, decoded):
@@ -238,7 +242,13 @@ class EngineCore:
 
     def start(self, seq: Sequence, now: float) -> None:
         """Bind an admitted sequence to its slot, reuse a cached prefix, build its sampler (with
-        its own copy of its compiled grammar)."""
+        its own copy of its compiled grammar). A preempted sequence keeps its sampler, grammar
+        state and what its mailbox says of its first admission."""
+        if seq.preemptions:
+            if self.cache is not None:
+                self.reuse_prefix(seq)
+            self.boxes.move(seq.mailbox, seq.slot)
+            return
         sampling = seq.request.sampling
         banned = self.model.eog if sampling.ignore_eos else frozenset()
         constraint = self.grammars.constraint(seq.grammar) if seq.grammar is not None else None
@@ -270,10 +280,11 @@ class EngineCore:
         return False
 
     def reuse_prefix(self, seq: Sequence) -> None:
-        """Copy the KV cells of the longest prefix of ``seq``'s prompt that its tenant's cache
-        entries or running sequences hold into its slot; only the rest is prefilled. The last
-        prompt token is always decoded: its logits give the first token."""
-        tenant, prompt = seq.request.tenant, seq.prompt
+        """Copy the KV cells of the longest prefix of ``seq``'s prefill (its prompt, and after a
+        preemption its generated tokens) that its tenant's cache entries or running sequences
+        hold into its slot; only the rest is prefilled. The last token is always decoded: its
+        logits give the next token."""
+        tenant, prompt = seq.request.tenant, seq.prefill_tokens
         entry, n = self.cache.lookup(tenant, prompt)
         source = entry.stream if entry is not None else -1
         for other in self.sched.running.values():
@@ -349,6 +360,16 @@ class EngineCore:
         self.boxes.publish(published, now)
         return finished
 
+    def preempt(self, seq: Sequence) -> None:
+        """Free a running sequence's KV cells for the scheduler to requeue it (keeping them in the
+        prefix cache when they fit); its mailbox stays running, with no slot."""
+        if self.cache is not None and seq.n_past:
+            self.keep_prefix(seq)
+        self.model.free_sequence(seq.slot)
+        self.boxes.move(seq.mailbox, -1)
+        self.t.control.count_preemption()
+        log.info("preempted the sequence in mailbox %d (%d KV cells) for the KV budget", seq.mailbox, seq.n_past)
+
     def retire(self, seq: Sequence, finish: Finish, error: ErrorCode = ErrorCode.NONE) -> None:
         """Keep the sequence's KV cells in the prefix cache (unless its decode failed), free its
         slot, and finish its mailbox."""
@@ -378,7 +399,7 @@ class EngineCore:
         kv = [self.model.pos_max(s) for s in range(self.config.max_slots)]
         cached = (len(self.cache.entries), self.cache.n_tokens, [self.model.pos_max(s) for s in self.cache.streams]) \
             if self.cache is not None else (0, 0, [])
-        self.t.control.publish(self.step_no, slots, kv, len(self.sched.waiting), *cached)
+        self.t.control.publish(self.step_no, slots, kv, len(self.sched.waiting), *cached, kv_cells=self.sched.kv_cells)
 
     def shutdown(self, error: ErrorCode) -> None:
         """Finish every sequence with ``error`` (engine stopping); stop compiling grammars."""

@@ -9,6 +9,16 @@ grows by the tokens it is served divided by its weight, the tenant with the smal
 goes first, and a tenant that becomes backlogged is lifted to the smallest counter among the
 backlogged so it cannot bank credit while idle. Starvation is impossible because waiting ages a
 class: every ``aging_s`` seconds its oldest sequence waits, the class climbs one rank.
+
+KV cells: the running sequences together hold at most ``kv_tokens`` cells (a prefilling one is
+counted for its whole prefill from admission on). A waiting sequence is admitted only when a slot
+is free and its prefill fits; when it does not, admission stops there (the head of the queue is
+not overtaken by smaller prompts). When the decoding sequences would outgrow the budget, the
+youngest running sequence of the lowest class is preempted (vLLM's recompute preemption): its
+cells are freed (kept in the prefix cache when they fit, by the core), and it waits again ahead
+of every sequence of its class never admitted, to prefill its prompt and the tokens it had
+generated. A scoring sequence is never preempted (its prompt log-probabilities are already being
+read); if only such sequences could make room, the step runs over the budget.
 """
 from __future__ import annotations
 
@@ -34,9 +44,13 @@ class Scheduler:
         aging_s: seconds of waiting per priority-class promotion.
         n_batch: tokens one step's batch holds (decode tokens + prefill chunks).
         backend: the device profile (its prefill chunk and one-thread rule).
+        kv_tokens: KV cells the running sequences may hold together (None: no bound but the
+            slots'); at least the longest sequence, so one always fits.
     """
 
-    def __init__(self, max_slots: int, policy: str, aging_s: float, n_batch: int = 512, backend: Backend = CPU):
+    def __init__(self, max_slots: int, policy: str, aging_s: float, n_batch: int = 512, backend: Backend = CPU,
+                 kv_tokens: int | None = None):
+        self.kv_tokens = math.inf if kv_tokens is None else kv_tokens
         self.policy = policy
         self.aging_s = aging_s
         self.n_batch, self.backend = n_batch, backend
@@ -77,17 +91,29 @@ class Scheduler:
         """Sort key of a waiting sequence (``ranks`` from :meth:`class_ranks`): smaller is
         admitted first."""
         r = seq.request
-        return (ranks[r.priority], r.deadline or math.inf, self.counters.get(r.tenant, 0.0), seq.order)
+        return (ranks[r.priority], not seq.preemptions, r.deadline or math.inf, self.counters.get(r.tenant, 0.0),
+                seq.order)
+
+    @property
+    def kv_cells(self) -> int:
+        """KV cells the running sequences hold or are promised (:attr:`Sequence.kv_cells`)."""
+        return sum(seq.kv_cells for seq in self.running.values())
+
+    def _kv_cells_after_decode(self) -> int:
+        return self.kv_cells + sum(1 for s in self.running.values() if s.status == SequenceStatus.DECODE)
 
     def schedule(self, now: float, on_admit: Callable[[Sequence], None],
-                 hold: Callable[[Sequence], bool] | None = None) -> StepPlan:
-        """Plan one step: admit waiting sequences (``on_admit`` binds each one's KV cells and
-        sampler as it is admitted, so a prefix it reuses is known before the batch is planned),
-        close gaps in the running slots, then fill the batch: one token per decoding sequence,
-        then prompt chunks of at most ``backend.max_chunk_tokens`` in admission order, within
-        ``n_batch`` tokens (chunked prefill; each token charged to its tenant's counter).
-        ``hold``: see :meth:`admit`."""
-        plan = StepPlan(admitted=self.admit(now, hold or (lambda seq: False)))
+                 hold: Callable[[Sequence], bool] | None = None,
+                 on_preempt: Callable[[Sequence], None] = lambda seq: None) -> StepPlan:
+        """Plan one step: preempt what the decodes would outgrow (``on_preempt`` frees each
+        victim's KV cells while it still holds its slot), admit waiting sequences (``on_admit``
+        binds each one's KV cells and sampler as it is admitted, so a prefix it reuses is known
+        before the batch is planned), close gaps in the running slots, then fill the batch: one
+        token per decoding sequence, then prefill chunks of at most ``backend.max_chunk_tokens``
+        in admission order, within ``n_batch`` tokens (chunked prefill; each first-time token
+        charged to its tenant's counter). ``hold``: see :meth:`admit`."""
+        plan = StepPlan(preempted=self.preempt_for_growth(on_preempt))
+        plan.admitted = self.admit(now, hold or (lambda seq: False))
         for seq in plan.admitted:
             on_admit(seq)
         while (gap := self.gap()) is not None:
@@ -103,15 +129,17 @@ class Scheduler:
                 room -= 1
         for seq in running:
             if seq.status == SequenceStatus.PREFILL and room:
-                k = min(len(seq.prompt) - seq.n_prefilled, room, self.backend.max_chunk_tokens)
+                tokens = seq.prefill_tokens
+                k = min(len(tokens) - seq.n_prefilled, room, self.backend.max_chunk_tokens)
                 start = seq.n_prefilled
                 seq.n_prefilled += k
-                done = seq.n_prefilled == len(seq.prompt)
-                plan.rows.append(PlannedRow(seq, seq.prompt[start:start + k], start,
+                done = seq.n_prefilled == len(tokens)
+                plan.rows.append(PlannedRow(seq, tokens[start:start + k], start,
                                             done and seq.request.sampling.max_new_tokens > 0, seq.scoring))
                 if done:
                     seq.status = SequenceStatus.DECODE
-                self.charge(seq, k)
+                if not seq.preemptions:  # a recompute is the server's choice, not the tenant's service
+                    self.charge(seq, k)
                 room -= k
         plan.rows.sort(key=lambda r: r.seq.slot)
         for row in plan.rows:
@@ -145,18 +173,39 @@ class Scheduler:
             room = len(self.free_slots)
             ranks = self.class_ranks(now)
             order = sorted(self.waiting, key=lambda s: self.key(s, ranks))
-        admitted = []
+        admitted, cells = [], self._kv_cells_after_decode()
         for seq in order:
             if len(admitted) == room:
                 break
             if hold(seq):  # sees the sequences admitted before it in this loop
                 continue
+            if cells + len(seq.prefill_tokens) > self.kv_tokens:
+                break  # it waits for cells, and no later sequence overtakes it
+            cells += len(seq.prefill_tokens)
             self.waiting.remove(seq)
             seq.slot = self.free_slots.pop(0)
             seq.status = SequenceStatus.PREFILL
             self.running[seq.slot] = seq
             admitted.append(seq)
         return admitted
+
+    def preempt_for_growth(self, on_preempt: Callable[[Sequence], None]) -> list[Sequence]:
+        """Preempt running sequences, youngest of the lowest class first, until this step's
+        decodes fit in ``kv_tokens``; ``on_preempt(seq)`` is called while ``seq`` still holds
+        its slot and cells. Returns the preempted, now waiting again."""
+        preempted = []
+        while self._kv_cells_after_decode() > self.kv_tokens:
+            candidates = [s for s in self.running.values() if not s.scoring]
+            if len(self.running) < 2 or not candidates:
+                break
+            seq = max(candidates, key=lambda s: (s.request.priority, s.order))
+            on_preempt(seq)
+            del self.running[seq.slot]
+            bisect.insort(self.free_slots, seq.slot)
+            seq.preempted()
+            self.waiting.append(seq)
+            preempted.append(seq)
+        return preempted
 
     def drop_waiting(self, seq: Sequence) -> None:
         """Remove a sequence that ends before admission (cancelled, expired, engine stopping)."""

@@ -27,7 +27,9 @@ class Sequence:
     """A request as the engine sees it (token ids only).
 
     Life cycle: :class:`SequenceStatus` WAITING -> PREFILL -> DECODE -> FINISHED (or WAITING ->
-    FINISHED when cancelled or expired before admission).
+    FINISHED when cancelled or expired before admission). A preempted sequence goes back to
+    WAITING with its tokens so far and prefills them all again when it is readmitted
+    (:attr:`prefill_tokens`), as vLLM's recompute preemption does.
 
     Attributes:
         mailbox, lease: where results go; a lease mismatch means the request is stale.
@@ -44,6 +46,7 @@ class Sequence:
         grammar: ``concurrent.futures.Future`` of the request's compiled grammar while it is
             compiled and then (None: unconstrained); the sampler's constraint copies it.
         status: see :class:`SequenceStatus`.
+        preemptions: times it was preempted (it then waits ahead of sequences never admitted).
     """
 
     mailbox: int
@@ -61,6 +64,7 @@ class Sequence:
     sampler: object = None
     grammar: object = None  # a Future of its compiled grammar (engine.llama.grammar.Grammars), if any
     status: SequenceStatus = SequenceStatus.WAITING
+    preemptions: int = 0
 
     @property
     def prompt(self) -> np.ndarray:
@@ -74,6 +78,27 @@ class Sequence:
     @property
     def prefilling(self) -> bool:
         return self.status == SequenceStatus.PREFILL
+
+    @property
+    def prefill_tokens(self) -> np.ndarray:
+        """The tokens to prefill: the prompt, and after a preemption every generated token too
+        (the last one's logits give the next token, as its decode would have)."""
+        if not self.n_generated:
+            return self.request.prompt
+        return self.history[:len(self.request.prompt) + self.n_generated]
+
+    @property
+    def kv_cells(self) -> int:
+        """KV cells this sequence holds or, while it prefills, is promised (its whole prefill)."""
+        if self.status == SequenceStatus.PREFILL:
+            return max(self.n_past, len(self.prefill_tokens))
+        return self.n_past
+
+    def preempted(self) -> None:
+        """Back to waiting with no KV cells (the scheduler requeues it)."""
+        self.status = SequenceStatus.WAITING
+        self.slot, self.n_prefilled, self.n_past = -1, 0, 0
+        self.preemptions += 1
 
     def start_history(self) -> None:
         """Allocate :attr:`history` holding the prompt (at admission)."""

@@ -33,6 +33,8 @@ class StepPlan:
     """What one step does, decided before anything touches llama.cpp.
 
     Attributes:
+        preempted: running sequences sent back to waiting this step, youngest first, because
+            the decoding ones would have outgrown the KV budget (their cells were freed then).
         admitted: sequences given a slot this step (their KV cells were bound at admission).
         moves: ``(sequence, from slot, to slot)`` closing gaps in the running slots, in order.
         rows: the batch, in ascending slot order (see :meth:`engine.scheduler.Scheduler.gap`).
@@ -40,6 +42,7 @@ class StepPlan:
             ``split_kv_after_tokens``).
     """
 
+    preempted: list[Sequence] = field(default_factory=list)
     admitted: list[Sequence] = field(default_factory=list)
     moves: list[tuple[Sequence, int, int]] = field(default_factory=list)
     rows: list[PlannedRow] = field(default_factory=list)

@@ -25,7 +25,7 @@ def _option(flag: str, env: str, help_: str, default=MISSING, engine: str | None
     its default from :class:`EngineConfig` field ``engine``."""
     if engine is not None:
         default = _ENGINE[engine]
-    return field(default=default, metadata={"flag": flag, "env": env, "help": help_, "shown": shown})
+    return field(default=default, metadata={"flag": flag, "env": env, "help": help_, "shown": shown, "engine": engine})
 
 
 @dataclass(frozen=True)
@@ -49,6 +49,10 @@ class ServerConfig:
     max_slots: int = _option("--max-slots", "MAX_SLOTS", "sequences decoded together (KV slots)", engine="max_slots")
     max_seq_len: int = _option("--max-seq-len", "MAX_SEQ_LEN", "tokens per sequence, prompt + generation",
                                engine="max_seq_len")
+    kv_cache_tokens: int = _option("--kv-cache-tokens", "KV_CACHE_TOKENS",
+                                   "KV cells the running sequences hold together (at least --max-seq-len); when "
+                                   "growing sequences run short, the youngest is preempted and requeued",
+                                   engine="kv_cache_tokens")
     max_queued: int = _option("--max-queued", "MAX_QUEUED", "requests that may wait beyond the slots; more get 503",
                               engine="max_queued")
     policy: str = _option("--policy", "POLICY", "scheduling policy: " + " | ".join(POLICIES), engine="policy")
@@ -172,12 +176,11 @@ class ServerConfig:
         return self.model_path or default_model_path()
 
     def engine_config(self) -> EngineConfig:
-        return EngineConfig(model_path=self.resolved_model_path(), max_slots=self.max_slots,
-                            max_seq_len=self.max_seq_len, max_queued=self.max_queued,
-                            n_batch=self.n_batch, n_threads=self.engine_threads, policy=self.policy,
-                            prefix_cache_tokens=self.prefix_cache_tokens, metrics=self.metrics,
-                            step_log=self.step_log, weights=self.weights,
-                            deterministic=self.deterministic)
+        """The engine's share of this configuration: every field declared with ``engine=``, under
+        its :class:`EngineConfig` name, plus the model path, metrics and step log."""
+        shared = {f.metadata["engine"]: getattr(self, f.name) for f in fields(self) if f.metadata.get("engine")}
+        return EngineConfig(model_path=self.resolved_model_path(), metrics=self.metrics, step_log=self.step_log,
+                            **shared)
 
     def check_model(self) -> None:
         """Raise ConfigError (one line) unless the model file is a readable GGUF."""

@@ -29,6 +29,8 @@ class Snapshot:
         n_waiting: sequences queued in the engine.
         cache_entries, cache_tokens: prefix-cache entries and the tokens they hold.
         cache_kv_pos_max: ``[cache streams]`` highest KV position per cache stream (-1: none).
+        kv_cells: KV cells the running sequences hold or are promised.
+        preemptions: sequences preempted for the KV budget so far.
     """
 
     step: int
@@ -38,6 +40,8 @@ class Snapshot:
     cache_entries: int = 0
     cache_tokens: int = 0
     cache_kv_pos_max: list[int] = ()
+    kv_cells: int = 0
+    preemptions: int = 0
 
 
 class ControlBlock:
@@ -96,8 +100,16 @@ class ControlBlock:
     def kv_moves(self) -> int:
         return int(self._c["kv_moves"])
 
+    def count_preemption(self) -> None:
+        self._c["preemptions"] += 1
+
+    @property
+    def preemptions(self) -> int:
+        """Running sequences preempted (requeued) for the KV budget since the segment was made."""
+        return int(self._c["preemptions"])
+
     def publish(self, step: int, slot_mailbox, kv_pos_max, n_waiting: int,
-                cache_entries: int = 0, cache_tokens: int = 0, cache_kv_pos_max=()) -> None:
+                cache_entries: int = 0, cache_tokens: int = 0, cache_kv_pos_max=(), kv_cells: int = 0) -> None:
         """Seqlock writer: the slot table, queue sizes and prefix-cache occupancy as of
         ``step``; also the heartbeat."""
         c = self._c
@@ -107,6 +119,7 @@ class ControlBlock:
         c["slot_mailbox"] = slot_mailbox
         c["slot_kv_pos_max"] = kv_pos_max
         c["cache_entries"], c["cache_tokens"] = cache_entries, cache_tokens
+        c["kv_cells"] = kv_cells
         c["cache_kv_pos_max"] = -1
         c["cache_kv_pos_max"][:len(cache_kv_pos_max)] = cache_kv_pos_max
         c["step"] = step
@@ -124,7 +137,8 @@ class ControlBlock:
             if not c["publishing"]:
                 snap = Snapshot(step, c["slot_mailbox"].tolist(), c["slot_kv_pos_max"].tolist(),
                                 int(c["n_waiting"]), int(c["cache_entries"]),
-                                int(c["cache_tokens"]), c["cache_kv_pos_max"].tolist())
+                                int(c["cache_tokens"]), c["cache_kv_pos_max"].tolist(), int(c["kv_cells"]),
+                                int(c["preemptions"]))
                 if not c["publishing"] and int(c["step"]) == step:
                     return snap
             time.sleep(0)

@@ -97,6 +97,8 @@ class Layout:
             ("publishing", np.int32),
             ("heartbeat", np.float64),  # time.monotonic() at the engine's last progress (shm.control)
             ("kv_moves", np.uint64),  # sequences moved down to close a gap in the slots
+            ("preemptions", np.uint64),  # running sequences requeued for the KV budget
+            ("kv_cells", np.int64),  # KV cells the running sequences hold or are promised
             ("n_waiting", np.int32),
             ("ring_head", np.uint64), ("ring_tail", np.uint64),
             # slot -> mailbox index (-1: free) and the slot's highest KV position (-1: empty),

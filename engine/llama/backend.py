@@ -51,6 +51,8 @@ class Backend:
         convert_unbatched: ``--weights auto`` converts files with no batched kernel (Q4_1, Q5_1).
         n_gpu_layers: layers offloaded to the device (``llama_model_params.n_gpu_layers``; -1 all).
         batch_invariant: greedy output does not depend on the batch or on a prefix-cache hit.
+        kv_pages: the KV cache is host memory whose unused streams' pages are given back
+            (:mod:`engine.llama.kv_pages`), so its memory is what the sequences use.
     """
 
     name: str
@@ -60,10 +62,11 @@ class Backend:
     convert_unbatched: bool
     n_gpu_layers: int
     batch_invariant: bool = False
+    kv_pages: bool = False
 
 
 CPU = Backend("cpu", max_chunk_tokens=512, split_kv_after_tokens=None, adaptive_threads=True,
-              convert_unbatched=True, n_gpu_layers=0)
+              convert_unbatched=True, n_gpu_layers=0, kv_pages=True)
 CPU_DETERMINISTIC = dataclasses.replace(CPU, name="cpu-deterministic", max_chunk_tokens=63,
                                         split_kv_after_tokens=256, batch_invariant=True)
 GPU = Backend("gpu", max_chunk_tokens=512, split_kv_after_tokens=None, adaptive_threads=False,

@@ -9,6 +9,7 @@ import numpy as np
 
 from engine.llama.backend import CPU, Backend, detect
 from engine.llama.batch import Batch
+from engine.llama.kv_pages import KvPages
 from engine.llama.library import load_model
 from engine.llama.weights import weights_path
 
@@ -27,8 +28,11 @@ class Model:
     The KV cache is allocated once here: ``n_ctx = n_seq_max * max_seq_len``; with a non-unified
     cache every sequence (slot id = ``seq_id``) owns a stream of ``max_seq_len`` cells. Streams
     ``0 .. max_slots - 1`` hold running sequences, the ``cache_streams`` after them the prefix
-    cache (:mod:`engine.prefix_cache`). ``path``: the GGUF to compute with (:meth:`from_config`
-    resolves the configured weight format to it); ``backend``: the device profile.
+    cache (:mod:`engine.prefix_cache`). Where the backend profile allows it
+    (``Backend.kv_pages``), a stream's memory is what its sequence wrote
+    (:mod:`engine.llama.kv_pages`); :attr:`pages` is None when the buffer was not found.
+    ``path``: the GGUF to compute with (:meth:`from_config` resolves the configured weight
+    format to it); ``backend``: the device profile.
 
     Raises:
         ConfigError: unreadable or non-GGUF file. RuntimeError: llama.cpp refused the model or
@@ -59,6 +63,18 @@ class Model:
         self._progress = self._no_progress = llama_cpp.ggml_abort_callback()  # NULL: no hook
         self._reporting = False
         self.eog = frozenset(t for t in range(self.n_vocab) if llama_cpp.llama_vocab_is_eog(self.vocab, t))
+        self.pages = None
+        if backend.kv_pages:
+            self.pages = KvPages.locate(self.ctx, self.mem, self.model, max_seq_len, params.n_seq_max,
+                                        self._decode_probe)
+            if self.pages is not None:
+                self.pages.release_all()
+
+    def _decode_probe(self) -> None:
+        """Decode one token into sequence 0 (for :meth:`KvPages.locate`)."""
+        batch = Batch(1)
+        batch.add(np.array([0], np.int32), 0, 0, False)
+        self.decode(batch)
 
     @classmethod
     def from_config(cls, config: "EngineConfig", backend: Backend | None = None) -> "Model":
@@ -116,22 +132,37 @@ class Model:
         return np.stack([self.logits(first + i) for i in range(n)])
 
     def free_sequence(self, seq_id: int) -> None:
-        """Drop every KV cell of ``seq_id``; other sequences' cells are untouched."""
+        """Drop every KV cell of ``seq_id`` and give its stream's memory back; other sequences'
+        cells are untouched."""
         llama_cpp.llama_memory_seq_rm(self.mem, seq_id, -1, -1)
+        if self.pages is not None:
+            self.pages.release(seq_id)
 
     def copy_sequence(self, src: int, dst: int, n_tokens: int = -1) -> None:
         """Make ``dst`` hold the KV cells of ``src`` at positions ``< n_tokens`` (-1: all),
-        replacing whatever ``dst`` held. Across streams of a non-unified cache llama.cpp copies
-        the whole stream (``llama_kv_cache::seq_cp`` supports no range there), applied at the
-        next decode in the order asked; the cells past ``n_tokens`` are then dropped."""
-        llama_cpp.llama_memory_seq_cp(self.mem, src, dst, -1, -1)
+        replacing whatever ``dst`` held, now. Through llama.cpp's sequence state
+        (``llama_state_seq_get_data`` / ``set_data``), which copies the cells ``src`` uses, not
+        its whole stream as ``llama_memory_seq_cp`` does across streams: a stream has
+        ``max_seq_len`` cells, and a copy of all of them would also make all of ``dst``'s
+        memory resident.
+
+        Raises:
+            RuntimeError: llama.cpp could not restore the cells (no room in ``dst``'s stream).
+        """
+        size = llama_cpp.llama_state_seq_get_size(self.ctx, src)
+        state = np.empty(size, np.uint8)
+        ptr = state.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8))
+        size = llama_cpp.llama_state_seq_get_data(self.ctx, ptr, size, src)
+        self.free_sequence(dst)
+        if not llama_cpp.llama_state_seq_set_data(self.ctx, ptr, size, dst):
+            raise RuntimeError(f"llama.cpp could not copy the KV cells of sequence {src} to {dst}")
         if n_tokens >= 0:
             llama_cpp.llama_memory_seq_rm(self.mem, dst, n_tokens, -1)
 
     def move_sequence(self, src: int, dst: int) -> None:
         """Move every KV cell of ``src`` to the sequence ``dst`` (see :meth:`copy_sequence`)."""
         self.copy_sequence(src, dst)
-        llama_cpp.llama_memory_seq_rm(self.mem, src, -1, -1)
+        self.free_sequence(src)
 
     def pos_max(self, seq_id: int) -> int:
         """Highest KV position held by ``seq_id``; -1 when it holds none."""
