@@ -218,10 +218,14 @@ def test_cancel_deadline_and_engine_restart_with_the_cache_on(chat):
         assert_idle_and_clean(client)
 
 
-@pytest.mark.parametrize("flags, tokens", [([], 16384), (["--no-prefix-cache"], 0),
-                                           (["--prefix-cache-tokens", "4096"], 4096)])
-def test_prefix_cache_flags(flags, tokens):
+@pytest.mark.parametrize("flags, tokens, streams", [
+    ([], 16384, 8),  # entries of CACHE_ENTRY_TOKENS (2,048), not of the 8,192-token max_seq_len
+    (["--no-prefix-cache"], 0, 0),
+    (["--prefix-cache-tokens", "4096"], 4096, 2),
+    (["--prefix-cache-tokens", "4096", "--max-seq-len", "1024"], 4096, 4),
+])
+def test_prefix_cache_flags(flags, tokens, streams):
     from server.config import from_args
     config = from_args(flags, environ={})
     assert config.prefix_cache_tokens == tokens
-    assert config.engine_config().cache_streams == -(-tokens // config.max_seq_len)
+    assert config.engine_config().cache_streams == streams

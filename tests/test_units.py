@@ -508,22 +508,42 @@ def test_logprobs_of_many_rows_match_float64():
         lp.close()
 
 
-@pytest.mark.parametrize("end, faults", [
-    ("SIGILL", True),  # tilezero an invalid opcode (one kind of VM)
-    ("SIGSEGV", True),  # ldtilecfg a general protection fault (another): the probe said "runs" there
-    ("SIGBUS", True),
-    ("SIGTERM", False), ("raise", False), ("return", False),
+@pytest.mark.parametrize("end, outcome", [
+    ("SIGILL", "faults"),  # tilezero an invalid opcode (one kind of VM)
+    ("SIGSEGV", "faults"),  # ldtilecfg a general protection fault (another): "runs" was said there
+    ("SIGBUS", "faults"),
+    ("SIGTERM", "runs"), ("raise", "runs"), ("return", "runs"),
+    ("hang", "hangs"),  # a forked probe once deadlocked under pytest-xdist: the start waited forever
 ])
-def test_the_amx_probe_counts_every_fault_signal_and_nothing_else(end, faults):
-    import os
-    import signal
+def test_the_amx_probe_counts_every_fault_signal_and_nothing_else(end, outcome):
+    import sys
 
-    from engine.llama.library import dies_of_fault
+    from engine.llama.library import run_outcome
 
-    def run():
-        if end == "raise":
-            raise RuntimeError("llama.cpp refused the model")
-        if end != "return":
-            os.kill(os.getpid(), getattr(signal, end))
+    body = {"raise": "raise RuntimeError('llama.cpp refused the model')", "return": "pass",
+            "hang": "import time; time.sleep(60)"}.get(
+        end, f"import os, signal; os.kill(os.getpid(), signal.{end})")
+    assert run_outcome([sys.executable, "-c", body], timeout_s=2.0) == outcome
 
-    assert dies_of_fault(run) is faults
+
+def test_every_engine_option_reaches_the_engine():
+    """Each ``--flag`` declared with ``engine=`` arrives in EngineConfig under that name (the
+    request-extras bound once never did), and the KV budget refuses what cannot hold one sequence."""
+    from dataclasses import fields
+
+    from server.config import ServerConfig, from_args
+
+    engine_fields = [f for f in fields(ServerConfig) if f.metadata.get("engine")]
+    assert {f.metadata["engine"] for f in engine_fields} >= {"kv_cache_tokens", "max_request_extras_bytes"}
+    defaults = from_args([], environ={})
+    for f in engine_fields:
+        if isinstance(getattr(defaults, f.name), bool):
+            continue  # switches: checked through their own tests
+        value = getattr(defaults, f.name)
+        changed = {"policy": "fifo", "weights": "file"}.get(f.metadata["engine"], value + 1 if isinstance(value, int)
+                                                            else value * 2)
+        config = ServerConfig(**{**{g.name: getattr(defaults, g.name) for g in fields(ServerConfig)},
+                                 f.name: changed})
+        assert getattr(config.engine_config(), f.metadata["engine"]) == changed, f.name
+    with pytest.raises(ConfigError, match="kv_cache_tokens must be >= max_seq_len"):
+        from_args(["--kv-cache-tokens", "4096"], environ={}).engine_config()

@@ -9,7 +9,9 @@ docs/performance.md "Threads", "Weights", "Prefill"):
 * a lone decode runs on every thread;
 * compute threads adapt to other processes' use of the CPUs (:mod:`engine.threads`);
 * ``--weights auto`` converts Q4_1 and Q5_1 files to Q8_0, which tinyBLAS multiplies in batches
-  (:mod:`engine.llama.weights`).
+  (:mod:`engine.llama.weights`);
+* the KV cache is host memory, so the pages of streams that hold nothing go back to the kernel
+  and its memory is the cells in use (:mod:`engine.llama.kv_pages`).
 
 That fast path makes a token's KV cells and logits depend on the batch it was computed in:
 CPU flash attention takes a tiled path for 64 or more query rows of one sequence
@@ -22,7 +24,8 @@ thread. Greedy output is then identical with and without a prefix-cache hit and 
 batch; its price is measured in docs/performance.md, "Prefill".
 
 The GPU profile offloads every layer, prefills 512 tokens of a sequence a step, keeps the thread
-count fixed (the CPU threads only feed the device) and loads weights as they are. Its kernels
+count fixed (the CPU threads only feed the device) and loads weights as they are; its KV cache
+is device memory, all of it allocated. Its kernels
 have other numerics and no deterministic profile: ``--deterministic`` is refused there. Nothing
 here has run on a GPU yet (``tests/test_units.py`` checks the choice of profile with a faked
 device report).

@@ -7,14 +7,13 @@ Every other module of :mod:`engine.llama` and the front ends' tokenizer load mod
 from __future__ import annotations
 
 import ctypes
-import faulthandler
 import functools
 import hashlib
 import os
 import signal
+import subprocess
+import sys
 import tempfile
-from typing import Callable
-
 import llama_cpp
 
 from engine.config import check_model_file
@@ -67,14 +66,14 @@ def amx_faults(path: str) -> bool:
     """Whether this CPU advertises AMX but faults on it running ``path`` (:func:`_amx_probe`),
     remembered for the machine's boot in the cache folder (keyed by :data:`PROBE_VERSION` too),
     so engine starts pay the probe's second or two once. CPUs without the ``amx_int8`` flag skip
-    it (no cost on AMD)."""
+    it (no cost on AMD). A probe that hangs counts as "faults" and is not remembered."""
     if "amx_int8" not in _cpu_flags():
         return False
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
             boot = f.read().strip()
     except OSError:
-        return _amx_probe(path)
+        return _amx_probe(path) != "runs"
     identity = f"{boot}:{PROBE_VERSION}:{os.path.realpath(path)}:{os.path.getsize(path)}"
     key = hashlib.sha256(identity.encode()).hexdigest()[:16]
     marker = os.path.join(cache_dir(), f"amx-probe-{key}")
@@ -83,54 +82,68 @@ def amx_faults(path: str) -> bool:
             return f.read() == "faults"
     except OSError:
         pass
-    faults = _amx_probe(path)
+    outcome = _amx_probe(path)
+    if outcome == "hangs":
+        return True  # the safe answer, not remembered: the next start probes again
     try:
         with open(f"{marker}.{os.getpid()}", "w") as f:
-            f.write("faults" if faults else "runs")
+            f.write(outcome)
         os.replace(f"{marker}.{os.getpid()}", marker)
     except OSError:
         pass  # not remembered: the next start probes again
-    return faults
+    return outcome == "faults"
 
 
-def _amx_probe(path: str) -> bool:
+#: Seconds the probe may take before it counts as hung (its decode of 8 tokens takes 1-2 s).
+PROBE_TIMEOUT_S = 60.0
+
+#: What the probe's fresh interpreter runs: load ``sys.argv[1]`` with the extra buffer types and
+#: decode 8 tokens. Only ``llama_cpp`` is imported, so the child needs nothing of this package.
+_PROBE_SCRIPT = """
+import sys, llama_cpp
+llama_cpp.llama_backend_init()
+params = llama_cpp.llama_model_default_params()
+params.use_extra_bufts = True
+model = llama_cpp.llama_model_load_from_file(sys.argv[1].encode(), params)
+ctx_params = llama_cpp.llama_context_default_params()
+ctx_params.n_ctx, ctx_params.n_batch, ctx_params.n_threads, ctx_params.n_threads_batch = 64, 64, 1, 1
+ctx = llama_cpp.llama_init_from_model(model, ctx_params)
+tokens = (llama_cpp.llama_token * 8)(*range(1, 9))
+llama_cpp.llama_decode(ctx, llama_cpp.llama_batch_get_one(tokens, 8))
+"""
+
+
+def _amx_probe(path: str) -> str:
     """Whether this CPU advertises AMX but faults on it, so llama.cpp's AMX kernels (an "extra
-    buffer type" of its CPU backend, used for Q4_0, Q4_1, Q8_0 and K-quants) must not be used.
+    buffer type" of its CPU backend, used for Q4_0, Q4_1, Q8_0 and K-quants) must not be used:
+    ``"faults"``, ``"runs"``, or ``"hangs"`` (no answer within :data:`PROBE_TIMEOUT_S`).
 
     Seen on Sapphire Rapids guests of Firecracker VMs: CPUID lists ``amx_int8`` and the kernel
     grants ``ARCH_REQ_XCOMP_PERM``, yet inside ``llama_decode`` the first ``tilezero`` is an
     invalid opcode (SIGILL) on some, and ``ldtilecfg`` a general protection fault (SIGSEGV, in
     ``ggml_backend_amx_mul_mat``) on others. Nothing short of running a tile instruction tells,
-    so a forked child loads ``path`` with the extra buffer types and decodes a few tokens; its
+    so a child process loads ``path`` with the extra buffer types and decodes a few tokens; its
     death by one of :data:`FAULT_SIGNALS` is the answer. Loading without them always works, so
     a wrong "faults" costs speed only, a wrong "runs" every decode.
     """
-    return dies_of_fault(lambda: _decode_with_extra_buffers(path))
+    return run_outcome([sys.executable, "-c", _PROBE_SCRIPT, path], PROBE_TIMEOUT_S)
 
 
-def dies_of_fault(run: Callable[[], object]) -> bool:
-    """Whether ``run()``, called in a forked child, kills it with one of :data:`FAULT_SIGNALS`;
-    any other end (a return, an exception) is "no fault"."""
-    pid = os.fork()
-    if pid == 0:
-        try:
-            faulthandler.disable()  # its death is the answer, not an error to print
-            devnull = os.open(os.devnull, os.O_WRONLY)
-            os.dup2(devnull, 2)
-            run()
-        finally:
-            os._exit(0)
-    _, status = os.waitpid(pid, 0)
-    return os.WIFSIGNALED(status) and os.WTERMSIG(status) in FAULT_SIGNALS
+def run_outcome(argv: list[str], timeout_s: float) -> str:
+    """How the command ``argv`` ends: ``"faults"`` (killed by one of :data:`FAULT_SIGNALS`),
+    ``"hangs"`` (still running after ``timeout_s`` seconds; then killed), or ``"runs"`` (any
+    other end: an exit of any status, another signal). stdout and stderr are discarded.
 
-
-def _decode_with_extra_buffers(path: str) -> None:
-    model = _load(path, vocab_only=False, extra_buffers=True)
-    params = llama_cpp.llama_context_default_params()
-    params.n_ctx, params.n_batch, params.n_threads, params.n_threads_batch = 64, 64, 1, 1
-    ctx = llama_cpp.llama_init_from_model(model, params)
-    tokens = (llama_cpp.llama_token * 8)(*range(1, 9))
-    llama_cpp.llama_decode(ctx, llama_cpp.llama_batch_get_one(tokens, 8))
+    A fresh interpreter, not a fork: a child forked from a process whose other threads hold
+    locks (llama.cpp's OpenMP pool, a test runner's) can deadlock before it runs anything, as
+    one did under pytest-xdist in CI (the engine's start then waited forever).
+    """
+    try:
+        done = subprocess.run(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL, timeout=timeout_s, check=False)
+    except subprocess.TimeoutExpired:  # subprocess.run has killed and reaped it
+        return "hangs"
+    return "faults" if -done.returncode in FAULT_SIGNALS else "runs"
 
 
 def load_model(path: str, vocab_only: bool = False, n_gpu_layers: int = 0):
