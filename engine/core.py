@@ -39,9 +39,13 @@ from shm.wakeup import Wakeups
 
 log = logging.getLogger("engine")
 
-#: Shortest prefix worth reusing. Copying a stream costs about as much as prefilling this many
-#: tokens (measured: 5 ms per 2048-cell stream of SmolLM2-135M; docs/architecture.md).
+#: Shortest prefix worth reusing: below it a copy saves too little prefill to matter.
 MIN_REUSE_TOKENS = 8
+#: A copy carries every cell its source holds (Model.copy_sequence), so a prefix is reused only
+#: when it is at least this fraction of them. Measured on SmolLM2-135M, 2 threads: a copy costs
+#: 0.018 ms a source cell (143 ms for 8,000), a lone prefill about 1.7 ms a token, so below
+#: 1/64 the copy would stall the step for about what it saves (docs/architecture.md "KV memory").
+COPY_CELLS_PER_REUSED_TOKEN = 64
 #: Longest the loop waits, when only sequences whose grammar is compiling are left, before it
 #: looks at its FIFO again.
 COMPILE_WAIT_S = 0.005
@@ -293,7 +297,7 @@ class EngineCore:
                 if k > n:
                     source, n = other.slot, k
         n = min(n, len(prompt) - 1)
-        if n < MIN_REUSE_TOKENS:
+        if n < MIN_REUSE_TOKENS or n < (self.model.pos_max(source) + 1) // COPY_CELLS_PER_REUSED_TOKEN:
             return
         self.model.copy_sequence(source, seq.slot, n)
         seq.n_prefilled = seq.n_past = seq.n_cached = n

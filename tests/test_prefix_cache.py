@@ -229,3 +229,20 @@ def test_prefix_cache_flags(flags, tokens, streams):
     config = from_args(flags, environ={})
     assert config.prefix_cache_tokens == tokens
     assert config.engine_config().cache_streams == streams
+
+
+def test_a_prefix_short_against_its_source_is_prefilled_not_copied(model_path):
+    """A copy carries every cell its source holds, so a shared prefix under 1/64 of them is
+    prefilled instead (COPY_CELLS_PER_REUSED_TOKEN); from that fraction on it is reused."""
+    from engine.core import COPY_CELLS_PER_REUSED_TOKEN
+
+    source = [(i * 7919) % 40000 + 100 for i in range(1280)]  # a cache entry of 1,280 + 4 cells
+    need = (len(source) + 4) // COPY_CELLS_PER_REUSED_TOKEN  # 20 tokens
+    params = SamplingParams(max_new_tokens=4, temperature=0.0)
+    with InprocEngine(_config(model_path, max_slots=2, max_seq_len=2048)) as engine:
+        list(engine.client.submit(source, params))
+        for shared, cached in ((need - 4, 0), (need, need)):
+            with engine.client.submit(source[:shared] + [50, 51, 52], params) as s:
+                list(s)
+                assert s.n_cached == cached, shared
+        assert_idle_and_clean(engine.client)
