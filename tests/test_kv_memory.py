@@ -45,18 +45,19 @@ def greedy(model: Model, seq: int, prompt: np.ndarray, n: int) -> list[int]:
 
 
 def test_streams_cost_the_cells_written_and_nothing_once_freed(model):
-    """Ten streams of 8,192 cells are 1.8 GiB of KV buffer; resident is what sequences wrote."""
+    """Ten streams of 8,192 cells are 1.8 GiB of KV buffer; resident is what sequences wrote
+    (1,500 cells: 33 MiB)."""
     assert model.pages is not None, "the KV buffer was not found"
     buffer = 10 * 8192 * CELL_BYTES
-    tokens = (np.arange(3000, dtype=np.int32) * 7919) % 40000 + 100
+    tokens = (np.arange(1500, dtype=np.int32) * 7919) % 40000 + 100
     assert model.started_with < buffer / 4  # the model and compute buffers, not the KV buffer
     start = resident_bytes()
     prefill(model, 1, tokens)
     peak = resident_bytes()
-    assert 0.9 * 3000 * CELL_BYTES < peak - start < 3000 * CELL_BYTES + 64 * MIB
+    assert 0.9 * 1500 * CELL_BYTES < peak - start < 1500 * CELL_BYTES + 64 * MIB
     model.free_sequence(1)
     # The cells' pages go; the compute buffers' pages the first 512-token decode touched stay.
-    assert peak - resident_bytes() > 0.9 * 3000 * CELL_BYTES
+    assert peak - resident_bytes() > 0.9 * 1500 * CELL_BYTES
 
 
 def test_given_back_pages_read_as_the_cleared_cells_they_were(model):
@@ -88,3 +89,24 @@ def test_copies_move_the_cells_used_and_keep_the_output(model):
     assert model.pos_max(4) == 149
     assert prefill(model, 4, prompt[150:], 150) == original
     model.free_sequence(4)
+
+
+def test_the_defaults_serve_the_models_whole_context_beyond_the_old_2048(model_path):
+    """--max-seq-len defaults to the bundled model's trained context (8,192), and a 2,400-token
+    prompt (smolagents' CodeAgent sends 2,332) is served at the default settings."""
+    import llama_cpp
+
+    from engine.inproc import InprocEngine
+    from engine.request import SamplingParams
+    from server.config import from_args
+    from tests.conftest import assert_idle_and_clean
+
+    config = from_args([], environ={"MODEL_PATH": model_path}).engine_config()
+    assert config.max_seq_len == 8192 and config.kv_cache_tokens == 32768
+    with InprocEngine(config) as engine:
+        assert config.max_seq_len == llama_cpp.llama_model_n_ctx_train(engine.model.model)
+        prompt = [int(t) for t in (np.arange(2400) * 7919) % 40000 + 100]
+        with engine.client.submit(prompt, SamplingParams(max_new_tokens=2, temperature=0.0,
+                                                         ignore_eos=True)) as s:
+            assert len([t.id for t in s]) == 2
+        assert_idle_and_clean(engine.client)

@@ -236,8 +236,8 @@ def test_a_prefix_short_against_its_source_is_prefilled_not_copied(model_path):
     prefilled instead (COPY_CELLS_PER_REUSED_TOKEN); from that fraction on it is reused."""
     from engine.core import COPY_CELLS_PER_REUSED_TOKEN
 
-    source = [(i * 7919) % 40000 + 100 for i in range(1280)]  # a cache entry of 1,280 + 4 cells
-    need = (len(source) + 4) // COPY_CELLS_PER_REUSED_TOKEN  # 20 tokens
+    source = [(i * 7919) % 40000 + 100 for i in range(764)]  # a cache entry of 764 + 4 cells
+    need = (len(source) + 4) // COPY_CELLS_PER_REUSED_TOKEN  # 12 tokens, over MIN_REUSE_TOKENS
     params = SamplingParams(max_new_tokens=4, temperature=0.0)
     with InprocEngine(_config(model_path, max_slots=2, max_seq_len=2048)) as engine:
         list(engine.client.submit(source, params))
