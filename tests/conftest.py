@@ -320,13 +320,13 @@ class AppServer:
 def app(model_path, tokenizer, chat):
     """The shared server's configuration (4 slots x 512 tokens, 64 KiB bodies), in-process.
 
-    It computes with the model file's own Q4_1 weights (``--weights file``): the exact greedy
-    replies that tests/test_http_contract.py pins (multibyte text, an emoji first, stop strings
-    inside a token) were found with them. The default format (Q8_0, engine/llama/weights.py) gives
-    other replies; every real-server fixture runs it. It is ``--deterministic`` (the batch-invariant
-    profile, engine/llama/backend.py), so those replies do not depend on what else is batched or
-    cached, and tests that compare outputs with and without a prefix-cache hit can hold it to
-    that promise."""
+    It computes with the model file's own Q4_1 weights (``--weights file``), so that path is
+    served too; every real-server fixture runs the default format (Q8_0, engine/llama/weights.py).
+    It is ``--deterministic`` (the batch-invariant profile, engine/llama/backend.py), so a greedy
+    reply does not depend on what else is batched or cached: tests/test_http_contract.py asks for
+    a reply once and builds its expectations from it, and tests that compare outputs with and
+    without a prefix-cache hit can hold it to that promise. No test pins a reply's text: it
+    depends on the CPU's kernels (AVX2 and AVX-512 builds part after a few tokens)."""
     from engine.inproc import InprocEngine
     from server.config import ServerConfig
     from server.generation.pipeline import Generator

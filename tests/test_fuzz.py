@@ -50,7 +50,7 @@ from server.http.body import read_json
 from server.tenancy.tenants import DEFAULT_TENANT, Tenant, TenantRegistry, Tenants
 from server.text.chat_template import ROLE_ALIASES, ChatTemplate
 from server.text.detokenizer import Detokenizer
-from tests.test_http_contract import GREETING_PROMPT, GREETINGS, equal_streamed, parse_sse, post
+from tests.test_http_contract import GREETING_PROMPT, MULTIBYTE_PROMPTS, equal_streamed, parse_sse, post
 
 CORPUS = Path(__file__).with_name("fuzz_corpus")
 CHAT, COMPLETIONS, INFER = "/v1/chat/completions", "/v1/completions", "/infer"
@@ -572,8 +572,8 @@ def test_streamed_equals_non_streamed_end_to_end(app, route, data):
     """A greedy answer (the model's real tokens, often a character split over them, cut at any
     length) is the same text streamed and not; that text is the reference decode of its tokens'
     bytes (from logprobs) cut at the first stop string completed."""
-    prompt = data.draw(st.one_of(st.sampled_from([*GREETINGS, GREETING_PROMPT]), st.text(min_size=1, max_size=30)),
-                       "prompt")
+    prompt = data.draw(st.one_of(st.sampled_from([*MULTIBYTE_PROMPTS, GREETING_PROMPT]),
+                                 st.text(min_size=1, max_size=30)), "prompt")
     body = {"temperature": 0, "max_tokens": data.draw(st.integers(1, 20), "max_tokens")}
     if route == CHAT:
         body.update(messages=[{"role": "user", "content": prompt}], logprobs=True)
