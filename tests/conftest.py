@@ -254,6 +254,8 @@ class RunningServer:
             except Exception:
                 self.proc.kill()
                 self.proc.wait()
+        with contextlib.suppress(FileNotFoundError):  # read while it ran; a run leaves no log in /tmp
+            os.unlink(self.log)
         assert not os.path.exists(f"/dev/shm/{self.shm}"), "server left its shared memory behind"
 
 
