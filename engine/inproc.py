@@ -13,31 +13,52 @@ from shm.wakeup import Wakeups
 
 
 class InprocEngine:
-    """Loads the model here and steps it in a daemon thread; :attr:`client` talks to it through
-    the same shared memory a separate engine process would use. Use as a context manager.
+    """Loads the model and steps it in a daemon thread; :attr:`client` talks to it through the
+    same shared memory a separate engine process would use. Use as a context manager.
+
+    The model loads in the thread that decodes, not in the caller's: llama.cpp's CPU backend
+    runs its threads through OpenMP, and libgomp keeps one pool of threads for each thread that
+    starts parallel work. Loading here and decoding there made two pools, more threads than
+    CPUs, and libgomp then waits at every barrier by sleeping, not spinning: a decode on two
+    threads ran at half speed (bench/RESULTS.md, "On an AVX2 machine").
 
     Raises:
         ConfigError: unreadable model file. RuntimeError: llama.cpp refused the model.
     """
 
     def __init__(self, config: EngineConfig):
+        self.transport = Transport.create(config.layout())
+        self.config = config
+        self._loaded = threading.Event()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._load_and_run, name="inproc-engine", daemon=True)
+        self._thread.start()
+        self._loaded.wait()
+        if self._error is not None:
+            self._thread.join()
+            self.transport.close()
+            raise self._error
+        self.client = EngineClient(self.transport)
+
+    def _load_and_run(self) -> None:
         from engine.core import EngineCore, adaptive_threads  # llama.cpp loads only where an engine runs
         from engine.llama.backend import detect
         from engine.llama.model import Model
 
-        self.transport = Transport.create(config.layout())
         try:
-            backend = detect(deterministic=config.deterministic)
-            adaptive = adaptive_threads(config, backend)
-            self.model = Model.from_config(config, backend)
-        except BaseException:
-            self.transport.close()
-            raise
-        self.core = EngineCore(config, self.transport, self.model, adaptive)
-        self.transport.control.set_state(EngineState.READY, pid=os.getpid())
-        self._thread = threading.Thread(target=self.core.run, name="inproc-engine", daemon=True)
-        self._thread.start()
-        self.client = EngineClient(self.transport)
+            backend = detect(deterministic=self.config.deterministic)
+            adaptive = adaptive_threads(self.config, backend)
+            self.model = Model.from_config(self.config, backend)
+            self.core = EngineCore(self.config, self.transport, self.model, adaptive)
+            self.transport.control.set_state(EngineState.READY, pid=os.getpid())
+        except BaseException as e:  # re-raised in the caller's thread
+            self._error = e
+            if getattr(self, "model", None) is not None:
+                self.model.close()
+            return
+        finally:
+            self._loaded.set()
+        self.core.run()
 
     def close(self) -> None:
         """Stop the loop, fail what is left, free the model, unlink the transport."""

@@ -283,3 +283,22 @@ def test_growing_sequences_beyond_the_kv_budget_are_preempted_and_finish_as_alon
     assert [r["finish"] for r in together] == ["length"] * 4
     assert all(len(r["ids"]) == 60 for r in together)
     assert [r["ids"] for r in together] == [r["ids"] for r in alone]
+
+
+def test_an_inproc_engine_that_cannot_load_raises_and_leaves_no_segment(tmp_path):
+    """InprocEngine loads the model in its own thread (engine/inproc.py): a model that does not
+    load is the caller's ConfigError, its thread ends and its shared memory is gone."""
+    import os
+
+    from engine.config import ConfigError, EngineConfig
+    from engine.inproc import InprocEngine
+    from shm import segment
+
+    bad = tmp_path / "not-a-model.gguf"
+    bad.write_bytes(b"not a GGUF file")
+    mine = lambda: {n for n in os.listdir("/dev/shm") if n.startswith(f"{segment.PREFIX}{os.getpid()}-")}  # noqa: E731
+    before, threads = mine(), set(threading.enumerate())
+    with pytest.raises(ConfigError):
+        InprocEngine(EngineConfig(model_path=str(bad), max_slots=2, max_seq_len=256))
+    assert mine() == before
+    assert set(threading.enumerate()) <= threads
