@@ -2,7 +2,7 @@
 ``llama-server`` on the same weights, in alternating rounds (issue 23's table).
 
     python -m bench.prefill [--llama-server PATH] [--rounds 3] [--only cold,distinct8,...]
-                            [--json out.json]
+                            [--one-at-a-time] [--json out.json]
 
 Workloads (``/v1/completions``, greedy, text prompts made of words so each is about the given
 number of tokens with this model's tokenizer; prompts differ between rounds and servers, so no
@@ -28,7 +28,10 @@ faults on AMX, as the engine loads), given the Q8_0 file this server converts
 the bundled model to, so both compute with the same weights). Each round runs every workload on
 every server, one server after the other; the figures are the medians over the rounds, and
 the ratios of each median, ours ÷ llama-server and ours ÷ deterministic (per second: > 1 is
-better; milliseconds: < 1 is better).
+better; milliseconds: < 1 is better). ``--one-at-a-time`` starts each server for its turn of a
+round (every workload) and stops it after, so no other server is resident while one is measured
+(an idle ``llama-server`` beside ours seemed to slow ours: bench/RESULTS.md, "On an AVX2
+machine").
 """
 from __future__ import annotations
 
@@ -156,6 +159,8 @@ def main(argv=None) -> int:
                    help="comma-separated workloads, of " + ", ".join(WORKLOADS))
     p.add_argument("--servers", default="ours,deterministic,llama-server",
                    help="comma-separated, of ours, deterministic, llama-server (the last only with --llama-server)")
+    p.add_argument("--one-at-a-time", action="store_true",
+                   help="start each server for its turn and stop it after (never two up at once)")
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
     names = [w for w in a.only.split(",") if w]
@@ -169,31 +174,44 @@ def main(argv=None) -> int:
     tokenizer = Tokenizer(default_model_path())
     prompts = Prompts(tokenizer)
     runs = {s: {w: [] for w in names} for s in servers}
-    with contextlib.ExitStack() as stack:
-        ports = {}
-        for s in servers:
-            if s == "llama-server":
-                ports[s], path = free_port(), weights_path(default_model_path(), "auto")
-                # Where this CPU faults on AMX, the engine loads without llama.cpp's extra buffer
-                # types (engine/llama/library.py); llama-server then needs the same, or it dies.
-                repack = ["--no-repack"] if amx_faults(path) else []
-                proc = subprocess.Popen([a.llama_server, "-m", path, "--port", str(ports[s]), "-np", str(slots),
-                                         "-c", str(slots * max_seq_len), "-t", str(cpus), *repack],
-                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-                stack.callback(lambda proc=proc: (proc.terminate(), proc.wait(30)))
-                wait_healthy(ports[s], proc)
-            else:
-                extra = ["--deterministic"] if s == "deterministic" else []
-                ports[s] = stack.enter_context(running_server(*ours_flags, *extra)).port
-            completion(ports[s], "warm up", 4)
+    def start(s: str, stack: contextlib.ExitStack) -> int:
+        """Start server ``s`` (stopped when ``stack`` closes), warmed up; returns its port."""
+        if s == "llama-server":
+            port, path = free_port(), weights_path(default_model_path(), "auto")
+            # Where this CPU faults on AMX, the engine loads without llama.cpp's extra buffer
+            # types (engine/llama/library.py); llama-server then needs the same, or it dies.
+            repack = ["--no-repack"] if amx_faults(path) else []
+            proc = subprocess.Popen([a.llama_server, "-m", path, "--port", str(port), "-np", str(slots),
+                                     "-c", str(slots * max_seq_len), "-t", str(cpus), *repack],
+                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            stack.callback(lambda: (proc.terminate(), proc.wait(30)))
+            wait_healthy(port, proc)
+        else:
+            extra = ["--deterministic"] if s == "deterministic" else []
+            port = stack.enter_context(running_server(*ours_flags, *extra)).port
+        completion(port, "warm up", 4)
+        return port
+
+    def turn(r: int, w: str, s: str, port: int) -> None:
+        result = RUNS[w](port, prompts)
+        runs[s][w].append(result)
+        print(f"round {r + 1} {w} {s}: {json.dumps({k: round(v, 1) for k, v in result.items()})}", flush=True)
+
+    if a.one_at_a_time:  # a server's whole turn (every workload) with no other server resident
         for r in range(a.rounds):
-            order = servers if r % 2 == 0 else servers[::-1]  # alternate who goes first
-            for w in names:
-                for s in order:
-                    result = RUNS[w](ports[s], prompts)
-                    runs[s][w].append(result)
-                    print(f"round {r + 1} {w} {s}: {json.dumps({k: round(v, 1) for k, v in result.items()})}",
-                          flush=True)
+            for s in servers if r % 2 == 0 else servers[::-1]:
+                with contextlib.ExitStack() as stack:
+                    port = start(s, stack)
+                    for w in names:
+                        turn(r, w, s, port)
+    else:
+        with contextlib.ExitStack() as stack:
+            ports = {s: start(s, stack) for s in servers}
+            for r in range(a.rounds):
+                order = servers if r % 2 == 0 else servers[::-1]  # alternate who goes first
+                for w in names:
+                    for s in order:
+                        turn(r, w, s, ports[s])
     medians = {s: {w: {k: statistics.median(x[k] for x in runs[s][w]) for k in runs[s][w][0]} for w in names}
                for s in servers}
     result = {"rounds": a.rounds, "runs": runs, "medians": medians, "cpus": cpus}
