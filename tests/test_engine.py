@@ -296,7 +296,9 @@ def test_an_inproc_engine_that_cannot_load_raises_and_leaves_no_segment(tmp_path
 
     bad = tmp_path / "not-a-model.gguf"
     bad.write_bytes(b"not a GGUF file")
-    mine = lambda: {n for n in os.listdir("/dev/shm") if n.startswith(f"{segment.PREFIX}{os.getpid()}-")}  # noqa: E731
+    def mine() -> set[str]:  # this process's segments (Transport.create names them by pid)
+        return {n for n in os.listdir("/dev/shm") if n.startswith(f"{segment.PREFIX}{os.getpid()}-")}
+
     before, threads = mine(), set(threading.enumerate())
     with pytest.raises(ConfigError):
         InprocEngine(EngineConfig(model_path=str(bad), max_slots=2, max_seq_len=256))
