@@ -27,8 +27,9 @@ serve: install
 	$(VENV)/bin/inference-server $(ARGS)
 
 test: install
-	# Two workers, a test file to each at a time (tests/conftest.py orders the files).
-	$(PY) -m pytest -n 2 --dist loadfile
+	# Three workers, a test file to each at a time, longest files first (tests/conftest.py orders
+	# them; --no-loadscope-reorder keeps that order instead of xdist's, by number of tests).
+	$(PY) -m pytest -n 3 --dist loadfile --no-loadscope-reorder
 
 bench: install
 	$(PY) -m pip install -q -e '.[test,bench]'

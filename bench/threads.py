@@ -248,7 +248,7 @@ def main(argv=None) -> int:
                                      if failed else "none"))
     if "adaptive" in names or a.switch_only:
         with running_server(*_server_flags(a)) as server:
-            spans = (3, 5, 5) if a.quick else (10, 20, 20)
+            spans = (2, 3, 3) if a.quick else (10, 20, 20)
             result["switch"] = switch(server.port, a.clients, *spans)
         s = result["switch"]
         print(f"switch (adaptive): tokens/s per second {s['tokens_per_s_bins']}")

@@ -43,7 +43,7 @@ def test_a_client_that_writes_a_24_mb_body_first_reads_the_413(server):
 def test_what_is_discarded_is_bounded():
     """Beyond ``--max-discard-bytes`` the server stops reading and closes: the client may see
     a reset, and the worker is not held."""
-    with running_server("--workers", "1", "--max-slots", "2", "--max-queued", "2",
+    with running_server("--workers", "1", "--max-slots", "2", "--max-queued", "2", "--max-seq-len", "1024",
                         "--max-discard-bytes", str(4 << 20)) as s:
         assert _send_whole_body_then_read(s.port, 3_000_000)[0] == 413  # within the bound
         with pytest.raises(ConnectionError):
@@ -110,8 +110,8 @@ def test_ten_times_more_requests_than_slots_and_queue():
     """Every request is answered 200 or 503 with ``Retry-After``; the refusals come before any
     served request could finish (none waited for another); no served request waited unseen
     for another to finish; the server is clean and healthy afterwards."""
-    flags = ("--workers", "2", "--max-slots", "2", "--max-queued", "4")
-    config = ServerConfig(workers=2, max_slots=2, max_queued=4)
+    flags = ("--workers", "2", "--max-slots", "2", "--max-queued", "4", "--max-seq-len", "256")
+    config = ServerConfig(workers=2, max_slots=2, max_queued=4, max_seq_len=256)
     capacity = config.max_slots + config.max_queued
     with running_server(*flags) as s:
         result = overload(s, 10 * capacity, max_tokens=48, ramp_s=0.5, slots=config.max_slots)

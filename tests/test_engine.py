@@ -22,17 +22,24 @@ CHATS = ["What is the capital of France?", "Write a haiku about the sea.",
          "Why is the sky blue?"]
 
 
-def _in_other_process(name: str, jobs: list[dict]) -> list[dict]:
+@pytest.fixture(scope="module")
+def producer():
+    """One spawned producer process, for every test here (a spawn costs half a CPU-second)."""
     with ProcessPoolExecutor(1, mp_context=SPAWN) as pool:
-        return pool.submit(generate_many, name, jobs).result(timeout=300)
+        yield pool
 
 
-def test_batch_isolation_outputs_equal_solo_runs(chat):
+def _in_other_process(pool: ProcessPoolExecutor, name: str, jobs: list[dict]) -> list[dict]:
+    """``generate_many(name, jobs)`` in the producer process ``pool``."""
+    return pool.submit(generate_many, name, jobs).result(timeout=300)
+
+
+def test_batch_isolation_outputs_equal_solo_runs(chat, producer):
     prompts = [chat.encode([{"role": "user", "content": c}]) for c in CHATS]
     jobs = [{"prompt": p, "params": {**GREEDY, "max_new_tokens": 32}} for p in prompts]
     with running_engine(max_slots=8) as (client, _):
-        together = _in_other_process(client.t.name, jobs)
-        alone = [_in_other_process(client.t.name, [job])[0] for job in jobs]
+        together = _in_other_process(producer, client.t.name, jobs)
+        alone = [_in_other_process(producer, client.t.name, [job])[0] for job in jobs]
         assert_idle_and_clean(client)
     # All 8 really ran together: each was admitted before any finished.
     assert max(r["timings"]["step_admitted"] for r in together) < min(r["timings"]["step_finished"] for r in together)
@@ -75,34 +82,34 @@ def _spans(results):
     return [(r["timings"]["step_admitted"], r["timings"]["step_finished"]) for r in results]
 
 
-def test_static_admits_only_into_an_empty_batch():
+def test_static_admits_only_into_an_empty_batch(producer):
     jobs = [{"prompt": [300 + i, 301, 302], "params": {**GREEDY, "max_new_tokens": n, "ignore_eos": True}}
             for i, n in enumerate([3, 12, 5, 9, 4, 7])]
     with running_engine(max_slots=2, policy="static") as (client, _):
-        results = _in_other_process(client.t.name, jobs)
+        results = _in_other_process(producer, client.t.name, jobs)
     spans = sorted(_spans(results))
     for admitted, _ in spans:
         running = [s for s in spans if s[0] < admitted <= s[1]]
         assert not running, f"admitted at step {admitted} while {running} still ran"
 
 
-def test_fifo_never_runs_two_sequences_at_once():
+def test_fifo_never_runs_two_sequences_at_once(producer):
     jobs = [{"prompt": [400 + i, 401], "params": {**GREEDY, "max_new_tokens": 4, "ignore_eos": True}}
             for i in range(5)]
     with running_engine(max_slots=4, policy="fifo") as (client, _):
-        results = _in_other_process(client.t.name, jobs)
+        results = _in_other_process(producer, client.t.name, jobs)
     spans = sorted(_spans(results))
     for (a1, f1), (a2, _) in zip(spans, spans[1:]):
         assert a2 > f1
 
 
-def test_continuous_admits_into_a_freed_slot_on_the_next_step():
+def test_continuous_admits_into_a_freed_slot_on_the_next_step(producer):
     # Submitted together; the short ones run 20 steps, so the third is surely queued by then.
     jobs = [{"prompt": [500, 501], "params": {**GREEDY, "max_new_tokens": 20, "ignore_eos": True}},
             {"prompt": [502, 503], "params": {**GREEDY, "max_new_tokens": 80, "ignore_eos": True}},
             {"prompt": [504, 505], "params": {**GREEDY, "max_new_tokens": 20, "ignore_eos": True}}]
     with running_engine(max_slots=2) as (client, _):
-        results = _in_other_process(client.t.name, jobs)
+        results = _in_other_process(producer, client.t.name, jobs)
     spans = _spans(results)
     # The producer's threads submit in any order: the queued one is the one admitted last.
     queued = max(range(3), key=lambda i: spans[i][0])
@@ -254,7 +261,7 @@ def test_compaction_moves_kv_cells_without_changing_outputs(chat):
     assert together == alone
 
 
-def test_growing_sequences_beyond_the_kv_budget_are_preempted_and_finish_as_alone(chat):
+def test_growing_sequences_beyond_the_kv_budget_are_preempted_and_finish_as_alone(chat, producer):
     """Admission counts KV cells, not slots: four sequences of 60 + 60 tokens cannot all grow in
     300 cells, so the youngest is preempted and requeued, prefills its prompt and the tokens it
     had generated again, and goes on. No request fails, the budget holds at every step, and
@@ -262,7 +269,7 @@ def test_growing_sequences_beyond_the_kv_budget_are_preempted_and_finish_as_alon
     jobs = [{"prompt": list(range(200 + 7 * i, 260 + 7 * i)),
              "params": {**GREEDY, "max_new_tokens": 60, "ignore_eos": True}} for i in range(4)]
     with running_engine(max_slots=4, kv_cache_tokens=300, deterministic=True) as (client, _):
-        alone = [_in_other_process(client.t.name, [job])[0] for job in jobs]
+        alone = [_in_other_process(producer, client.t.name, [job])[0] for job in jobs]
         before = client.snapshot().preemptions
         over, stop = [], threading.Event()
 
@@ -274,7 +281,7 @@ def test_growing_sequences_beyond_the_kv_budget_are_preempted_and_finish_as_alon
 
         watcher = threading.Thread(target=watch)
         watcher.start()
-        together = _in_other_process(client.t.name, jobs)
+        together = _in_other_process(producer, client.t.name, jobs)
         stop.set()
         watcher.join()
         assert client.snapshot().preemptions > before

@@ -33,7 +33,7 @@ def evaluation(server, tmp_path_factory, request):
         model="local-completions",
         model_args={"base_url": f"{server.url}/v1/completions", "model": "local-model", "num_concurrent": 4,
                     "max_retries": 1, "max_length": 500},
-        tasks=["server_mc", "server_gen"], task_manager=TaskManager(include_path=str(TASKS)),
+        tasks=["server_mc", "server_gen"], task_manager=TaskManager(include_path=str(TASKS), include_defaults=False),
         batch_size=4, log_samples=True, random_seed=0, numpy_random_seed=0)
 
 

@@ -89,7 +89,8 @@ def test_a_killed_servers_segment_is_removed_by_the_next_start(kill):
     container's end) leaves its segment and FIFO folder; SIGKILL of the master alone leaves at
     least the folder (the resource tracker may unlink the segment). The next start removes
     them and its private directories (metrics, the Responses store), while a live server's stay."""
-    flags = ("--workers", "1", "--max-slots", "2", "--max-queued", "2")
+    # Short sequences: the KV cache llama.cpp writes zeros over at start is small, and so is the start.
+    flags = ("--workers", "1", "--max-slots", "2", "--max-queued", "2", "--max-seq-len", "256")
     with running_server(*flags) as live:
         with running_server(*flags, new_session=True) as dead:
             owned = _private_dirs(dead.proc.pid)

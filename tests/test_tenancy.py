@@ -518,7 +518,7 @@ def test_fair_share_between_backlogged_tenants(tmp_path):
     """A sends 10x more requests than B; with two slots both stay backlogged. Equal weights give
     B half of what A and B get; weights 2:1 give A2 two thirds of what A2 and B2 get.
 
-    The two pairs run at once for 30 s (fair share holds between every pair of backlogged
+    The two pairs run at once for 20 s (fair share holds between every pair of backlogged
     tenants: each gets tokens in proportion to its weight: VTC, engine/scheduler.py)."""
     path = write_tenants(tmp_path / "t.json", [
         {"id": "a", "api_keys": ["key-a"]}, {"id": "b", "api_keys": ["key-b"]},
@@ -526,7 +526,7 @@ def test_fair_share_between_backlogged_tenants(tmp_path):
     with running_server("--tenants", str(path), "--max-slots", "2", "--max-queued", "72", "--max-seq-len", "128",
                         "--workers", "2", "--threads", "72") as server:
         got = generated_share(server, {"a": "key-a", "b": "key-b", "a2": "key-a2", "b2": "key-b2"},
-                              {"a": 30, "b": 3, "a2": 30, "b2": 3}, 30)
+                              {"a": 30, "b": 3, "a2": 30, "b2": 3}, 20)
     b_share = got["b"] / (got["a"] + got["b"])
     a2_share = got["a2"] / (got["a2"] + got["b2"])
     print(f"\nequal weights: B's share {b_share:.3f} of {got['a'] + got['b']} tokens; "
