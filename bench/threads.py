@@ -322,7 +322,9 @@ def _table(result: dict) -> None:
     print("| setting | " + " | ".join(columns) + " |")
     print("|---|" + "---|" * len(columns))
     for name, row in result["settings"].items():
-        cells = [f"{row[c]:.1f} ({row[c] / best[c]:.2f})" if c in row and best[c] else "" for c in columns]
+        # a figure, and its ratio where a fixed setting was measured in that column
+        cells = [(f"{row[c]:.1f}" + (f" ({row[c] / best[c]:.2f})" if best[c] else "")) if c in row else ""
+                 for c in columns]
         print(f"| {name} | " + " | ".join(cells) + " |")
 
 

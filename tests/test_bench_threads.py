@@ -19,16 +19,16 @@ def test_settle_is_the_time_to_reach_the_new_level():
 
 def test_quick_run(tmp_path):
     out = tmp_path / "threads.json"
-    # The default setting only, on the fixed workload, idle and started beside two busy processes
-    # (one busy process is the milder case): the suite's time goes to what can fail here (errors,
-    # restarts, the output's shape); the comparison between settings is the full run's.
+    # The default setting only, on the fixed workload, started beside two busy processes (an idle
+    # machine, and one busy process, are the milder cases): the suite's time goes to what can fail
+    # here (errors, restarts, the output's shape); the comparison between settings is the full run's.
     subprocess.run([sys.executable, "-m", "bench.threads", "--quick", "--settings", "adaptive", "--no-mix",
-                    "--conditions", "idle,busy2-start", "--json", str(out)], check=True, timeout=900,
+                    "--conditions", "busy2-start", "--json", str(out)], check=True, timeout=900,
                    stdout=subprocess.DEVNULL)
     result = json.loads(out.read_text())
     assert list(result["settings"]) == ["adaptive (default)"]
     assert all(v > 0 for row in result["settings"].values() for v in row.values())
-    # Contention before the start, while idle, from two processes: nothing fails, no engine restarts.
-    assert {"idle fixed tok/s", "busy2-start fixed tok/s"} <= set(result["settings"]["adaptive (default)"])
+    # Contention before the start, from two processes: nothing fails, no engine restarts.
+    assert "busy2-start fixed tok/s" in result["settings"]["adaptive (default)"]
     assert not any(result["errors"].values()) and not any(result["restarts"].values()), result
     assert result["switch"]["tokens_per_s_bins"]

@@ -76,7 +76,7 @@ def leftovers(server) -> list[str]:
 def test_sigterm_drains_running_streams_to_their_end():
     with running_server("--max-slots", "8", "--max-seq-len", "256", "--threads", "16", "--drain-timeout", "120",
                         grpc=True) as server:
-        results, threads = start_streams(server.port, 8, 150)
+        results, threads = start_streams(server.port, 8, 120)
         server.proc.send_signal(signal.SIGTERM)
         t0 = time.monotonic()
         while get(server.url + "/health/ready")[0] != 503:
@@ -99,7 +99,7 @@ def test_sigterm_drains_running_streams_to_their_end():
         assert len(results) == 8
         for events, done in results:
             assert done and events[-1]["choices"][0]["finish_reason"] == "length"
-            assert sum(1 for e in events if e["choices"] and e["choices"][0]["text"]) > 100
+            assert sum(1 for e in events if e["choices"] and e["choices"][0]["text"]) > 80
         assert not leftovers(server)
     assert readiness_s < 0.1, readiness_s  # measured once: the master handles SIGTERM at once
 

@@ -78,7 +78,7 @@ def _conversation(app) -> list[tuple[str, dict]]:
                      "Thanks, can I order two?"]:
         messages.append({"role": "user", "content": question})
         status, _, raw = app.request("POST", "/v1/chat/completions", json.dumps(
-            {"messages": messages, "max_tokens": 24, "temperature": 0}).encode(),
+            {"messages": messages, "max_tokens": 16, "temperature": 0}).encode(),
             {"Content-Type": "application/json"})
         assert status == 200, raw
         body = json.loads(raw)
