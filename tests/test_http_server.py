@@ -304,7 +304,7 @@ def test_16_concurrent_streams_equal_solo_requests(wide):
     def watch():
         while not stop.is_set():
             busy.append(sum(m != -1 for m in wide.engine.slot_mailboxes()))
-            time.sleep(0.001)
+            time.sleep(0.005)  # steps take longer: each is still seen
 
     watcher = threading.Thread(target=watch, daemon=True)
     watcher.start()
