@@ -66,7 +66,7 @@ async def _storm(port: int) -> dict:
 def test_disconnect_storm_leaves_nothing_and_no_token_after_a_cancel():
     steps_path = tempfile.NamedTemporaryFile(prefix="steps-", suffix=".jsonl", delete=False).name
     try:
-        with running_server("--workers", "2", "--max-slots", "4", "--max-queued", "16",
+        with running_server("--workers", "2", "--max-slots", "4", "--max-queued", "16", "--max-seq-len", "1024",
                             "--step-log", steps_path) as server:
             outcomes = asyncio.run(_storm(server.port))
             server.wait_idle(60)
