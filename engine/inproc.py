@@ -29,6 +29,7 @@ class InprocEngine:
     def __init__(self, config: EngineConfig):
         self.transport = Transport.create(config.layout())
         self.config = config
+        self.model = None  # set by the engine thread once loaded
         self._loaded = threading.Event()
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._load_and_run, name="inproc-engine", daemon=True)
@@ -53,7 +54,7 @@ class InprocEngine:
             self.transport.control.set_state(EngineState.READY, pid=os.getpid())
         except BaseException as e:  # re-raised in the caller's thread
             self._error = e
-            if getattr(self, "model", None) is not None:
+            if self.model is not None:
                 self.model.close()
             return
         finally:
