@@ -48,7 +48,7 @@ from bench.policies import Request, drive, one_stream, summarize, workload
 from engine.threads import SPIN_COUNT
 
 SETTINGS = {  # key -> (shown as, flags, extra environment of the server and the ceiling)
-    "adaptive": ("adaptive (default)", [], {}),
+    "adaptive": ("adaptive (default)", ["--engine-threads", "0"], {}),  # explicit: the suite sets ENGINE_THREADS
     "1": ("1 thread", ["--engine-threads", "1"], {}),
     "2-brief": ("2 threads, GOMP_SPINCOUNT=3000 (the engine's default wait)", ["--engine-threads", "2"],
                 {"GOMP_SPINCOUNT": str(SPIN_COUNT)}),
@@ -247,7 +247,7 @@ def main(argv=None) -> int:
     print("errors and restarts: " + (", ".join(f"{k}: {e} errors, {r} restarts" for k, (e, r) in failed.items())
                                      if failed else "none"))
     if "adaptive" in names or a.switch_only:
-        with running_server(*_server_flags(a)) as server:
+        with running_server(*_server_flags(a, *SETTINGS["adaptive"][1])) as server:
             spans = (2, 3, 3) if a.quick else (10, 20, 20)
             result["switch"] = switch(server.port, a.clients, *spans)
         s = result["switch"]

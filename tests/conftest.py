@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import os
 import shutil
@@ -25,6 +26,31 @@ LONGEST_FIRST = ("test_engine.py", "test_prefix_cache.py", "test_tenancy.py", "t
                  "test_soak.py", "test_grpc.py", "test_drain.py", "test_openai_conformance.py", "test_responses.py",
                  "test_bench_threads.py", "test_openapi.py", "test_http_contract.py", "test_multinode.py",
                  "test_lm_eval.py", "test_connections.py", "test_metrics.py", "test_disconnect_storm.py")
+
+
+#: llama.cpp compute threads of the suite's engines. Three files run at once on two CPUs, so an
+#: engine's second thread mostly waits at llama.cpp's barriers for a partner that another file's
+#: engine holds off its CPU (and the adaptive rule, seeing every CPU wanted, keeps two: engine/
+#: threads.py). One thread each did the same tests with 8 to 13 % less CPU (docs/development.md). Servers
+#: get it as ``ENGINE_THREADS`` (a developer's own value wins), in-process engines through
+#: :func:`inproc_engine`; the tests of the adaptive rule ask for it (``--engine-threads 0``).
+SUITE_ENGINE_THREADS = "1"
+
+
+def pytest_configure(config):
+    os.environ.setdefault("ENGINE_THREADS", SUITE_ENGINE_THREADS)
+
+
+def suite_threads(config: EngineConfig) -> EngineConfig:
+    """``config`` with the suite's compute threads (``ENGINE_THREADS``), unless it names a count."""
+    threads = int(os.environ.get("ENGINE_THREADS", SUITE_ENGINE_THREADS))
+    return config if config.n_threads else dataclasses.replace(config, n_threads=threads)
+
+
+def inproc_engine(config: EngineConfig):
+    """An :class:`engine.inproc.InprocEngine` of ``config`` on the suite's compute threads."""
+    from engine.inproc import InprocEngine
+    return InprocEngine(suite_threads(config))
 
 
 def pytest_collection_modifyitems(items):
@@ -52,7 +78,7 @@ def chat(tokenizer):
 @contextlib.contextmanager
 def running_engine(supervisor_args: dict | None = None, **overrides):
     """Yield ``(client, supervisor)`` for a fresh engine; everything is torn down after."""
-    config = EngineConfig(**{"max_slots": 4, "max_seq_len": 256, "max_queued": 16, **overrides})
+    config = suite_threads(EngineConfig(**{"max_slots": 4, "max_seq_len": 256, "max_queued": 16, **overrides}))
     supervisor = EngineSupervisor.create(config, **(supervisor_args or {}))
     try:
         supervisor.start()
@@ -332,13 +358,12 @@ def app(model_path, tokenizer, chat):
     a reply once and builds its expectations from it, and tests that compare outputs with and
     without a prefix-cache hit can hold it to that promise. No test pins a reply's text: it
     depends on the CPU's kernels (AVX2 and AVX-512 builds part after a few tokens)."""
-    from engine.inproc import InprocEngine
     from server.config import ServerConfig
     from server.generation.pipeline import Generator
 
     config = ServerConfig(model_path=model_path, max_slots=4, max_seq_len=512, max_queued=16,
                           max_body_bytes=65536, weights="file", deterministic=True)
-    with InprocEngine(config.engine_config()) as engine:
+    with inproc_engine(config.engine_config()) as engine:
         yield AppServer(config, Generator(engine.client, tokenizer, chat))
     assert not os.path.exists(f"/dev/shm/{engine.transport.name}"), "segment not unlinked"
 

@@ -12,9 +12,9 @@ import pytest
 
 from engine.config import EngineConfig
 from engine.errors import ConstraintFailed, InvalidRequest
-from engine.inproc import InprocEngine
 from engine.llama.grammar import check
 from engine.request import SamplingParams
+from tests.conftest import inproc_engine
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
                                            "age": {"type": "integer", "minimum": 0, "maximum": 120}},
@@ -24,7 +24,7 @@ GRAMMAR = llguidance.LLMatcher.grammar_from_json_schema(SCHEMA, defaults={"white
 
 @pytest.fixture(scope="module")
 def engine(model_path):
-    with InprocEngine(EngineConfig(model_path=model_path, max_slots=4, max_seq_len=256, max_queued=8)) as e:
+    with inproc_engine(EngineConfig(model_path=model_path, max_slots=4, max_seq_len=256, max_queued=8)) as e:
         yield e
 
 

@@ -9,6 +9,7 @@ from engine.config import EngineConfig
 from engine.llama.batch import Batch
 from engine.llama.kv_pages import resident_bytes
 from engine.llama.model import Model
+from tests.conftest import suite_threads
 
 CELL_BYTES = 30 * 2 * 192 * 2  # SmolLM2-135M: 30 layers, K and V rows of 3 x 64 f16 values
 MIB = 1 << 20
@@ -17,7 +18,7 @@ MIB = 1 << 20
 @pytest.fixture(scope="module")
 def model():
     before = resident_bytes()  # of this test process, which may have run other tests' models
-    m = Model.from_config(EngineConfig(max_slots=8, max_seq_len=8192, prefix_cache_tokens=8192, n_threads=2))
+    m = Model.from_config(suite_threads(EngineConfig(max_slots=8, max_seq_len=8192, prefix_cache_tokens=8192)))
     m.started_with = resident_bytes() - before
     yield m
     m.close()
@@ -96,14 +97,13 @@ def test_the_defaults_serve_the_models_whole_context_beyond_the_old_2048(model_p
     prompt (smolagents' CodeAgent sends 2,332) is served at the default settings."""
     import llama_cpp
 
-    from engine.inproc import InprocEngine
     from engine.request import SamplingParams
     from server.config import from_args
-    from tests.conftest import assert_idle_and_clean
+    from tests.conftest import assert_idle_and_clean, inproc_engine
 
     config = from_args([], environ={"MODEL_PATH": model_path}).engine_config()
     assert config.max_seq_len == 8192 and config.kv_cache_tokens == 32768
-    with InprocEngine(config) as engine:
+    with inproc_engine(config) as engine:
         assert config.max_seq_len == llama_cpp.llama_model_n_ctx_train(engine.model.model)
         prompt = [int(t) for t in (np.arange(2400) * 7919) % 40000 + 100]
         with engine.client.submit(prompt, SamplingParams(max_new_tokens=2, temperature=0.0,

@@ -13,7 +13,8 @@ from engine.core import MIN_REUSE_TOKENS
 from engine.llama.backend import CPU_DETERMINISTIC
 from engine.inproc import InprocEngine
 from engine.request import SamplingParams
-from tests.conftest import AppServer, assert_idle_and_clean, kill_engine_mid_stream, running_engine, wait_steps
+from tests.conftest import (AppServer, assert_idle_and_clean, inproc_engine, kill_engine_mid_stream, running_engine,
+                            wait_steps)
 
 GREEDY = SamplingParams(max_new_tokens=12, temperature=0.0)
 # Long enough (about 300 tokens with the template) that contexts pass 256 cells, where llama.cpp's
@@ -51,9 +52,9 @@ def _config(model_path, **kw) -> EngineConfig:
 def test_shared_prefix_outputs_equal_cache_off_and_cached_tokens_exact(model_path, chat):
     prompts = _prompts(chat, 6)  # more than the 4 slots: some wait for a free one as well
     shared = len(chat.encode([{"role": "system", "content": SYSTEM}], add_generation_prompt=False))
-    with InprocEngine(_config(model_path, max_slots=4, prefix_cache_tokens=0, deterministic=True)) as off_engine:
+    with inproc_engine(_config(model_path, max_slots=4, prefix_cache_tokens=0, deterministic=True)) as off_engine:
         off = _run_all(off_engine, prompts)
-    with InprocEngine(_config(model_path, max_slots=4, deterministic=True)) as on_engine:
+    with inproc_engine(_config(model_path, max_slots=4, deterministic=True)) as on_engine:
         on = _run_all(on_engine, prompts)
         assert_idle_and_clean(on_engine.client)
     assert [ids for ids, _, _ in on] == [ids for ids, _, _ in off]
@@ -104,7 +105,7 @@ def test_four_turn_conversation_reuses_every_previous_turn(app, model_path, toke
             previous = turns[k - 1][1]
             assert cached >= previous["prompt_tokens"] + previous["completion_tokens"] - 1, (k, usage, previous)
     assert turns[-1][1]["prompt_tokens"] > 300  # past the 256 cells where the kernels change
-    with InprocEngine(dataclasses.replace(app.config.engine_config(), prefix_cache_tokens=0)) as engine:
+    with inproc_engine(dataclasses.replace(app.config.engine_config(), prefix_cache_tokens=0)) as engine:
         off = _conversation(AppServer(app.config, Generator(engine.client, tokenizer, chat)))
     assert [reply for reply, _ in turns] == [reply for reply, _ in off]
     assert all(usage["prompt_tokens_details"]["cached_tokens"] == 0 for _, usage in off)
@@ -152,7 +153,7 @@ def test_cache_is_scoped_per_tenant(tmp_path, model_path, tokenizer, chat):
         assert status == 200, raw
         return json.loads(raw)
 
-    with InprocEngine(config.engine_config()) as engine:
+    with inproc_engine(config.engine_config()) as engine:
         app = AppServer(config, Generator(engine.client, tokenizer, chat), TenantRegistry(Tenants.load(str(path))))
         for i in range(3):
             a = ask("alpha-key", f"Repeat the code word {canary} back to me, ticket {i}.")
@@ -163,7 +164,7 @@ def test_cache_is_scoped_per_tenant(tmp_path, model_path, tokenizer, chat):
         assert all(canary.split("-")[0] not in b["choices"][0]["message"]["content"] for b in beta)
         app.wait_idle()
     # Beta's answers are what beta gets from a server that never saw alpha.
-    with InprocEngine(config.engine_config()) as engine:
+    with inproc_engine(config.engine_config()) as engine:
         app = AppServer(config, Generator(engine.client, tokenizer, chat), TenantRegistry(Tenants.load(str(path))))
         alone = [ask("beta-key", q) for q in ("Repeat the code word back to me.", "What was the code word?")]
     assert [b["choices"][0]["message"]["content"] for b in beta] == \
@@ -174,7 +175,7 @@ def test_eviction_keeps_the_cache_within_its_budget_and_leaks_nothing(model_path
     budget = 520  # three 256-cell streams, and fewer tokens than three of the longest entries (200)
     config = _config(model_path, max_slots=2, max_seq_len=256, prefix_cache_tokens=budget)
     assert config.cache_streams == 3
-    with InprocEngine(config) as engine:
+    with inproc_engine(config) as engine:
         client = engine.client
         for i in range(12):  # 4 rounds of the 3 lengths: 9 evictions
             # Distinct from the first token on: no entry is ever a prefix of another.
@@ -239,7 +240,7 @@ def test_a_prefix_short_against_its_source_is_prefilled_not_copied(model_path):
     source = [(i * 7919) % 40000 + 100 for i in range(764)]  # a cache entry of 764 + 4 cells
     need = (len(source) + 4) // COPY_CELLS_PER_REUSED_TOKEN  # 12 tokens, over MIN_REUSE_TOKENS
     params = SamplingParams(max_new_tokens=4, temperature=0.0)
-    with InprocEngine(_config(model_path, max_slots=2, max_seq_len=2048)) as engine:
+    with inproc_engine(_config(model_path, max_slots=2, max_seq_len=2048)) as engine:
         list(engine.client.submit(source, params))
         for shared, cached in ((need - 4, 0), (need, need)):
             with engine.client.submit(source[:shared] + [50, 51, 52], params) as s:

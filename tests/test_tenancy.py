@@ -28,7 +28,7 @@ from server.errors import http_error
 from server.tenancy.ratelimit import RateLimiter
 from server.tenancy.tenants import Rate, Tenant, Tenants
 from shm import Layout, Transport
-from tests.conftest import AppServer, free_port, needs_redis, redis_server, running_server
+from tests.conftest import AppServer, free_port, inproc_engine, needs_redis, redis_server, running_server
 
 COMPLETIONS = "/v1/completions"
 
@@ -231,14 +231,13 @@ TENANTS = [
 def tenant_app(tmp_path_factory, model_path, tokenizer, chat):
     """The app over an in-process engine with one slot and a tenant file (aging 3 s)."""
     from engine.config import EngineConfig
-    from engine.inproc import InprocEngine
     from server.config import ServerConfig
     from server.generation.pipeline import Generator
     from server.tenancy.tenants import TenantRegistry
 
     path = write_tenants(tmp_path_factory.mktemp("tenants") / "t.json", TENANTS)
     config = ServerConfig(model_path=model_path, max_slots=1, max_seq_len=512, max_queued=16, tenants_file=path)
-    with InprocEngine(EngineConfig(model_path=model_path, max_slots=1, max_seq_len=512, max_queued=16,
+    with inproc_engine(EngineConfig(model_path=model_path, max_slots=1, max_seq_len=512, max_queued=16,
                                    aging_s=3.0)) as engine:
         generator = Generator(engine.client, tokenizer, chat, RateLimiter(engine.client.buckets))
         yield AppServer(config, generator, TenantRegistry(Tenants.load(path)))
