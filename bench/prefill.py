@@ -15,7 +15,8 @@ run finds another's in a prefix cache):
 * ``fixed``: 16 clients, 48 requests of a 32-token prompt and 128 tokens (``ignore_eos``),
   streamed: generated tokens/s.
 * ``mix``: 16 clients, 64 requests of ``bench.policies``' heavy-tailed workload (short and long
-  prompts, lognormal ``max_tokens``), streamed: requests/s while every client was busy.
+  prompts, lognormal ``max_tokens``), streamed: requests/s and generated tokens/s while every
+  client was busy (the latter to hold against ``bench.limit --mix``'s ceiling of the same work).
 * ``itl``: 15 streams of 256 tokens running, then one 4,000-token prompt (``max_tokens`` 1):
   the inter-token gaps of the running streams while it is prefilled (from its send to its
   answer) against their gaps before it was sent, p50 and p99 (ms). Run with ``--only itl``:
@@ -25,10 +26,12 @@ Servers: ``ours`` (the defaults but ``--threads``, the gunicorn request threads)
 ``deterministic`` (the same with ``--deterministic``; its price), ``llama-server`` (at its
 defaults but ``-np 16 -c 16 x max-seq-len -t CPUs`` (and ``--no-repack`` where this CPU
 faults on AMX, as the engine loads), given the Q8_0 file this server converts
-the bundled model to, so both compute with the same weights). Each round runs every workload on
+the bundled model to, so both compute with the same weights), ``ceiling`` (no server: ``fixed``'s and ``mix``'s work in ``bench.limit``'s
+bare decode loop, each round, so both servers can be held to what this machine allows at the
+time). Each round runs every workload on
 every server, one server after the other; the figures are the medians over the rounds, and
 the ratios of each median, ours ÷ llama-server and ours ÷ deterministic (per second: > 1 is
-better; milliseconds: < 1 is better). ``--one-at-a-time`` starts each server for its turn of a
+better; milliseconds: < 1 is better), and each server ÷ ceiling. ``--one-at-a-time`` starts each server for its turn of a
 round (every workload) and stops it after, so no other server is resident while one is measured
 (an idle ``llama-server`` beside ours seemed to slow ours: bench/RESULTS.md, "On an AVX2
 machine").
@@ -44,7 +47,7 @@ import sys
 import threading
 import time
 
-from bench.common import save, wait_healthy
+from bench.common import limit, limit_mix, save, wait_healthy
 from bench.policies import Request, drive, one_stream, percentile, summarize, workload
 
 WORDS = ("harbor lantern meadow orchard granite willow ember falcon compass tide glacier canyon thistle "
@@ -106,11 +109,15 @@ def run_fixed(port: int, prompts: Prompts) -> dict:
     return {"tok_per_s": sum(s.tokens for s in ok) / wall, "errors": len(samples) - len(ok)}
 
 
+def mix_requests(prompts: Prompts) -> list[Request]:
+    """``mix``'s 64 requests, new ones on every call."""
+    return [Request(f"{prompts.make(4)} {r.prompt}", r.max_tokens) for r in workload(64, seed=prompts.n)]
+
+
 def run_mix(port: int, prompts: Prompts) -> dict:
-    requests = [Request(f"{prompts.make(4)} {r.prompt}", r.max_tokens) for r in workload(64, seed=prompts.n)]
-    samples, wall, busy = drive(port, requests, 16)
+    samples, wall, busy = drive(port, mix_requests(prompts), 16)
     s = summarize(samples, wall, busy)
-    return {"req_per_s": s["req_per_s"], "errors": s["errors"]}
+    return {"req_per_s": s["req_per_s"], "gen_tok_per_s": s["gen_tok_per_s"], "errors": s["errors"]}
 
 
 def gaps(arrivals, start: float, end: float) -> list[float]:
@@ -138,6 +145,21 @@ def run_itl(port: int, prompts: Prompts) -> dict:
             "during_p99_ms": percentile(during, 99), "errors": sum(s.error is not None for s in samples)}
 
 
+def ceiling_fixed(prompts: Prompts) -> dict:
+    """``fixed``'s work in a bare decode loop (``bench.limit``): 16 lanes of a 32-token prompt and
+    128 tokens, prefill included."""
+    return {"tok_per_s": limit(16, 32, 128)["tokens_per_s"]}
+
+
+def ceiling_mix(prompts: Prompts) -> dict:
+    """``mix``'s work (the same kind of 64 requests, tokenized as the server does) replayed over 16
+    lanes by ``bench.limit --mix``: generated tokens/s while every lane was busy."""
+    requests = [(prompts.tokenizer.encode(r.prompt, add_bos=True), r.max_tokens) for r in mix_requests(prompts)]
+    return {"gen_tok_per_s": limit_mix(16, requests)["tokens_per_s"]}
+
+
+#: The hardware ceiling of the workloads that have one (``--servers ...,ceiling``).
+CEILINGS = {"fixed": ceiling_fixed, "mix": ceiling_mix}
 RUNS = {"cold": run_cold, "distinct8": run_distinct8, "stream": run_stream, "fixed": run_fixed, "mix": run_mix,
         "itl": run_itl}
 
@@ -158,7 +180,8 @@ def main(argv=None) -> int:
     p.add_argument("--only", default="cold,distinct8,stream,fixed,mix",
                    help="comma-separated workloads, of " + ", ".join(WORKLOADS))
     p.add_argument("--servers", default="ours,deterministic,llama-server",
-                   help="comma-separated, of ours, deterministic, llama-server (the last only with --llama-server)")
+                   help="comma-separated, of ours, deterministic, llama-server (only with --llama-server) and "
+                        "ceiling (bench.limit's bare decode loop, for fixed and mix)")
     p.add_argument("--one-at-a-time", action="store_true",
                    help="start each server for its turn and stop it after (never two up at once)")
     p.add_argument("--json", default=None)
@@ -176,6 +199,8 @@ def main(argv=None) -> int:
     runs = {s: {w: [] for w in names} for s in servers}
     def start(s: str, stack: contextlib.ExitStack) -> int:
         """Start server ``s`` (stopped when ``stack`` closes), warmed up; returns its port."""
+        if s == "ceiling":
+            return 0  # no server: the workload's ceiling runs in a child process of its own
         if s == "llama-server":
             port, path = free_port(), weights_path(default_model_path(), "auto")
             # Where this CPU faults on AMX, the engine loads without llama.cpp's extra buffer
@@ -193,7 +218,9 @@ def main(argv=None) -> int:
         return port
 
     def turn(r: int, w: str, s: str, port: int) -> None:
-        result = RUNS[w](port, prompts)
+        if s == "ceiling" and w not in CEILINGS:
+            return
+        result = CEILINGS[w](prompts) if s == "ceiling" else RUNS[w](port, prompts)
         runs[s][w].append(result)
         print(f"round {r + 1} {w} {s}: {json.dumps({k: round(v, 1) for k, v in result.items()})}", flush=True)
 
@@ -212,15 +239,16 @@ def main(argv=None) -> int:
                 for w in names:
                     for s in order:
                         turn(r, w, s, ports[s])
-    medians = {s: {w: {k: statistics.median(x[k] for x in runs[s][w]) for k in runs[s][w][0]} for w in names}
-               for s in servers}
+    medians = {s: {w: {k: statistics.median(x[k] for x in runs[s][w]) for k in runs[s][w][0]} for w in names
+                   if runs[s][w]} for s in servers}
     result = {"rounds": a.rounds, "runs": runs, "medians": medians, "cpus": cpus}
-    for peer in ("llama-server", "deterministic"):
-        if peer in medians and "ours" in medians:
-            result[f"ours/{peer}"] = {w: {k: medians["ours"][w][k] / medians[peer][w][k]
-                                          for k in medians["ours"][w] if k != "errors" and medians[peer][w][k]}
-                                      for w in names}
-    print(json.dumps({"medians": medians, **{k: v for k, v in result.items() if k.startswith("ours/")}}, indent=1))
+    for mine, peer in (("ours", "llama-server"), ("ours", "deterministic"), ("ours", "ceiling"),
+                       ("llama-server", "ceiling")):
+        if peer in medians and mine in medians:
+            result[f"{mine}/{peer}"] = {w: {k: medians[mine][w][k] / medians[peer][w][k] for k in medians[peer][w]
+                                            if k != "errors" and medians[peer][w][k] and k in medians[mine][w]}
+                                        for w in names if w in medians[peer] and w in medians[mine]}
+    print(json.dumps({"medians": medians, **{k: v for k, v in result.items() if "/" in k}}, indent=1))
     save(result, a.json)
     return 0
 
