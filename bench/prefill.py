@@ -24,17 +24,16 @@ run finds another's in a prefix cache):
 
 Servers: ``ours`` (the defaults but ``--threads``, the gunicorn request threads),
 ``deterministic`` (the same with ``--deterministic``; its price), ``llama-server`` (at its
-defaults but ``-np 16 -c 16 x max-seq-len -t CPUs`` (and ``--no-repack`` where this CPU
-faults on AMX, as the engine loads), given the Q8_0 file this server converts
-the bundled model to, so both compute with the same weights), ``ceiling`` (no server: ``fixed``'s and ``mix``'s work in ``bench.limit``'s
-bare decode loop, each round, so both servers can be held to what this machine allows at the
-time). Each round runs every workload on
-every server, one server after the other; the figures are the medians over the rounds, and
-the ratios of each median, ours ÷ llama-server and ours ÷ deterministic (per second: > 1 is
-better; milliseconds: < 1 is better), and each server ÷ ceiling. ``--one-at-a-time`` starts each server for its turn of a
-round (every workload) and stops it after, so no other server is resident while one is measured
-(an idle ``llama-server`` beside ours seemed to slow ours: bench/RESULTS.md, "On an AVX2
-machine").
+defaults but ``-np 16 -c 16 x max-seq-len -t CPUs`` (and ``--no-repack`` where this CPU faults
+on AMX, as the engine loads), given the Q8_0 file this server converts the bundled model to, so
+both compute with the same weights), ``ceiling`` (no server: ``fixed``'s and ``mix``'s work in
+``bench.limit``'s bare decode loop, each round, so both servers can be held to what this machine
+allows at the time). Each round runs every workload on every server, one server after the other;
+the figures are the medians over the rounds, and the ratios of each median, ours ÷ llama-server
+and ours ÷ deterministic (per second: > 1 is better; milliseconds: < 1 is better), and each
+server ÷ ceiling. ``--one-at-a-time`` starts each server for its turn of a round (every
+workload) and stops it after, so no other server is resident while one is measured (an idle
+``llama-server`` beside ours seemed to slow ours: bench/RESULTS.md, "On an AVX2 machine").
 """
 from __future__ import annotations
 
