@@ -30,10 +30,11 @@ LONGEST_FIRST = ("test_engine.py", "test_prefix_cache.py", "test_tenancy.py", "t
 
 #: llama.cpp compute threads of the suite's engines. Three files run at once on two CPUs, so an
 #: engine's second thread mostly waits at llama.cpp's barriers for a partner that another file's
-#: engine holds off its CPU (and the adaptive rule, seeing every CPU wanted, keeps two: engine/
-#: threads.py). One thread each did the same tests with 8 to 13 % less CPU (docs/development.md). Servers
-#: get it as ``ENGINE_THREADS`` (a developer's own value wins), in-process engines through
-#: :func:`inproc_engine`; the tests of the adaptive rule ask for it (``--engine-threads 0``).
+#: engine holds off its CPU (and the adaptive rule, seeing every CPU wanted, keeps two:
+#: engine/threads.py). One thread each did the same tests with 8 to 13 % less CPU
+#: (docs/development.md). Servers get it as ``ENGINE_THREADS`` (a developer's own value wins),
+#: in-process engines through :func:`inproc_engine`; the tests of the adaptive rule ask for it
+#: (``--engine-threads 0``).
 SUITE_ENGINE_THREADS = "1"
 
 

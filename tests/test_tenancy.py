@@ -238,7 +238,7 @@ def tenant_app(tmp_path_factory, model_path, tokenizer, chat):
     path = write_tenants(tmp_path_factory.mktemp("tenants") / "t.json", TENANTS)
     config = ServerConfig(model_path=model_path, max_slots=1, max_seq_len=512, max_queued=16, tenants_file=path)
     with inproc_engine(EngineConfig(model_path=model_path, max_slots=1, max_seq_len=512, max_queued=16,
-                                   aging_s=3.0)) as engine:
+                                    aging_s=3.0)) as engine:
         generator = Generator(engine.client, tokenizer, chat, RateLimiter(engine.client.buckets))
         yield AppServer(config, generator, TenantRegistry(Tenants.load(path)))
 
