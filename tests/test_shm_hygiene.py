@@ -4,11 +4,14 @@ leftovers are removed by the next start.
 """
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
 import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -83,6 +86,27 @@ def _alive(pid: int) -> bool:
         return False
 
 
+@contextlib.contextmanager
+def _lock_when_free(path: str):
+    """Queue now (in a thread) for an exclusive ``flock`` on ``path``, held until the block ends.
+
+    Yields ``locked(timeout=60.0)``, which waits until the lock is granted and raises
+    AssertionError when it is not within ``timeout`` seconds.
+    """
+    f = open(path)
+    queued = threading.Thread(target=fcntl.flock, args=(f, fcntl.LOCK_EX), daemon=True)
+    queued.start()
+
+    def locked(timeout: float = 60.0) -> None:
+        queued.join(timeout)
+        assert not queued.is_alive(), f"{path}: still locked after {timeout} s"
+
+    try:
+        yield locked
+    finally:
+        f.close()
+
+
 @pytest.mark.parametrize("kill", ["group", "master"])
 def test_a_killed_servers_segment_is_removed_by_the_next_start(kill):
     """SIGKILL of the whole server (master, workers, engine, Python's resource tracker: a
@@ -98,20 +122,25 @@ def test_a_killed_servers_segment_is_removed_by_the_next_start(kill):
             assert sorted(p for d in owned for p in prefixes if os.path.basename(d).startswith(p)) == \
                 sorted(prefixes), owned
             children = dead.children()
-            if kill == "group":
-                os.killpg(dead.proc.pid, signal.SIGKILL)
-            else:
-                os.kill(dead.proc.pid, signal.SIGKILL)
-            dead.proc.wait()
-            end = time.monotonic() + 60
-            while any(_alive(p) for p in children):  # workers notice their parent's death
-                assert time.monotonic() < end, [p for p in children if _alive(p)]
-                time.sleep(0.1)
-            left = sorted(n for n in os.listdir("/dev/shm") if n.startswith(dead.shm))
-            if kill == "group":
-                assert left == [dead.shm, dead.shm + ".d"]
-            else:
-                assert dead.shm + ".d" in left
+            # Any server another test starts meanwhile sweeps orphans. Queued on the owner lock,
+            # this test takes it the moment the last holder dies, so the leftovers look alive to
+            # every sweep until the start below.
+            with _lock_when_free(f"/dev/shm/{dead.shm}.d/{segment.OWNER_FILE}") as locked:
+                if kill == "group":
+                    os.killpg(dead.proc.pid, signal.SIGKILL)
+                else:
+                    os.kill(dead.proc.pid, signal.SIGKILL)
+                dead.proc.wait()
+                end = time.monotonic() + 60
+                while any(_alive(p) for p in children):  # workers notice their parent's death
+                    assert time.monotonic() < end, [p for p in children if _alive(p)]
+                    time.sleep(0.1)
+                locked()
+                left = sorted(n for n in os.listdir("/dev/shm") if n.startswith(dead.shm))
+                if kill == "group":
+                    assert left == [dead.shm, dead.shm + ".d"]
+                else:
+                    assert dead.shm + ".d" in left
             with running_server(*flags):
                 assert not [n for n in os.listdir("/dev/shm") if n.startswith(dead.shm)]
                 assert not [d for d in owned if os.path.exists(d)]
