@@ -25,8 +25,9 @@ loop, ``bench.policies.drive``), under the others the first only:
 
 Every run also counts failed requests and engine restarts (its PID changed, or the server's log
 says it died): the ``errors`` and ``restarts`` of the JSON must be 0 under every condition.
-The ceiling (``bench.limit``, B = clients, P = 32, G = 128) runs for every fixed setting idle and
-busy too (with no server up: an idle server's ACTIVE threads keep spinning). The table
+The ceiling (``bench.limit``, B = clients, P = 32, G = 128) runs for every fixed setting under
+the conditions asked of ``idle`` and ``busy`` (with no server up: an idle server's ACTIVE threads
+keep spinning). The table
 gives each figure and its ratio to the best fixed setting of its column. The machine is noisy (one
 run's figures move by 10-15 %): ``--repeat R`` alternates the settings R times and reports
 medians. Then the switch: the adaptive server under steady load while the busy process starts and
@@ -235,8 +236,9 @@ def main(argv=None) -> int:
                     result["errors"][f"{name}, {condition}"] = result["errors"].get(f"{name}, {condition}", 0) + errors
                     result["restarts"][f"{name}, {condition}"] = \
                         result["restarts"].get(f"{name}, {condition}", 0) + restarts
-            # The ceiling alone: an idle server would still hold CPUs (ACTIVE threads spin on).
-            for condition in (asked if key in idle_only else ("idle", "busy")) if flags and not a.no_ceiling else ():
+            # The ceiling alone: an idle server would still hold CPUs (ACTIVE threads spin on). The
+            # conditions asked that have one: idle, and busy (a busy process beside it).
+            for condition in [c for c in ("idle", "busy") if c in asked] if flags and not a.no_ceiling else ():
                 with BusyProcess() if condition == "busy" else contextlib.nullcontext():
                     runs.setdefault(f"{condition} ceiling tok/s", []).append(
                         ceiling(a.clients, gen, int(flags[1]), env))
@@ -248,7 +250,7 @@ def main(argv=None) -> int:
                                      if failed else "none"))
     if "adaptive" in names or a.switch_only:
         with running_server(*_server_flags(a, *SETTINGS["adaptive"][1])) as server:
-            spans = (2, 3, 3) if a.quick else (10, 20, 20)
+            spans = (1, 2, 2) if a.quick else (10, 20, 20)
             result["switch"] = switch(server.port, a.clients, *spans)
         s = result["switch"]
         print(f"switch (adaptive): tokens/s per second {s['tokens_per_s_bins']}")
