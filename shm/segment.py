@@ -27,8 +27,8 @@ SHM_DIR = "/dev/shm"
 #: Every segment this product creates is named ``infer-...`` (``shm.transport``).
 PREFIX = "infer-"
 OWNER_FILE = "owner"
-#: A segment with no owner file is a leftover once this old: the owner file is made before the
-#: segment (:meth:`shm.transport.Transport.create`), so only a crash leaves one without it.
+#: A segment or folder with no owner file is a leftover once this old: the owner file is made
+#: before the segment (:meth:`shm.transport.Transport.create`), so only a crash leaves one without it.
 OWNERLESS_S = 60.0
 
 _FIX = ("lower --max-seq-len, --max-queued or --max-slots, or give /dev/shm more room: "
@@ -80,15 +80,22 @@ def reserve(name: str, size: int, directory: str = SHM_DIR) -> None:
 
 
 class OwnerLock:
-    """An exclusive ``flock`` on ``<folder>/owner``, held until :meth:`release` or death.
+    """An exclusive ``flock`` on ``<folder>/<name>``, held until :meth:`release` or death.
 
-    Processes forked from the owner (gunicorn workers) share the lock: a segment is not a leftover
-    while any of them, which still map it, lives.
+    The file is created and locked under a temporary name and only then renamed to ``name``:
+    a sweep (:func:`owner_gone`) that runs between the creation and the lock would otherwise take
+    the free lock for a dead owner's and remove the folder being made. Processes forked from the
+    owner (gunicorn workers) share the lock: a folder is not a leftover while any of them lives.
+
+    Raises:
+        OSError: ``folder`` cannot be written.
     """
 
-    def __init__(self, folder: str):
-        self._file = open(os.path.join(folder, OWNER_FILE), "w")
-        fcntl.flock(self._file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    def __init__(self, folder: str, name: str = OWNER_FILE):
+        staging = os.path.join(folder, f"{name}.new")
+        self._file = open(staging, "w")
+        fcntl.flock(self._file, fcntl.LOCK_EX | fcntl.LOCK_NB)  # nobody else can know this file yet
+        os.rename(staging, os.path.join(folder, name))
 
     def release(self) -> None:
         """Drop the lock (idempotent)."""
@@ -96,15 +103,18 @@ class OwnerLock:
             self._file.close()
 
 
-def _owner_gone(folder: str) -> bool:
+def owner_gone(folder: str, name: str = OWNER_FILE, ownerless_s: float = OWNERLESS_S) -> bool:
+    """Whether ``folder`` is a dead owner's: the lock on ``<folder>/<name>`` is free, or there is
+    no such file and the folder is older than ``ownerless_s`` (a crash between its creation and
+    :class:`OwnerLock`'s rename; a live one is that young for microseconds)."""
     try:
-        with open(os.path.join(folder, OWNER_FILE)) as f:
+        with open(os.path.join(folder, name)) as f:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)  # raises while the owner lives
             return True
     except BlockingIOError:
         return False
     except FileNotFoundError:
-        return _older_than(folder, OWNERLESS_S)
+        return _older_than(folder, ownerless_s)
 
 
 def _older_than(path: str, seconds: float) -> bool:
@@ -124,13 +134,13 @@ def remove_orphans(directory: str = SHM_DIR) -> list[str]:
     for path in glob.glob(os.path.join(directory, PREFIX + "*")):
         name = os.path.basename(path)
         if name.endswith(".d"):
-            if os.path.exists(path[:-2]) or not _owner_gone(path):
+            if os.path.exists(path[:-2]) or not owner_gone(path):
                 continue  # its segment decides (below), or it is alive
             shutil.rmtree(path, ignore_errors=True)
             removed.append(name)
             continue
         folder = path + ".d"
-        if not (_owner_gone(folder) if os.path.isdir(folder) else _older_than(path, OWNERLESS_S)):
+        if not (owner_gone(folder) if os.path.isdir(folder) else _older_than(path, OWNERLESS_S)):
             continue
         try:
             os.unlink(path)

@@ -64,6 +64,23 @@ def test_server_refuses_to_start_when_dev_shm_is_too_small():
     assert "--max-seq-len" in lines[0] and "shm_size" in lines[0] and "medium: Memory" in lines[0]
 
 
+def test_an_owner_file_appears_only_locked(tmp_path):
+    """``OwnerLock`` renames its file into place once locked: a sweep between a folder's creation
+    and its lock sees a young ownerless folder, never a free lock it would take for a dead
+    owner's (a starting server lost its folder so to another's sweep). A crash before the rename
+    leaves a folder that is swept once old."""
+    folder = tmp_path / f"{segment.PREFIX}young.d"
+    folder.mkdir()
+    assert not segment.owner_gone(str(folder))
+    (folder / f"{segment.OWNER_FILE}.new").touch()  # the crash between creating and renaming
+    assert not segment.owner_gone(str(folder)) and segment.owner_gone(str(folder), ownerless_s=0.0)
+    (folder / f"{segment.OWNER_FILE}.new").unlink()
+    lock = segment.OwnerLock(str(folder))
+    assert os.listdir(folder) == [segment.OWNER_FILE] and not segment.owner_gone(str(folder))
+    lock.release()
+    assert segment.owner_gone(str(folder))
+
+
 def _private_dirs(pid: int) -> list[str]:
     """The private directories (metrics, the Responses store: server.private_dir) whose owner
     lock process ``pid`` holds open."""
