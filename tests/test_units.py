@@ -269,6 +269,7 @@ def test_private_dir_orphans_are_removed_and_live_ones_kept(tmp_path):
         owner.close()
     assert private_dir.remove_orphans(metrics_dir.PREFIX, str(tmp_path)) == [str(live)]
     created = private_dir.create(RESPONSES_DIR_PREFIX, str(tmp_path))  # removes the dead one first
+    assert [p.name for p in (tmp_path / created).iterdir()] == [".owner"]  # renamed into place once locked
     assert not other.exists() and private_dir.remove_orphans(RESPONSES_DIR_PREFIX, str(tmp_path)) == []
     private_dir.remove(created)
     assert not (tmp_path / created).exists()
