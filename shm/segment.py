@@ -80,9 +80,9 @@ def reserve(name: str, size: int, directory: str = SHM_DIR) -> None:
 
 
 class OwnerLock:
-    """An exclusive ``flock`` on ``<folder>/<name>``, held until :meth:`release` or death.
+    """An exclusive ``flock`` on ``<folder>/owner``, held until :meth:`release` or death.
 
-    The file is created and locked under a temporary name and only then renamed to ``name``:
+    The file is created and locked under a temporary name and only then renamed to ``owner``:
     a sweep (:func:`owner_gone`) that runs between the creation and the lock would otherwise take
     the free lock for a dead owner's and remove the folder being made. Processes forked from the
     owner (gunicorn workers) share the lock: a folder is not a leftover while any of them lives.
@@ -91,11 +91,11 @@ class OwnerLock:
         OSError: ``folder`` cannot be written.
     """
 
-    def __init__(self, folder: str, name: str = OWNER_FILE):
-        staging = os.path.join(folder, f"{name}.new")
+    def __init__(self, folder: str):
+        staging = os.path.join(folder, f"{OWNER_FILE}.new")
         self._file = open(staging, "w")
         fcntl.flock(self._file, fcntl.LOCK_EX | fcntl.LOCK_NB)  # nobody else can know this file yet
-        os.rename(staging, os.path.join(folder, name))
+        os.rename(staging, os.path.join(folder, OWNER_FILE))
 
     def release(self) -> None:
         """Drop the lock (idempotent)."""
@@ -103,18 +103,18 @@ class OwnerLock:
             self._file.close()
 
 
-def owner_gone(folder: str, name: str = OWNER_FILE, ownerless_s: float = OWNERLESS_S) -> bool:
-    """Whether ``folder`` is a dead owner's: the lock on ``<folder>/<name>`` is free, or there is
-    no such file and the folder is older than ``ownerless_s`` (a crash between its creation and
-    :class:`OwnerLock`'s rename; a live one is that young for microseconds)."""
+def owner_gone(folder: str) -> bool:
+    """Whether ``folder`` is a dead owner's: the lock on ``<folder>/owner`` is free, or there is
+    no such file and the folder is older than :data:`OWNERLESS_S` (a crash between its creation
+    and :class:`OwnerLock`'s rename; a live one is ownerless for microseconds)."""
     try:
-        with open(os.path.join(folder, name)) as f:
+        with open(os.path.join(folder, OWNER_FILE)) as f:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)  # raises while the owner lives
             return True
     except BlockingIOError:
         return False
     except FileNotFoundError:
-        return _older_than(folder, ownerless_s)
+        return _older_than(folder, OWNERLESS_S)
 
 
 def _older_than(path: str, seconds: float) -> bool:

@@ -73,7 +73,10 @@ def test_an_owner_file_appears_only_locked(tmp_path):
     folder.mkdir()
     assert not segment.owner_gone(str(folder))
     (folder / f"{segment.OWNER_FILE}.new").touch()  # the crash between creating and renaming
-    assert not segment.owner_gone(str(folder)) and segment.owner_gone(str(folder), ownerless_s=0.0)
+    assert not segment.owner_gone(str(folder))
+    old = time.time() - segment.OWNERLESS_S - 1
+    os.utime(folder, (old, old))
+    assert segment.owner_gone(str(folder))
     (folder / f"{segment.OWNER_FILE}.new").unlink()
     lock = segment.OwnerLock(str(folder))
     assert os.listdir(folder) == [segment.OWNER_FILE] and not segment.owner_gone(str(folder))
