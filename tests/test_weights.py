@@ -21,7 +21,8 @@ def test_auto_converts_the_bundled_q4_1_to_q8_0_once(tmp_path):
     assert file_type(out) == llama_cpp.LLAMA_FTYPE_MOSTLY_Q8_0
     stamp = os.stat(out).st_mtime_ns
     assert weights_path(source, "auto", str(tmp_path)) == out and os.stat(out).st_mtime_ns == stamp  # cached
-    assert [p.name for p in tmp_path.iterdir()] == [os.path.basename(out)]  # no temporary file left
+    # no temporary file left; beside the copy, its source's identity
+    assert sorted(p.name for p in tmp_path.iterdir()) == [os.path.basename(out), os.path.basename(out) + ".source"]
     # A Q8_0 file has batched kernels already: auto leaves it as it is; an explicit format converts.
     assert target(out, "auto") is None and weights_path(out, "auto", str(tmp_path)) == out
     assert weights_path(source, "file", str(tmp_path)) == source
@@ -36,6 +37,26 @@ def test_a_changed_source_file_gets_a_new_copy(tmp_path):
     os.utime(source, ns=(1, 1))  # the file was replaced: its modification time moved
     second = weights_path(str(source), "q8_0", str(cache))
     assert first != second and os.path.exists(second)
+    assert not os.path.exists(first) and not os.path.exists(first + ".source")  # no start can ask for it
+
+
+def test_a_copy_whose_source_is_gone_is_removed_by_the_next_conversion(tmp_path):
+    """A new checkout converts its own copy; the old checkout's, deleted since, goes then. A copy
+    whose source is still there stays, and so does one made before copies named their source."""
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    old, new = tmp_path / "old.gguf", tmp_path / "new.gguf"
+    for path in (old, new):
+        path.write_bytes(open(default_model_path(), "rb").read())
+    stale = weights_path(str(old), "q8_0", str(cache))
+    kept = weights_path(default_model_path(), "q8_0", str(cache))
+    unnamed = cache / "earlier.0123456789abcdef.q8_0.gguf"
+    unnamed.write_bytes(b"GGUF")
+    old.unlink()
+    assert os.path.exists(stale)  # nothing is removed until a conversion
+    made = weights_path(str(new), "q8_0", str(cache))
+    assert sorted(p.name for p in cache.iterdir()) == sorted(
+        [os.path.basename(p) + suffix for p in (kept, made) for suffix in ("", ".source")] + [unnamed.name])
 
 
 def test_an_unwritable_cache_folder_is_one_clear_error(tmp_path):

@@ -18,12 +18,17 @@ difference is the rounding of the file's own products, not the conversion.
 ``auto`` (the default) converts only Q4_1 and Q5_1 files, to Q8_0; ``file`` never converts;
 ``q8_0``, ``bf16`` and ``f16`` convert any file. The copy is written once per source file
 (path, size and modification time) under :func:`cache_dir`, atomically, so engines starting
-together never load a half-written file.
+together never load a half-written file. Beside it, ``<copy>.source`` names that source; each new
+conversion removes the copies whose source is gone or changed (no start can ask for them again:
+their key is of a file that no longer exists), so a new checkout or a replaced model does not
+leave its old copy behind.
 """
 from __future__ import annotations
 
 import ctypes
+import glob
 import hashlib
+import json
 import logging
 import os
 import tempfile
@@ -35,6 +40,8 @@ from engine.llama.backend import CPU, Backend
 from engine.llama.library import cache_dir, file_type
 
 log = logging.getLogger("engine.weights")
+#: Beside each converted copy: the JSON identity of its source (:func:`remove_stale_copies`).
+SOURCE_SUFFIX = ".source"
 
 #: llama.cpp file types (``general.file_type``, ``enum llama_ftype`` in llama.h) with no batched
 #: CPU kernel, which ``auto`` converts to Q8_0.
@@ -70,8 +77,8 @@ def weights_path(path: str, weights: str = "auto", folder: str | None = None, ba
     fmt = target(path, weights, backend)
     if fmt is None:
         return path
-    st = os.stat(path)
-    key = hashlib.sha256(f"{os.path.realpath(path)}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:16]
+    source = _identity(path)
+    key = hashlib.sha256("|".join(map(str, source.values())).encode()).hexdigest()[:16]
     folder = folder or cache_dir()
     out = os.path.join(folder, f"{os.path.basename(path).removesuffix('.gguf')}.{key}.{fmt}.gguf")
     if os.path.exists(out):
@@ -95,4 +102,39 @@ def weights_path(path: str, weights: str = "auto", folder: str | None = None, ba
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
+    with open(out + SOURCE_SUFFIX, "w") as f:
+        json.dump(source, f)
+    remove_stale_copies(folder)
     return out
+
+
+def _identity(path: str) -> dict:
+    """What a copy is made from: the source's real path, size (bytes) and modification time (ns)."""
+    st = os.stat(path)
+    return {"path": os.path.realpath(path), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+
+
+def remove_stale_copies(folder: str) -> list[str]:
+    """Remove the converted copies in ``folder`` whose ``.source`` names a file that is gone or
+    changed since; returns their paths. Copies without a ``.source`` (made before it existed)
+    are left alone. A running engine that maps a removed copy keeps it until it exits."""
+    removed = []
+    for record in glob.glob(os.path.join(glob.escape(folder), "*.gguf" + SOURCE_SUFFIX)):
+        try:
+            with open(record) as f:
+                source = json.load(f)
+            if _identity(source["path"]) == source:
+                continue
+        except FileNotFoundError:
+            if not os.path.exists(record):
+                continue  # another start removed it just now
+        except (ValueError, KeyError, TypeError):
+            continue  # not a record of ours (or one being written)
+        copy = record.removesuffix(SOURCE_SUFFIX)
+        for name in (copy, record):
+            try:
+                os.unlink(name)
+            except FileNotFoundError:
+                pass
+        removed.append(copy)
+    return removed
