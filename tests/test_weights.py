@@ -52,6 +52,8 @@ def test_a_copy_whose_source_is_gone_is_removed_by_the_next_conversion(tmp_path)
     kept = weights_path(default_model_path(), "q8_0", str(cache))
     unnamed = cache / "earlier.0123456789abcdef.q8_0.gguf"
     unnamed.write_bytes(b"GGUF")
+    os.unlink(kept + ".source")  # as made before the records: the next start asking for it writes one
+    assert weights_path(default_model_path(), "q8_0", str(cache)) == kept and os.path.exists(kept + ".source")
     old.unlink()
     assert os.path.exists(stale)  # nothing is removed until a conversion
     made = weights_path(str(new), "q8_0", str(cache))

@@ -82,6 +82,8 @@ def weights_path(path: str, weights: str = "auto", folder: str | None = None, ba
     folder = folder or cache_dir()
     out = os.path.join(folder, f"{os.path.basename(path).removesuffix('.gguf')}.{key}.{fmt}.gguf")
     if os.path.exists(out):
+        if not os.path.exists(out + SOURCE_SUFFIX):  # a copy made before the records
+            _record(out, source)
         return out
     try:
         fd, tmp = tempfile.mkstemp(dir=folder, prefix=".converting-", suffix=".gguf")
@@ -102,10 +104,18 @@ def weights_path(path: str, weights: str = "auto", folder: str | None = None, ba
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
-    with open(out + SOURCE_SUFFIX, "w") as f:
-        json.dump(source, f)
+    _record(out, source)
     remove_stale_copies(folder)
     return out
+
+
+def _record(copy: str, source: dict) -> None:
+    """Write ``<copy>.source``: the identity of the file ``copy`` was converted from."""
+    try:
+        with open(copy + SOURCE_SUFFIX, "w") as f:
+            json.dump(source, f)
+    except OSError as e:  # a read-only cache still serves its copies; they are only not pruned
+        log.warning("cannot record the source of %s: %s", copy, e.strerror)
 
 
 def _identity(path: str) -> dict:
@@ -116,8 +126,9 @@ def _identity(path: str) -> dict:
 
 def remove_stale_copies(folder: str) -> list[str]:
     """Remove the converted copies in ``folder`` whose ``.source`` names a file that is gone or
-    changed since; returns their paths. Copies without a ``.source`` (made before it existed)
-    are left alone. A running engine that maps a removed copy keeps it until it exits."""
+    changed since; returns their paths. Copies without a ``.source`` (made before the records,
+    for a file no start has asked for since) are left alone. A running engine that maps a removed
+    copy keeps it until it exits."""
     removed = []
     for record in glob.glob(os.path.join(glob.escape(folder), "*.gguf" + SOURCE_SUFFIX)):
         try:
