@@ -7,7 +7,8 @@ IQ4_NL) nor a repacked layout (``ggml-cpu/repack.cpp``: Q4_0, Q4_K, Q2_K, IQ4_NL
 them, so every matrix product runs one dot product at a time, and decoding 16 sequences
 together gains little over one. The bundled SmolLM2-135M is Q4_1. Converted to Q8_0 (one
 8-bit step is 1/17 of a Q4_1 step, so the weights barely move), the same model decodes 16
-sequences 1.6 times as fast and one sequence faster too (bench/README.md, "Weights"); the CPU backend profile asks for it (:mod:`engine.llama.backend`).
+sequences 1.6 times as fast and one sequence faster too (bench/README.md, "Weights"); the CPU
+backend profile asks for it (:mod:`engine.llama.backend`).
 
 The outputs are not bit-identical to the Q4_1 file's: llama.cpp rounds activations to 8 bits
 for Q4_1 products and not for the converted weights. Against the Q4_1 file, on 1,000 tokens of
