@@ -9,7 +9,7 @@ import pytest
 
 from engine.config import ConfigError, EngineConfig, default_model_path
 from engine.llama.library import file_type
-from engine.llama.weights import target, weights_path
+from engine.llama.weights import remove_stale_copies, target, weights_path
 from server.config import ServerConfig
 
 
@@ -59,6 +59,35 @@ def test_a_copy_whose_source_is_gone_is_removed_by_the_next_conversion(tmp_path)
     made = weights_path(str(new), "q8_0", str(cache))
     assert sorted(p.name for p in cache.iterdir()) == sorted(
         [os.path.basename(p) + suffix for p in (kept, made) for suffix in ("", ".source")] + [unnamed.name])
+
+
+def test_only_stale_copies_are_removed_and_nothing_escapes(tmp_path):
+    """The sweep removes a copy of this server's naming whose record names a changed or vanished
+    file, and nothing else: not the copy just made (its source may change during a long
+    conversion), not a file of another naming, not what it cannot read; it raises for none."""
+    import json
+
+    source = tmp_path / "model.gguf"
+    source.write_bytes(b"GGUF")
+    changed = {"path": str(source), "size": 4, "mtime_ns": 1}
+    gone = {"path": str(tmp_path / "gone.gguf"), "size": 4, "mtime_ns": 1}
+    cache = tmp_path / "cache"
+    cache.mkdir()
+
+    def copy(name: str, record) -> str:
+        (cache / name).write_bytes(b"GGUF")
+        (cache / f"{name}.source").write_text(record if isinstance(record, str) else json.dumps(record))
+        return str(cache / name)
+
+    stale = [copy("a.0123456789abcdef.q8_0.gguf", changed), copy("b.0123456789abcdef.f16.gguf", gone),
+             copy("c.0123456789abcdef.q8_0.gguf", {**gone, "path": "/etc/passwd/x"})]
+    just_made = copy("d.0123456789abcdef.q8_0.gguf", changed)
+    others = [copy("mine.gguf", gone), copy("e.0123456789abcdef.q8_0.gguf", "{not json"),
+              copy("f.0123456789abcdef.q8_0.gguf", {"size": 4})]
+    (cache / "g.0123456789abcdef.q8_0.gguf.source").mkdir()
+    assert sorted(remove_stale_copies(str(cache), keep=just_made)) == stale
+    assert not any(os.path.exists(p) or os.path.exists(p + ".source") for p in stale)
+    assert all(os.path.exists(p) and os.path.exists(p + ".source") for p in [just_made, *others])
 
 
 def test_an_unwritable_cache_folder_is_one_clear_error(tmp_path):

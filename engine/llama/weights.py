@@ -26,12 +26,14 @@ leave its old copy behind.
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import glob
 import hashlib
 import json
 import logging
 import os
+import re
 import tempfile
 
 import llama_cpp
@@ -49,6 +51,8 @@ SOURCE_SUFFIX = ".source"
 UNBATCHED_FILE_TYPES = {llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_1: "Q4_1", llama_cpp.LLAMA_FTYPE_MOSTLY_Q5_1: "Q5_1"}
 _TARGETS = {"q8_0": llama_cpp.LLAMA_FTYPE_MOSTLY_Q8_0, "bf16": llama_cpp.LLAMA_FTYPE_MOSTLY_BF16,
             "f16": llama_cpp.LLAMA_FTYPE_MOSTLY_F16}
+#: A converted copy's name (:func:`weights_path`): only such files are ever removed.
+_COPY_NAME = re.compile(r".+\.[0-9a-f]{16}\.(?:" + "|".join(_TARGETS) + r")\.gguf")
 
 
 def target(path: str, weights: str, backend: Backend = CPU) -> str | None:
@@ -106,7 +110,7 @@ def weights_path(path: str, weights: str = "auto", folder: str | None = None, ba
         if os.path.exists(tmp):
             os.unlink(tmp)
     _record(out, source)
-    remove_stale_copies(folder)
+    remove_stale_copies(folder, keep=out)
     return out
 
 
@@ -125,28 +129,41 @@ def _identity(path: str) -> dict:
     return {"path": os.path.realpath(path), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
 
 
-def remove_stale_copies(folder: str) -> list[str]:
-    """Remove the converted copies in ``folder`` whose ``.source`` names a file that is gone or
-    changed since; returns their paths. Copies without a ``.source`` (made before the records,
-    for a file no start has asked for since) are left alone. A running engine that maps a removed
-    copy keeps it until it exits."""
+def remove_stale_copies(folder: str, keep: str = "") -> list[str]:
+    """Remove the converted copies in ``folder`` (named as :func:`weights_path` names them) whose
+    ``.source`` names a file that is gone or changed since, except ``keep`` (the copy just made:
+    its source may have changed while it was converted); returns their paths. Copies without a
+    ``.source`` (made before the records, for a file no start has asked for since) are left
+    alone, and so is what cannot be read or removed (logged). A running engine that maps a
+    removed copy keeps it until it exits.
+    """
     removed = []
     for record in glob.glob(os.path.join(glob.escape(folder), "*.gguf" + SOURCE_SUFFIX)):
-        try:
-            with open(record) as f:
-                source = json.load(f)
-            if _identity(source["path"]) == source:
-                continue
-        except FileNotFoundError:
-            if not os.path.exists(record):
-                continue  # another start removed it just now
-        except (ValueError, KeyError, TypeError):
-            continue  # not a record of ours (or one being written)
         copy = record.removesuffix(SOURCE_SUFFIX)
-        for name in (copy, record):
-            try:
-                os.unlink(name)
-            except FileNotFoundError:
-                pass
+        if copy == keep or not _COPY_NAME.fullmatch(os.path.basename(copy)) or not _stale(record):
+            continue
+        try:
+            for name in (copy, record):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(name)
+        except OSError as e:  # another user's, in a shared temporary folder; a directory
+            log.warning("cannot remove the stale copy %s: %s", copy, e.strerror)
+            continue
         removed.append(copy)
     return removed
+
+
+def _stale(record: str) -> bool:
+    """Whether ``record`` names a source that is gone or differs from when it was written (only
+    the fields :func:`_identity` gives are compared); False for what is not such a record."""
+    if not os.path.isfile(record):
+        return False  # a FIFO would block the open
+    try:
+        with open(record) as f:
+            source = json.load(f)
+        current = _identity(source["path"])
+    except (FileNotFoundError, NotADirectoryError):
+        return os.path.isfile(record)  # the source is gone, unless the record went first
+    except (OSError, ValueError, KeyError, TypeError):
+        return False  # unreadable, or not a record of ours (or one being written)
+    return any(source.get(k) != v for k, v in current.items())
