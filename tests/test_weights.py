@@ -80,12 +80,13 @@ def test_only_stale_copies_are_removed_and_nothing_escapes(tmp_path):
         return str(cache / name)
 
     stale = [copy("a.0123456789abcdef.q8_0.gguf", changed), copy("b.0123456789abcdef.f16.gguf", gone),
-             copy("c.0123456789abcdef.q8_0.gguf", {**gone, "path": "/etc/passwd/x"})]
+             copy("c.0123456789abcdef.q8_0.gguf", {**gone, "path": "/etc/passwd/x"}),
+             copy(".hidden.0123456789abcdef.q8_0.gguf", gone)]
     just_made = copy("d.0123456789abcdef.q8_0.gguf", changed)
     others = [copy("mine.gguf", gone), copy("e.0123456789abcdef.q8_0.gguf", "{not json"),
               copy("f.0123456789abcdef.q8_0.gguf", {"size": 4})]
     (cache / "g.0123456789abcdef.q8_0.gguf.source").mkdir()
-    assert sorted(remove_stale_copies(str(cache), keep=just_made)) == stale
+    assert sorted(remove_stale_copies(str(cache), keep=just_made)) == sorted(stale)
     assert not any(os.path.exists(p) or os.path.exists(p + ".source") for p in stale)
     assert all(os.path.exists(p) and os.path.exists(p + ".source") for p in [just_made, *others])
 

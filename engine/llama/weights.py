@@ -138,7 +138,7 @@ def remove_stale_copies(folder: str, keep: str = "") -> list[str]:
     removed copy keeps it until it exits.
     """
     removed = []
-    for record in glob.glob(os.path.join(glob.escape(folder), "*.gguf" + SOURCE_SUFFIX)):
+    for record in glob.glob(os.path.join(glob.escape(folder), "*.gguf" + SOURCE_SUFFIX), include_hidden=True):
         copy = record.removesuffix(SOURCE_SUFFIX)
         if copy == keep or not _COPY_NAME.fullmatch(os.path.basename(copy)) or not _stale(record):
             continue
