@@ -27,10 +27,9 @@ Every run also counts failed requests and engine restarts (its PID changed, or t
 says it died): the ``errors`` and ``restarts`` of the JSON must be 0 under every condition.
 The ceiling (``bench.limit``, B = clients, P = 32, G = 128) runs for every fixed setting under
 the conditions asked of ``idle`` and ``busy`` (with no server up: an idle server's ACTIVE threads
-keep spinning). The table
-gives each figure and its ratio to the best fixed setting of its column. The machine is noisy (one
-run's figures move by 10-15 %): ``--repeat R`` alternates the settings R times and reports
-medians. Then the switch: the adaptive server under steady load while the busy process starts and
+keep spinning). The table gives each figure and its ratio to the best fixed setting of its
+column. The machine is noisy (one run's figures move by 10-15 %): ``--repeat R`` alternates the
+settings R times and reports medians. Then the switch: the adaptive server under steady load while the busy process starts and
 later stops; generated tokens per second, and how long after each change throughput stayed
 within 10 % of its new level.
 """
@@ -236,12 +235,13 @@ def main(argv=None) -> int:
                     result["errors"][f"{name}, {condition}"] = result["errors"].get(f"{name}, {condition}", 0) + errors
                     result["restarts"][f"{name}, {condition}"] = \
                         result["restarts"].get(f"{name}, {condition}", 0) + restarts
-            # The ceiling alone: an idle server would still hold CPUs (ACTIVE threads spin on). The
-            # conditions asked that have one: idle, and busy (a busy process beside it).
-            for condition in [c for c in ("idle", "busy") if c in asked] if flags and not a.no_ceiling else ():
+            # The ceiling alone: an idle server would still hold CPUs (ACTIVE threads spin on). Fixed
+            # settings only (0 is adaptive), under the conditions asked that have one: idle, and
+            # busy (a busy process beside it).
+            threads = int(flags[1])
+            for condition in [c for c in ("idle", "busy") if c in asked] if threads and not a.no_ceiling else ():
                 with BusyProcess() if condition == "busy" else contextlib.nullcontext():
-                    runs.setdefault(f"{condition} ceiling tok/s", []).append(
-                        ceiling(a.clients, gen, int(flags[1]), env))
+                    runs.setdefault(f"{condition} ceiling tok/s", []).append(ceiling(a.clients, gen, threads, env))
             row = result["settings"][name] = {k: statistics.median(v) for k, v in runs.items()}
             print(f"{name}: " + ", ".join(f"{k} {v:.1f}" for k, v in row.items()), flush=True)
     _table(result)

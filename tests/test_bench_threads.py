@@ -19,7 +19,7 @@ def test_settle_is_the_time_to_reach_the_new_level():
 
 def test_quick_run(tmp_path):
     out = tmp_path / "threads.json"
-    # The default setting only, on the fixed workload, idle (its ceiling then runs idle only), in a
+    # The default setting only (adaptive: no ceiling of its own), on the fixed workload, idle, in a
     # suite whose other files keep the CPUs busy: the suite's time goes to what can fail here
     # (errors, restarts, the output's shape). The comparison between settings and conditions is
     # the full run's; an engine started beside a busy process is tests/test_resilience.py's.
@@ -29,6 +29,6 @@ def test_quick_run(tmp_path):
     result = json.loads(out.read_text())
     assert list(result["settings"]) == ["adaptive (default)"]
     assert all(v > 0 for row in result["settings"].values() for v in row.values())
-    assert list(result["settings"]["adaptive (default)"]) == ["idle fixed tok/s", "idle ceiling tok/s"]
+    assert list(result["settings"]["adaptive (default)"]) == ["idle fixed tok/s"]
     assert not any(result["errors"].values()) and not any(result["restarts"].values()), result
     assert result["switch"]["tokens_per_s_bins"]
