@@ -113,3 +113,20 @@ def test_compiled_grammars_are_cached_per_tenant_and_bounded(tokenizer):
         grammars.close()
     checked = CheckedGrammars(capacity=1)
     assert checked.check(1, GRAMMAR) == "" and checked.check(2, "not a grammar") != ""
+
+
+def test_an_engine_stopped_as_it_starts_exits_cleanly(model_path):
+    """The grammar thread builds llguidance's tokenizer from the model's vocabulary for half a
+    second after the start; an engine stopped then waits for it before freeing the model (it
+    died of SIGSEGV, leaving its shared memory). In a child process, so a crash fails this test
+    only."""
+    import subprocess
+    import sys
+
+    script = ("import sys; from engine.config import EngineConfig; from engine.inproc import InprocEngine\n"
+              "with InprocEngine(EngineConfig(model_path=sys.argv[1], max_slots=1, max_seq_len=64, n_threads=1)) "
+              "as engine:\n    name = engine.transport.name\n"
+              "import os; assert not os.path.exists('/dev/shm/' + name)\n")
+    for _ in range(2):
+        run = subprocess.run([sys.executable, "-c", script, model_path], capture_output=True, text=True, timeout=120)
+        assert run.returncode == 0, run.stderr[-3000:]
