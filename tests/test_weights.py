@@ -2,7 +2,9 @@
 atomically; files llama.cpp already multiplies in batches are left alone."""
 from __future__ import annotations
 
+import json
 import os
+import pathlib
 
 import llama_cpp
 import pytest
@@ -21,11 +23,43 @@ def test_auto_converts_the_bundled_q4_1_to_q8_0_once(tmp_path):
     assert file_type(out) == llama_cpp.LLAMA_FTYPE_MOSTLY_Q8_0
     stamp = os.stat(out).st_mtime_ns
     assert weights_path(source, "auto", str(tmp_path)) == out and os.stat(out).st_mtime_ns == stamp  # cached
-    # no temporary file left; beside the copy, its source's identity
+    # no temporary file left; beside the copy, its source's identity and file type
     assert sorted(p.name for p in tmp_path.iterdir()) == [os.path.basename(out), os.path.basename(out) + ".source"]
+    assert json.loads(open(out + ".source").read()) == {
+        "path": os.path.realpath(source), "size": os.path.getsize(source), "mtime_ns": os.stat(source).st_mtime_ns,
+        "file_type": llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_1}
     # A Q8_0 file has batched kernels already: auto leaves it as it is; an explicit format converts.
     assert target(out, "auto") is None and weights_path(out, "auto", str(tmp_path)) == out
     assert weights_path(source, "file", str(tmp_path)) == source
+
+
+def test_auto_takes_the_file_type_from_the_copys_record(tmp_path):
+    """A start with a cached copy learns the source's type from the copy's record instead of
+    loading the file's vocabulary: a record that says F16 (batched kernels: no conversion) is
+    believed, one of another file is not, and one without the type gets it."""
+    source = default_model_path()
+    out = weights_path(source, "auto", str(tmp_path))
+    record = pathlib.Path(out + ".source")
+    saved = json.loads(record.read_text())
+    record.write_text(json.dumps({**saved, "file_type": llama_cpp.LLAMA_FTYPE_MOSTLY_F16}))
+    assert target(source, "auto", folder=str(tmp_path)) is None
+    record.write_text(json.dumps({**saved, "size": saved["size"] + 1, "file_type": llama_cpp.LLAMA_FTYPE_MOSTLY_F16}))
+    assert target(source, "auto", folder=str(tmp_path)) == "q8_0"
+    record.write_text(json.dumps({k: v for k, v in saved.items() if k != "file_type"}))  # as made a release ago
+    assert weights_path(source, "auto", str(tmp_path)) == out and json.loads(record.read_text()) == saved
+
+
+def test_the_file_as_stored_is_served():
+    """``--weights file``: the engine computes with the GGUF itself, no copy, and generates."""
+    from engine.request import SamplingParams
+    from tests.conftest import inproc_engine
+
+    source = default_model_path()
+    config = EngineConfig(model_path=source, max_slots=1, max_seq_len=64, max_queued=1, weights="file")
+    with inproc_engine(config) as engine:
+        assert engine.model.path == source
+        with engine.client.submit([1, 2, 3, 4], SamplingParams(max_new_tokens=4, temperature=0, ignore_eos=True)) as s:
+            assert len([t.id for t in s]) == 4
 
 
 def test_a_changed_source_file_gets_a_new_copy(tmp_path):

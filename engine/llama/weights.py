@@ -19,10 +19,11 @@ difference is the rounding of the file's own products, not the conversion.
 ``auto`` (the default) converts only Q4_1 and Q5_1 files, to Q8_0; ``file`` never converts;
 ``q8_0``, ``bf16`` and ``f16`` convert any file. The copy is written once per source file
 (path, size and modification time) under :func:`cache_dir`, atomically, so engines starting
-together never load a half-written file. Beside it, ``<copy>.source`` names that source; each new
-conversion removes the copies whose source is gone or changed (no start can ask for them again:
-their key is of a file that no longer exists), so a new checkout or a replaced model does not
-leave its old copy behind.
+together never load a half-written file. Beside it, ``<copy>.source`` names that source and its
+file type (so later starts with ``auto`` decide without reading the file); each new conversion
+removes the copies whose source is gone or changed (no start can ask for them again: their key
+is of a file that no longer exists), so a new checkout or a replaced model does not leave its
+old copy behind.
 """
 from __future__ import annotations
 
@@ -43,7 +44,7 @@ from engine.llama.backend import CPU, Backend
 from engine.llama.library import cache_dir, file_type
 
 log = logging.getLogger("engine.weights")
-#: Beside each converted copy: the JSON identity of its source (:func:`remove_stale_copies`).
+#: Beside each converted copy: the JSON identity and file type of its source (:func:`remove_stale_copies`).
 SOURCE_SUFFIX = ".source"
 
 #: llama.cpp file types (``general.file_type``, ``enum llama_ftype`` in llama.h) with no batched
@@ -55,9 +56,11 @@ _TARGETS = {"q8_0": llama_cpp.LLAMA_FTYPE_MOSTLY_Q8_0, "bf16": llama_cpp.LLAMA_F
 _COPY_NAME = re.compile(r".+\.[0-9a-f]{16}\.(?:" + "|".join(_TARGETS) + r")\.gguf")
 
 
-def target(path: str, weights: str, backend: Backend = CPU) -> str | None:
+def target(path: str, weights: str, backend: Backend = CPU, folder: str | None = None) -> str | None:
     """The format ``weights`` asks for this file (a key of the conversions), or None to load
-    the file as it is; ``auto`` converts only where ``backend`` has no batched kernel for it.
+    the file as it is; ``auto`` converts only where ``backend`` has no batched kernel for it
+    (the file's type read from the record of its copy in ``folder``, default :func:`cache_dir`,
+    when there is one: :func:`source_file_type`).
 
     Raises:
         ValueError: ``weights`` is not one of :data:`WEIGHTS`.
@@ -67,8 +70,27 @@ def target(path: str, weights: str, backend: Backend = CPU) -> str | None:
     if weights == "file":
         return None
     if weights == "auto":
-        return "q8_0" if backend.convert_unbatched and file_type(path) in UNBATCHED_FILE_TYPES else None
+        unbatched = backend.convert_unbatched and source_file_type(path, folder) in UNBATCHED_FILE_TYPES
+        return "q8_0" if unbatched else None
     return weights
+
+
+def source_file_type(path: str, folder: str | None = None) -> int:
+    """``file_type(path)``, taken from the ``.source`` record of the file's Q8_0 copy in
+    ``folder`` (default :func:`cache_dir`) when that record is of this very file: llama.cpp
+    reads it only with the whole vocabulary (0.16 CPU-s for the bundled model's), which every
+    engine start with ``auto`` would otherwise pay to learn what its first start learned."""
+    source = _identity(path)
+    saved = _read_record(_copy_path(path, source, "q8_0", folder or cache_dir()))
+    if isinstance(saved.get("file_type"), int) and all(saved.get(k) == v for k, v in source.items()):
+        return saved["file_type"]
+    return file_type(path)
+
+
+def _copy_path(path: str, source: dict, fmt: str, folder: str) -> str:
+    """Where the ``fmt`` copy of ``path`` (whose :func:`_identity` is ``source``) lives in ``folder``."""
+    key = hashlib.sha256("|".join(str(source[k]) for k in ("path", "size", "mtime_ns")).encode()).hexdigest()[:16]
+    return os.path.join(folder, f"{os.path.basename(path).removesuffix('.gguf')}.{key}.{fmt}.gguf")
 
 
 def weights_path(path: str, weights: str = "auto", folder: str | None = None, backend: Backend = CPU) -> str:
@@ -79,16 +101,15 @@ def weights_path(path: str, weights: str = "auto", folder: str | None = None, ba
         ValueError: unknown ``weights``. ConfigError: the cache folder is not writable.
         RuntimeError: llama.cpp could not convert the file.
     """
-    fmt = target(path, weights, backend)
+    folder = folder or cache_dir()
+    fmt = target(path, weights, backend, folder)
     if fmt is None:
         return path
     source = _identity(path)
-    key = hashlib.sha256("|".join(map(str, source.values())).encode()).hexdigest()[:16]
-    folder = folder or cache_dir()
-    out = os.path.join(folder, f"{os.path.basename(path).removesuffix('.gguf')}.{key}.{fmt}.gguf")
+    out = _copy_path(path, source, fmt, folder)
     if os.path.exists(out):
-        if not os.path.exists(out + SOURCE_SUFFIX):  # a copy made before the records
-            _record(out, source)
+        if "file_type" not in _read_record(out):  # made before the records, or before they held the type
+            _record(out, source, file_type(path))
         return out
     try:
         fd, tmp = tempfile.mkstemp(dir=folder, prefix=".converting-", suffix=".gguf")
@@ -109,18 +130,35 @@ def weights_path(path: str, weights: str = "auto", folder: str | None = None, ba
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
-    _record(out, source)
+    _record(out, source, file_type(path))
     remove_stale_copies(folder, keep=out)
     return out
 
 
-def _record(copy: str, source: dict) -> None:
-    """Write ``<copy>.source``: the identity of the file ``copy`` was converted from."""
+def _record(copy: str, source: dict, ftype: int) -> None:
+    """Write ``<copy>.source``: the identity of the file ``copy`` was converted from, and its
+    ``file_type``; atomically, as engines starting together read it."""
+    tmp = None
     try:
-        with open(copy + SOURCE_SUFFIX, "w") as f:
-            json.dump(source, f)
+        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(copy), prefix=".recording-")
+        with os.fdopen(fd, "w") as f:
+            json.dump({**source, "file_type": ftype}, f)
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, copy + SOURCE_SUFFIX)
     except OSError as e:  # a read-only cache still serves its copies; they are only not pruned
         log.warning("cannot record the source of %s: %s", copy, e.strerror)
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+
+
+def _read_record(copy: str) -> dict:
+    """The JSON of ``<copy>.source``; empty when there is none or it is not a record."""
+    with contextlib.suppress(OSError, ValueError):
+        with open(copy + SOURCE_SUFFIX) as f:
+            saved = json.load(f)
+        return saved if isinstance(saved, dict) else {}
+    return {}
 
 
 def _identity(path: str) -> dict:
