@@ -115,6 +115,9 @@ def _start_engine(server) -> None:
         _state["sidecar"] = sidecar
         sidecar.start()
         server.log.info("gRPC sidecar starting on port %d (pid %d)", _config.grpc_port, sidecar.pid)
+    # What every worker imports to build its app, imported once while the engine loads: the
+    # workers fork with it (server/http/worker_app.py says why).
+    import server.http.worker_app  # noqa: F401
 
 
 def pre_request(worker, req) -> None:

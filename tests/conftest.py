@@ -21,11 +21,12 @@ from shm.wakeup import Wakeups
 # `make test` runs the suite on three pytest-xdist workers, a file to a worker (--dist loadfile,
 # --no-loadscope-reorder): the files that take longest go first, so that none of them starts last
 # and runs alone. Measured with `--durations=0` under `make test` (seconds a file held its worker).
-LONGEST_FIRST = ("test_engine.py", "test_prefix_cache.py", "test_tenancy.py", "test_structured.py",
-                 "test_kv_memory.py", "test_resilience.py", "test_http_server.py", "test_tools_clients.py",
-                 "test_soak.py", "test_grpc.py", "test_drain.py", "test_openai_conformance.py", "test_responses.py",
-                 "test_bench_threads.py", "test_openapi.py", "test_http_contract.py", "test_multinode.py",
-                 "test_lm_eval.py", "test_connections.py", "test_metrics.py", "test_disconnect_storm.py")
+LONGEST_FIRST = ("test_generated_requests.py", "test_engine.py", "test_prefix_cache.py", "test_tenancy.py",
+                 "test_structured.py", "test_kv_memory.py", "test_resilience.py", "test_http_server.py",
+                 "test_tools_clients.py", "test_soak.py", "test_grpc.py", "test_drain.py",
+                 "test_openai_conformance.py", "test_responses.py", "test_bench_threads.py", "test_openapi.py",
+                 "test_http_contract.py", "test_multinode.py", "test_lm_eval.py", "test_connections.py",
+                 "test_metrics.py", "test_disconnect_storm.py")
 
 
 #: llama.cpp compute threads of the suite's engines. Three files run at once on two CPUs, so an

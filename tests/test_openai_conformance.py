@@ -1,26 +1,21 @@
 """Conformance to OpenAI's own OpenAPI document (``tests/openai/openapi-subset.json``), and the
 faults public bug reports found in OpenAI-compatible servers, each as a kind.
 
-Responses are validated with ``jsonschema`` against the document's components; schemathesis
-generates requests the document accepts and sends them to a real server.
+Responses are validated with ``jsonschema`` against the document's components; schemathesis'
+requests generated from it are sent to a real server by tests/generated_requests.py.
 """
 from __future__ import annotations
 
-import copy
 import http.client
 import json
 import pathlib
 import time
 
-import hypothesis
 import openai
 import pytest
-import schemathesis
 from jsonschema import Draft202012Validator
 from referencing import Registry, Resource
 from referencing.jsonschema import DRAFT202012
-from schemathesis.checks import not_a_server_error
-from schemathesis.specs.openapi.checks import response_schema_conformance
 
 from tests.conftest import AppServer, running_server
 from tests.test_http_contract import content, error, ok, post, request, stream_chunks
@@ -325,43 +320,3 @@ def test_queued_stream_sends_headers_at_once_and_keep_alives():
         assert len(pieces) >= 1
         blocker.close()
         server.wait_idle(30)
-
-
-# -- schemathesis -----------------------------------------------------------------------------------------
-def _pinned_document() -> dict:
-    """The document with every request's ``model`` pinned to the served name."""
-    doc = copy.deepcopy(DOC)
-    schemas = doc["components"]["schemas"]
-    for name in ("CreateChatCompletionRequest", "CreateCompletionRequest", "ResponseProperties"):
-        for part in schemas[name].get("allOf", [schemas[name]]):
-            if "model" in part.get("properties", {}):
-                part["properties"]["model"] = {"type": "string", "enum": [MODEL]}
-    # The document gives a deleted response's 404 as the bare ``Error`` object; OpenAI's API (and
-    # every SDK, which reads ``body["error"]``) wraps it, as every other error: {"error": Error}.
-    for path in ("/responses/{response_id}",):
-        for operation in doc["paths"][path].values():
-            if "404" not in operation["responses"]:
-                continue
-            media = operation["responses"]["404"]["content"]["application/json"]
-            media["schema"] = {"type": "object", "properties": {"error": media["schema"]}, "required": ["error"]}
-    return doc
-
-
-SCHEMA = schemathesis.openapi.from_dict(_pinned_document())
-SCHEMA.config.generation.update(modes=[schemathesis.GenerationMode.POSITIVE], max_examples=15)
-
-
-@pytest.fixture(scope="module")
-def small_server():
-    """Short sequences and little capacity, so generated requests stay cheap."""
-    with running_server("--max-slots", "4", "--max-queued", "4", "--max-seq-len", "64", "--workers", "2",
-                        "--threads", "8") as server:
-        yield server
-
-
-@SCHEMA.parametrize()
-@hypothesis.settings(deadline=None, suppress_health_check=list(hypothesis.HealthCheck))
-def test_schemathesis(case, small_server):
-    case.call_and_validate(base_url=small_server.url + "/v1", checks=[not_a_server_error, response_schema_conformance],
-                           timeout=60)
-

@@ -3,8 +3,8 @@
 Its routes are the app's routes (read from the Falcon app); it is a valid OpenAPI 3.1 document;
 its request fields and bounds are those the parsers take; each documented status is answered
 as documented (bodies, SSE chunks and headers validated with ``jsonschema``, including 401, 403,
-429 and 503, which need tenants or a full server); and schemathesis generates requests from the
-document a real server serves and sends them to that server.
+429 and 503, which need tenants or a full server). schemathesis' requests generated from it are
+sent to a real server by tests/generated_requests.py.
 """
 from __future__ import annotations
 
@@ -17,16 +17,11 @@ import time
 from dataclasses import replace
 
 import falcon.inspect
-import hypothesis
 import pytest
 import schemathesis
 from jsonschema import Draft202012Validator
 from referencing import Registry, Resource
 from referencing.jsonschema import DRAFT202012
-from schemathesis.checks import not_a_server_error
-from schemathesis.specs.openapi.checks import (content_type_conformance, negative_data_rejection,
-                                               response_headers_conformance, response_schema_conformance,
-                                               status_code_conformance)
 
 from engine.request import DEADLINE_MS_BOUNDS, SamplingParams
 from server import errors
@@ -353,99 +348,3 @@ def test_unavailable_conforms(full):
         for conn in held:
             conn.close()  # the client left: its sequence is cancelled
     full.wait_idle(60)
-
-
-# -- 5. schemathesis against a real server ----------------------------------------------------------------
-@pytest.fixture(scope="module")
-def doc_server():
-    """Short sequences and little capacity, so generated requests stay cheap."""
-    with running_server("--max-slots", "4", "--max-queued", "4", "--max-seq-len", "128", "--workers", "2",
-                        "--threads", "8") as server:
-        yield server
-
-
-def _pinned_document() -> dict:
-    """The document, with ``model`` pinned to the served name (any other is a documented 404, but
-    then little else would be generated). It is the document the server serves (test 1):
-    ``schemathesis.pytest.from_fixture``, which could load it from the server, fails under pytest 9."""
-    doc = copy.deepcopy(DOC)
-    for name in ("CreateChatCompletionRequest", "CreateCompletionRequest", "CreateResponseRequest"):
-        doc["components"]["schemas"][name]["properties"]["model"] = {"enum": [MODEL, None]}
-    return doc
-
-
-def _cheap_document(stream: bool) -> dict:
-    """A narrower document for positive cases: each generating route's token limit required and
-    at most 8 (generation stays short), and ``stream`` fixed (schemathesis' coverage phase, left
-    to choose, streams nearly always or nearly never). The document's if/then conditions
-    (``stream_options`` and ``top_logprobs`` need ``stream``, ``logprobs``) are written as
-    ``dependentSchemas`` or left out with their field: that phase generates no case for a body
-    with if/then."""
-    doc = _pinned_document()
-    schemas = doc["components"]["schemas"]
-    for name, limits in (("CreateChatCompletionRequest", ("max_tokens", "max_completion_tokens")),
-                         ("CreateCompletionRequest", ("max_tokens",)), ("InferRequest", ("max_new_tokens",)),
-                         ("CreateResponseRequest", ("max_output_tokens",))):
-        schema, props = schemas[name], schemas[name]["properties"]
-        for field in limits:
-            props[field] = {"type": "integer", "minimum": props[field]["minimum"], "maximum": 8}
-        schema["required"] = [*schema.get("required", []), limits[0]]
-        if "stream" not in props:
-            continue
-        schema.pop("allOf", None)
-        props["stream"] = {"const": stream}
-        schema["required"].append("stream")
-        if stream and "anyOf" in props["stream_options"]:
-            props["stream_options"] = props["stream_options"]["anyOf"][0]
-        elif stream:
-            props["stream_options"] = {**props["stream_options"], "type": "object"}
-        else:
-            del props["stream_options"]
-        if "top_logprobs" in props:
-            props["top_logprobs"] = {**props["top_logprobs"], "type": "integer"}
-            schema["dependentSchemas"] = {"top_logprobs": {"properties": {"logprobs": {"const": True}},
-                                                           "required": ["logprobs"]}}
-    return doc
-
-
-def _schema(doc: dict, mode: schemathesis.GenerationMode):
-    schema = schemathesis.openapi.from_dict(doc)
-    schema.config.generation.update(modes=[mode], max_examples=40)
-    return schema
-
-
-# Positive: requests the document allows, generating little, streamed and not. Negative: requests
-# it forbids, from the document as it is (so a forbidden value the server takes anyway is a failure).
-POSITIVE = _schema(_cheap_document(stream=False), schemathesis.GenerationMode.POSITIVE)
-STREAMING = _schema(_cheap_document(stream=True), schemathesis.GenerationMode.POSITIVE).include(
-    path=[CHAT, COMPLETIONS, "/v1/responses"])
-NEGATIVE = _schema(_pinned_document(), schemathesis.GenerationMode.NEGATIVE).include(method="POST")
-CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_headers_conformance,
-          response_schema_conformance, negative_data_rejection]
-SETTINGS = hypothesis.settings(deadline=None, suppress_health_check=list(hypothesis.HealthCheck))
-
-
-def _call(case, server) -> None:
-    """One example on an idle server: a stream's mailboxes are freed just after its client read
-    ``[DONE]``, and an example with ``n`` up to the server's capacity would otherwise meet a
-    (correct, documented) 503 ``server_overloaded``, which ``not_a_server_error`` counts."""
-    server.wait_idle(60)
-    case.call_and_validate(base_url=server.url, timeout=60, checks=CHECKS)
-
-
-@POSITIVE.parametrize()
-@SETTINGS
-def test_schemathesis_positive(case, doc_server):
-    _call(case, doc_server)
-
-
-@STREAMING.parametrize()
-@SETTINGS
-def test_schemathesis_streaming(case, doc_server):
-    _call(case, doc_server)
-
-
-@NEGATIVE.parametrize()
-@SETTINGS
-def test_schemathesis_negative(case, doc_server):
-    _call(case, doc_server)

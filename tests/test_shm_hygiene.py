@@ -5,13 +5,12 @@ leftovers are removed by the next start.
 from __future__ import annotations
 
 import contextlib
-import fcntl
+import ctypes
 import os
 import shutil
 import signal
 import subprocess
 import sys
-import threading
 import time
 
 import pytest
@@ -106,25 +105,38 @@ def _alive(pid: int) -> bool:
         return False
 
 
+SYS_PIDFD_GETFD = 438  # asm-generic/unistd.h: the same number on every architecture
+
+
 @contextlib.contextmanager
-def _lock_when_free(path: str):
-    """Queue now (in a thread) for an exclusive ``flock`` on ``path``, held until the block ends.
+def _hold_lock_of(pid: int, path: str):
+    """Keep the ``flock`` process ``pid`` holds on ``path`` held after ``pid`` and every process
+    sharing it die, until the block ends: the lock belongs to the open file, and this process
+    gets a descriptor of that very file (``pidfd_getfd``, Linux 5.6; ``pid`` must be a child).
 
-    Yields ``locked(timeout=60.0)``, which waits until the lock is granted and raises
-    AssertionError when it is not within ``timeout`` seconds.
+    Any server another test starts sweeps /dev/shm, and takes a folder whose owner lock is free
+    for a dead server's; with the lock held here, what a killed server left stays until the
+    test has looked. (Queuing for the lock as the holders die left a moment in which a sweep
+    could take it first.)
     """
-    f = open(path)
-    queued = threading.Thread(target=fcntl.flock, args=(f, fcntl.LOCK_EX), daemon=True)
-    queued.start()
-
-    def locked(timeout: float = 60.0) -> None:
-        queued.join(timeout)
-        assert not queued.is_alive(), f"{path}: still locked after {timeout} s"
-
+    fd = next(int(n) for n in os.listdir(f"/proc/{pid}/fd") if _link(f"/proc/{pid}/fd/{n}") == path)
+    pidfd = os.pidfd_open(pid)
     try:
-        yield locked
+        held = ctypes.CDLL(None, use_errno=True).syscall(SYS_PIDFD_GETFD, pidfd, fd, 0)
     finally:
-        f.close()
+        os.close(pidfd)
+    assert held >= 0, f"pidfd_getfd: {os.strerror(ctypes.get_errno())}"
+    try:
+        yield
+    finally:
+        os.close(held)
+
+
+def _link(path: str) -> str | None:
+    try:
+        return os.readlink(path)
+    except OSError:
+        return None
 
 
 @pytest.mark.parametrize("kill", ["group", "master"])
@@ -142,10 +154,9 @@ def test_a_killed_servers_segment_is_removed_by_the_next_start(kill):
             assert sorted(p for d in owned for p in prefixes if os.path.basename(d).startswith(p)) == \
                 sorted(prefixes), owned
             children = dead.children()
-            # Any server another test starts meanwhile sweeps orphans. Queued on the owner lock,
-            # this test takes it the moment the last holder dies, so the leftovers look alive to
-            # every sweep until the start below.
-            with _lock_when_free(f"/dev/shm/{dead.shm}.d/{segment.OWNER_FILE}") as locked:
+            # Held here, the owner lock keeps every other test's sweep off the leftovers until
+            # the start below.
+            with _hold_lock_of(dead.proc.pid, f"/dev/shm/{dead.shm}.d/{segment.OWNER_FILE}"):
                 if kill == "group":
                     os.killpg(dead.proc.pid, signal.SIGKILL)
                 else:
@@ -155,7 +166,6 @@ def test_a_killed_servers_segment_is_removed_by_the_next_start(kill):
                 while any(_alive(p) for p in children):  # workers notice their parent's death
                     assert time.monotonic() < end, [p for p in children if _alive(p)]
                     time.sleep(0.1)
-                locked()
                 left = sorted(n for n in os.listdir("/dev/shm") if n.startswith(dead.shm))
                 if kill == "group":
                     assert left == [dead.shm, dead.shm + ".d"]
