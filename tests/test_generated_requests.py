@@ -1,6 +1,7 @@
 """schemathesis' requests from both OpenAPI documents against real servers
-(``tests/generated_requests.py``), in a pytest of their own so that only the xdist worker that
-runs them builds their cases (that module's docstring says why)."""
+(``tests/generated_requests.py``), in a pytest of their own: so that every operation runs (under
+xdist one did per test) and only the worker that runs them builds their cases (that module's
+docstring says more)."""
 from __future__ import annotations
 
 import os
