@@ -101,10 +101,10 @@ def weights_path(path: str, weights: str = "auto", folder: str | None = None, ba
         ValueError: unknown ``weights``. ConfigError: the cache folder is not writable.
         RuntimeError: llama.cpp could not convert the file.
     """
-    folder = folder or cache_dir()
     fmt = target(path, weights, backend, folder)
     if fmt is None:
         return path
+    folder = folder or cache_dir()
     source = _identity(path)
     out = _copy_path(path, source, fmt, folder)
     if os.path.exists(out):
