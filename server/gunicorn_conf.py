@@ -116,8 +116,13 @@ def _start_engine(server) -> None:
         sidecar.start()
         server.log.info("gRPC sidecar starting on port %d (pid %d)", _config.grpc_port, sidecar.pid)
     # What every worker imports to build its app, imported once while the engine loads: the
-    # workers fork with it (server/http/worker_app.py says why).
-    import server.http.worker_app  # noqa: F401
+    # workers fork with it (server/http/worker_app.py says why). gunicorn calls no on_exit for
+    # an error in when_ready, so a broken install stops everything started above here.
+    try:
+        import server.http.worker_app  # noqa: F401
+    except Exception as e:
+        on_exit(server)
+        raise SystemExit(f"inference-server: cannot import the app: {type(e).__name__}: {e}") from None
 
 
 def pre_request(worker, req) -> None:

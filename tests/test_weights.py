@@ -5,12 +5,13 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import tempfile
 
 import llama_cpp
 import pytest
 
 from engine.config import ConfigError, EngineConfig, default_model_path
-from engine.llama.library import file_type
+from engine.llama.library import cache_dir, file_type
 from engine.llama.weights import remove_stale_copies, target, weights_path
 from server.config import ServerConfig
 
@@ -45,8 +46,27 @@ def test_auto_takes_the_file_type_from_the_copys_record(tmp_path):
     assert target(source, "auto", folder=str(tmp_path)) is None
     record.write_text(json.dumps({**saved, "size": saved["size"] + 1, "file_type": llama_cpp.LLAMA_FTYPE_MOSTLY_F16}))
     assert target(source, "auto", folder=str(tmp_path)) == "q8_0"
+    record.write_text(json.dumps({**saved, "file_type": True}))  # JSON's true is no file type
+    assert target(source, "auto", folder=str(tmp_path)) == "q8_0"
     record.write_text(json.dumps({k: v for k, v in saved.items() if k != "file_type"}))  # as made a release ago
     assert weights_path(source, "auto", str(tmp_path)) == out and json.loads(record.read_text()) == saved
+    record.unlink()
+    os.mkfifo(record)  # read, it would block the start: not a regular file, not read
+    assert target(source, "auto", folder=str(tmp_path)) == "q8_0"
+
+
+def test_the_cache_falls_back_to_a_private_temporary_folder(tmp_path, monkeypatch):
+    """A home with no writable cache: the copies go to ``inference-server-<uid>`` in the temporary
+    folder, mode 0700, never the shared folder itself, and a start refuses one that is not private."""
+    home = tmp_path / "home"
+    home.write_text("")  # not a folder: no cache can be made under it
+    monkeypatch.setenv("XDG_CACHE_HOME", str(home))
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    private = tmp_path / f"inference-server-{os.getuid()}"
+    assert cache_dir() == str(private) and (private.stat().st_mode & 0o777) == 0o700
+    private.chmod(0o777)
+    with pytest.raises(ConfigError, match="not a folder of this user's alone"):
+        cache_dir()
 
 
 def test_the_file_as_stored_is_served():

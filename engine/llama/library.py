@@ -6,23 +6,31 @@ Every other module of :mod:`engine.llama` and the front ends' tokenizer load mod
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import hashlib
 import os
 import signal
+import stat
 import subprocess
 import sys
 import tempfile
 import llama_cpp
 
-from engine.config import check_model_file
+from engine.config import ConfigError, check_model_file
 
 
 def cache_dir() -> str:
     """Folder of files derived from a model (converted weights, the AMX probe's answer):
-    ``$XDG_CACHE_HOME`` (default ``~/.cache``) ``/inference-server``, or the temporary folder when
-    that cannot be created (a read-only home in a container)."""
+    ``$XDG_CACHE_HOME`` (default ``~/.cache``) ``/inference-server``, or, when that cannot be
+    created (a read-only home in a container), ``inference-server-<uid>`` in the temporary folder,
+    this user's alone (mode 0700): in the shared folder itself another user could plant a file
+    under a copy's predictable name for this user's engines to load.
+
+    Raises:
+        ConfigError: that temporary folder exists and is not this user's private folder.
+    """
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     folder = os.path.join(base, "inference-server")
     try:
@@ -31,7 +39,14 @@ def cache_dir() -> str:
             return folder
     except OSError:
         pass
-    return tempfile.gettempdir()
+    folder = os.path.join(tempfile.gettempdir(), f"inference-server-{os.getuid()}")
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(folder, 0o700)
+    st = os.lstat(folder)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
+        raise ConfigError(f"{folder} is not a folder of this user's alone (mode 0700); remove it, or set "
+                          "XDG_CACHE_HOME to a writable folder")
+    return folder
 
 
 @llama_cpp.llama_log_callback

@@ -35,6 +35,7 @@ import json
 import logging
 import os
 import re
+import stat
 import tempfile
 
 import llama_cpp
@@ -82,7 +83,7 @@ def source_file_type(path: str, folder: str | None = None) -> int:
     engine start with ``auto`` would otherwise pay to learn what its first start learned."""
     source = _identity(path)
     saved = _read_record(_copy_path(path, source, "q8_0", folder or cache_dir()))
-    if isinstance(saved.get("file_type"), int) and all(saved.get(k) == v for k, v in source.items()):
+    if type(saved.get("file_type")) is int and all(saved.get(k) == v for k, v in source.items()):  # not a bool
         return saved["file_type"]
     return file_type(path)
 
@@ -152,12 +153,23 @@ def _record(copy: str, source: dict, ftype: int) -> None:
                 os.unlink(tmp)
 
 
+#: Bytes of a ``.source`` record read at most (one is about 200).
+RECORD_MAX_BYTES = 4096
+
+
 def _read_record(copy: str) -> dict:
-    """The JSON of ``<copy>.source``; empty when there is none or it is not a record."""
-    with contextlib.suppress(OSError, ValueError):
-        with open(copy + SOURCE_SUFFIX) as f:
-            saved = json.load(f)
-        return saved if isinstance(saved, dict) else {}
+    """The JSON of ``<copy>.source``; empty when there is none or it is not a record: only a
+    regular file is read (a FIFO would block the start, a link to ``/dev/zero`` fill memory),
+    and at most :data:`RECORD_MAX_BYTES` of it."""
+    try:
+        fd = os.open(copy + SOURCE_SUFFIX, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
+    except OSError:
+        return {}
+    with os.fdopen(fd, "rb") as f:
+        with contextlib.suppress(OSError, ValueError):
+            if stat.S_ISREG(os.fstat(fd).st_mode):
+                saved = json.loads(f.read(RECORD_MAX_BYTES))
+                return saved if isinstance(saved, dict) else {}
     return {}
 
 
