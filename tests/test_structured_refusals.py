@@ -5,6 +5,7 @@ The in-process app (the shared ``app`` fixture), its engine client's ``submit`` 
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 
@@ -137,3 +138,20 @@ def test_a_grammar_with_no_instance_is_refused_up_front(app, submits, fields, pa
         err = error(post(app, CHAT, body), 400, param=param)
         assert "no text is an instance" in err["message"] or (extra and "JSON format only" in err["message"]), err
     assert submits == []
+
+
+def test_a_schema_too_costly_to_check_is_refused_in_bounded_time(app, submits):
+    """Found by a hostile helper: a string schema whose ``allOf`` holds 30 ``pattern``s (under
+    2 KiB) made llguidance's check intersect their regexes for minutes and gigabytes, in the
+    request's thread. The check runs in a child process (engine/llama/grammar_checker.py) and a
+    check over its 5 s is a 400 naming the field; the next request is served."""
+    slow = {"type": "string", "allOf": [{"pattern": f"^(.*a.*b.*c.*{i}.*)$"} for i in range(30)]}
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    start = time.monotonic()
+    err = error(post(app, CHAT, {**body, "response_format": schema_format(slow)}), 400,
+                param="response_format.json_schema.schema")
+    assert "could not check it within 5 s" in err["message"] and time.monotonic() - start < 30
+    r = post(app, CHAT, {**body, "response_format": schema_format({"type": "object"})})
+    assert r.status == 200, r.body
+    assert len(submits) == 1
+    app.wait_idle()

@@ -116,12 +116,16 @@ def tokenizer_from_vocab(vocab, n_vocab: int, eos: list[int]) -> llguidance.LLTo
 
 
 class CheckedGrammars:
-    """A front end's memo of :func:`check`: the last ``capacity`` verdicts, per (tenant,
-    grammar), so a tenant's repeated schema costs a dictionary lookup (and no tenant learns from
-    a response's time which grammars another used). Thread-safe."""
+    """A front end's memo of :func:`check`, run by ``checker`` (default: a
+    :class:`engine.llama.grammar_checker.GrammarChecker`, in a child process bounded in time): the
+    last ``capacity`` verdicts, per (tenant, grammar), so a tenant's repeated schema costs a
+    dictionary lookup (and no tenant learns from a response's time which grammars another used).
+    Thread-safe."""
 
-    def __init__(self, capacity: int = 256):
-        self.capacity = capacity
+    def __init__(self, capacity: int = 256, checker=None):
+        from engine.llama.grammar_checker import GrammarChecker  # it imports this module
+
+        self.capacity, self.checker = capacity, checker or GrammarChecker()
         self._verdicts: OrderedDict[tuple[int, str, bool], str] = OrderedDict()
         self._lock = threading.Lock()
 
@@ -133,7 +137,7 @@ class CheckedGrammars:
             if verdict is not None:
                 self._verdicts.move_to_end(key)
                 return verdict
-        verdict = check(grammar, text_only)  # outside the lock: other threads' cached checks do not wait
+        verdict = self.checker.check(grammar, text_only)  # outside the lock: cached checks do not wait
         with self._lock:
             self._verdicts[key] = verdict
             while len(self._verdicts) > self.capacity:
