@@ -27,6 +27,8 @@ import llama_cpp
 import llguidance
 import numpy as np
 
+from engine.llama.grammar_checker import GrammarChecker
+
 #: llguidance's parser limits, the same in the front end's check and the engine's compile.
 #: ``initial_lexer_fuel`` bounds the lexer's construction (about 50k units a millisecond, so at
 #: most about 20 ms), ``max_grammar_size`` the grammar's symbols, ``step_lexer_fuel`` and
@@ -116,16 +118,14 @@ def tokenizer_from_vocab(vocab, n_vocab: int, eos: list[int]) -> llguidance.LLTo
 
 
 class CheckedGrammars:
-    """A front end's memo of :func:`check`, run by ``checker`` (default: a
-    :class:`engine.llama.grammar_checker.GrammarChecker`, in a child process bounded in time): the
+    """A front end's memo of :func:`check`, run by a
+    :class:`engine.llama.grammar_checker.GrammarChecker` (in a child process, bounded in time): the
     last ``capacity`` verdicts, per (tenant, grammar), so a tenant's repeated schema costs a
     dictionary lookup (and no tenant learns from a response's time which grammars another used).
     Thread-safe."""
 
-    def __init__(self, capacity: int = 256, checker=None):
-        from engine.llama.grammar_checker import GrammarChecker  # it imports this module
-
-        self.capacity, self.checker = capacity, checker or GrammarChecker()
+    def __init__(self, capacity: int = 256):
+        self.capacity, self.checker = capacity, GrammarChecker()
         self._verdicts: OrderedDict[tuple[int, str, bool], str] = OrderedDict()
         self._lock = threading.Lock()
 
