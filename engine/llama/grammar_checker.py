@@ -58,7 +58,8 @@ class GrammarChecker:
 
 
 def main() -> None:
-    from engine.llama.grammar import check
+    """The child: answer each line of stdin until it closes (the parent exited or gave up on it)."""
+    from engine.llama.grammar import check  # here: that module imports this one
 
     for line in sys.stdin:
         grammar, text_only = json.loads(line)
