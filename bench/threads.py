@@ -29,9 +29,9 @@ The ceiling (``bench.limit``, B = clients, P = 32, G = 128) runs for every fixed
 the conditions asked of ``idle`` and ``busy`` (with no server up: an idle server's ACTIVE threads
 keep spinning). The table gives each figure and its ratio to the best fixed setting of its
 column. The machine is noisy (one run's figures move by 10-15 %): ``--repeat R`` alternates the
-settings R times and reports medians. Then the switch: the adaptive server under steady load while the busy process starts and
-later stops; generated tokens per second, and how long after each change throughput stayed
-within 10 % of its new level.
+settings R times and reports medians. Then the switch: the adaptive server under steady load
+while the busy process starts and later stops; generated tokens per second, and how long after
+each change throughput stayed within 10 % of its new level.
 """
 from __future__ import annotations
 

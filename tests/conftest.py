@@ -355,10 +355,11 @@ def app(model_path, tokenizer, chat):
 
     It computes with the default weights (the Q8_0 copy, engine/llama/weights.py), whose prefill
     costs this suite's many in-process prompts 15 % less CPU than the file's own Q4_1
-    (tests/test_weights.py serves that one). It is ``--deterministic`` (the batch-invariant profile, engine/llama/backend.py), so a greedy
-    reply does not depend on what else is batched or cached: tests/test_http_contract.py asks for
-    a reply once and builds its expectations from it, and tests that compare outputs with and
-    without a prefix-cache hit can hold it to that promise. No test pins a reply's text: it
+    (tests/test_weights.py serves that one). It is ``--deterministic`` (the batch-invariant
+    profile, engine/llama/backend.py), so a greedy reply does not depend on what else is batched
+    or cached: tests/test_http_contract.py asks for a reply once and builds its expectations from
+    it, and tests that compare outputs with and without a prefix-cache hit can hold it to that
+    promise. No test pins a reply's text: it
     depends on the CPU's kernels (AVX2 and AVX-512 builds part after a few tokens)."""
     from server.config import ServerConfig
     from server.generation.pipeline import Generator

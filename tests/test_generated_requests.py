@@ -17,8 +17,8 @@ OPERATIONS = 41
 
 def test_generated_requests_conform():
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_XDIST", "PYTEST_CURRENT_TEST"))}
-    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/generated_requests.py"],
-                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=540)
+    argv = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/generated_requests.py"]
+    run = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=540)
     assert run.returncode == 0, run.stdout[-12000:] + run.stderr[-3000:]
     summary = run.stdout.splitlines()[-1]  # every operation of both documents ran, and passed
     assert summary.startswith(f"{OPERATIONS} passed"), run.stdout[-3000:]

@@ -507,7 +507,8 @@ def test_an_app_that_cannot_be_imported_stops_the_start_and_leaves_nothing(tmp_p
     name = f"infer-test-{secrets.token_hex(4)}"
     env = {**os.environ, "INFERENCE_SHM": name, "PYTHONPATH": str(tmp_path), "TMPDIR": str(tmp_path / "tmp")}
     r = subprocess.run([sys.executable, "-m", "server.cli", "--port", "0", "--grpc-port", "0", "--workers", "1",
-                        "--max-slots", "1", "--max-seq-len", "128"], env=env, capture_output=True, text=True, timeout=120)
+                        "--max-slots", "1", "--max-seq-len", "128"],
+                       env=env, capture_output=True, text=True, timeout=120)
     assert r.returncode != 0
     assert "inference-server: cannot import the app: ImportError: broken on purpose" in r.stderr, r.stderr[-3000:]
     assert not os.path.exists(f"/dev/shm/{name}") and not os.path.exists(f"/dev/shm/{name}.d")

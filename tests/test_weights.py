@@ -53,6 +53,9 @@ def test_auto_takes_the_file_type_from_the_copys_record(tmp_path):
     record.unlink()
     os.mkfifo(record)  # read, it would block the start: not a regular file, not read
     assert target(source, "auto", folder=str(tmp_path)) == "q8_0"
+    record.unlink()
+    record.mkdir()
+    assert target(source, "auto", folder=str(tmp_path)) == "q8_0"
 
 
 def test_the_cache_falls_back_to_a_private_temporary_folder(tmp_path, monkeypatch):

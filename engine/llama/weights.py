@@ -165,11 +165,14 @@ def _read_record(copy: str) -> dict:
         fd = os.open(copy + SOURCE_SUFFIX, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
     except OSError:
         return {}
-    with os.fdopen(fd, "rb") as f:
-        with contextlib.suppress(OSError, ValueError):
-            if stat.S_ISREG(os.fstat(fd).st_mode):
-                saved = json.loads(f.read(RECORD_MAX_BYTES))
-                return saved if isinstance(saved, dict) else {}
+    try:
+        if stat.S_ISREG(os.fstat(fd).st_mode):
+            saved = json.loads(os.read(fd, RECORD_MAX_BYTES))
+            return saved if isinstance(saved, dict) else {}
+    except (OSError, ValueError):
+        pass
+    finally:
+        os.close(fd)
     return {}
 
 
@@ -190,7 +193,7 @@ def remove_stale_copies(folder: str, keep: str = "") -> list[str]:
     removed = []
     for record in glob.glob(os.path.join(glob.escape(folder), "*.gguf" + SOURCE_SUFFIX), include_hidden=True):
         copy = record.removesuffix(SOURCE_SUFFIX)
-        if copy == keep or not _COPY_NAME.fullmatch(os.path.basename(copy)) or not _stale(record):
+        if copy == keep or not _COPY_NAME.fullmatch(os.path.basename(copy)) or not _stale(copy):
             continue
         try:
             for name in (copy, record):
@@ -203,17 +206,17 @@ def remove_stale_copies(folder: str, keep: str = "") -> list[str]:
     return removed
 
 
-def _stale(record: str) -> bool:
-    """Whether ``record`` names a source that is gone or differs from when it was written (only
-    the fields :func:`_identity` gives are compared); False for what is not such a record."""
-    if not os.path.isfile(record):
-        return False  # a FIFO would block the open
+def _stale(copy: str) -> bool:
+    """Whether the record of ``copy`` names a source that is gone or differs from when it was
+    written (only the fields :func:`_identity` gives are compared); False when there is no such
+    record (:func:`_read_record`)."""
+    source = _read_record(copy)
+    if not source:
+        return False  # none, unreadable, or not a record of ours (or one being written)
     try:
-        with open(record) as f:
-            source = json.load(f)
         current = _identity(source["path"])
     except (FileNotFoundError, NotADirectoryError):
-        return os.path.isfile(record)  # the source is gone, unless the record went first
+        return os.path.isfile(copy + SOURCE_SUFFIX)  # the source is gone, unless the record went first
     except (OSError, ValueError, KeyError, TypeError):
-        return False  # unreadable, or not a record of ours (or one being written)
+        return False  # not a path
     return any(source.get(k) != v for k, v in current.items())
