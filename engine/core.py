@@ -406,11 +406,12 @@ class EngineCore:
         self.t.control.publish(self.step_no, slots, kv, len(self.sched.waiting), *cached, kv_cells=self.sched.kv_cells)
 
     def shutdown(self, error: ErrorCode) -> None:
-        """Finish every sequence with ``error`` (engine stopping); stop compiling grammars."""
-        self.grammars.close()
-        self.logprobs.close()
+        """Finish every sequence with ``error`` (engine stopping), then stop compiling grammars:
+        the clients hear first, since closing waits for a grammar being compiled."""
         for seq in list(self.sched.running.values()):
             self.retire(seq, Finish.ERROR, error)
         for seq in list(self.sched.waiting):
             self.sched.drop_waiting(seq)
             self.boxes.finish(seq.mailbox, seq.lease, Finish.ERROR, error, self.step_no)
+        self.grammars.close()
+        self.logprobs.close()
