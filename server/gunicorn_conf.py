@@ -31,7 +31,7 @@ from engine.config import ConfigError
 from engine.supervisor import EngineSupervisor, SharedMemoryTooSmall
 from server import private_dir
 from server.config import ServerConfig
-from server.grpc.keeper import Sidecar
+from server.grpc.keeper import Sidecar, check_port as check_grpc_port
 from server.http.worker import discard_body
 from server.observability import metrics_dir
 from server.responses.store import create_database
@@ -71,11 +71,13 @@ _state: dict = {}
 
 
 def on_starting(server) -> None:
-    """Check the files before anything starts."""
+    """Check the files and the gRPC port before anything starts."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         _config.check_files()
         _state["tenants"] = Tenants.load(_config.tenants_file or None)
+        if _config.grpc_port:
+            check_grpc_port(_config.host, _config.grpc_port)
     except ConfigError as e:
         raise SystemExit(f"inference-server: {e}") from None
 

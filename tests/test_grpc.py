@@ -2,12 +2,14 @@
 grpcio client. Every status code comes from a real cause."""
 from __future__ import annotations
 
+import contextlib
 import filecmp
 import http.client
 import json
 import os
 import pathlib
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -18,6 +20,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
+from engine.client import EngineClient
 from proto import inference_pb2 as pb
 from proto import inference_pb2_grpc
 from tests.conftest import running_server, wait_steps
@@ -368,6 +371,55 @@ def test_health_is_not_serving_until_the_engine_is_ready(model_path):
         server.stop(0).wait()
         engine.close()
         transport.close()
+
+
+@contextlib.contextmanager
+def _listener_sharing_its_port():
+    """A socket listening on a free loopback port with ``SO_REUSEPORT``, as gRPC's default server
+    binds: yields its port."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        yield s.getsockname()[1]
+
+
+def test_a_used_grpc_port_stops_the_start_and_leaves_nothing(tmp_path):
+    """Another process listening on ``--grpc-port`` (with ``SO_REUSEPORT``, as another server's
+    sidecar did) stops the start at once with one line naming the flag; before, both servers
+    bound the port and the kernel spread the calls over them."""
+    import secrets
+
+    name = f"infer-test-{secrets.token_hex(4)}"
+    with _listener_sharing_its_port() as port:
+        r = subprocess.run([sys.executable, "-m", "server.cli", "--port", "0", "--grpc-port", str(port),
+                            "--workers", "1", "--max-slots", "1", "--max-seq-len", "128"],
+                           env={**os.environ, "INFERENCE_SHM": name}, capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0
+    assert f"inference-server: --grpc-port {port} is in use" in r.stderr, r.stderr[-3000:]
+    assert "engine starting" not in r.stderr
+    assert not os.path.exists(f"/dev/shm/{name}") and not os.path.exists(f"/dev/shm/{name}.d")
+
+
+def test_the_sidecar_does_not_share_its_port(model_path):
+    """The sidecar's own server, built on a port another socket holds with ``SO_REUSEPORT``, fails
+    to bind (:func:`server.grpc.server.options` turns gRPC's default ``SO_REUSEPORT`` off): a port
+    taken after the master's check is a restart in the log, never calls answered elsewhere."""
+    from server.config import ServerConfig
+    from server.grpc.server import build
+    from server.tenancy.tenants import TenantRegistry, Tenants
+    from shm import Transport
+
+    with _listener_sharing_its_port() as port:
+        config = ServerConfig(model_path=model_path, max_slots=1, max_seq_len=256, grpc_port=port)
+        transport = Transport.create(config.engine_config().layout())
+        engine = EngineClient(transport)
+        try:
+            with pytest.raises(RuntimeError):
+                build(config, engine, TenantRegistry(Tenants.load(None)))
+        finally:
+            engine.close()
+            transport.close()
 
 
 def test_readme_python_client_example(small_server):

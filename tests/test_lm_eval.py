@@ -110,3 +110,12 @@ def test_generation_task_runs(evaluation):
     samples = evaluation["samples"]["server_gen"]
     assert len(samples) == 32 and all(isinstance(s["resps"][0][0], str) for s in samples)
     assert evaluation["results"]["server_gen"]["exact_match,strip"] > 0
+
+
+def test_the_lm_eval_command_prints_its_results_table(evaluation):
+    """The ``lm_eval`` command of docs/api.md ends by printing this table (pytablewriter, which
+    the test extra installs: without it the command failed after the whole evaluation)."""
+    from lm_eval.utils import make_table
+
+    table = make_table(evaluation)
+    assert "server_mc" in table and "server_gen" in table and "acc" in table

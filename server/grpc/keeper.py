@@ -7,17 +7,43 @@ the mailboxes it leased are reclaimed as a dead worker's are.
 """
 from __future__ import annotations
 
+import errno
 import logging
+import socket
 import subprocess
 import sys
 import threading
 from typing import Callable
 
+from engine.config import ConfigError
 from engine.supervisor import stop_child
 
 log = logging.getLogger("sidecar")
 RESTART_S = 0.5
 STOP_S = 10.0
+
+
+def check_port(host: str, port: int) -> None:
+    """Refuse a ``--grpc-port`` another process listens on, before anything starts: the sidecar
+    would only fail to bind after the engine loaded, then again every ``RESTART_S``. Binds and
+    closes a socket on each address ``host`` resolves to, as gRPC will bind them (``SO_REUSEADDR``,
+    no ``SO_REUSEPORT``, :func:`server.grpc.server.options`). A port taken between this check and
+    the sidecar's bind shows as the sidecar's restarts in the log.
+
+    Raises:
+        ConfigError: the port is in use.
+    """
+    for family, kind, proto, _, address in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                               flags=socket.AI_PASSIVE):
+        with socket.socket(family, kind, proto) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind(address)
+            except OSError as e:
+                if e.errno == errno.EADDRINUSE:
+                    raise ConfigError(f"--grpc-port {port} is in use on {address[0]} (another server's gRPC "
+                                      "sidecar? give each server its own --grpc-port, or 0 for none)") from None
+                # anything else (an address family this host lacks) is gRPC's to report
 
 
 class Sidecar:

@@ -39,18 +39,29 @@ HEALTH_POLL_S = 0.2
 PR_SET_PDEATHSIG = 1
 
 
+def options(config: ServerConfig) -> list[tuple[str, int]]:
+    """gRPC core's channel arguments for the sidecar's server.
+
+    ``grpc.so_reuseport`` is off: gRPC sets ``SO_REUSEPORT`` by default on Linux, so a second
+    server on the same ``--grpc-port`` bound it too and the kernel spread the calls over both,
+    silently (a newcomer's two servers answered each other's calls)."""
+    return [("grpc.max_receive_message_length", config.max_body_bytes), ("grpc.so_reuseport", 0)]
+
+
 def build(config: ServerConfig, engine: EngineClient,
           tenants: TenantRegistry) -> tuple[grpc.Server, health.HealthServicer]:
     """The server with its three services, health ``NOT_SERVING`` (set before it starts, so no
-    probe passes during model load), not started. Binding a used port raises RuntimeError."""
+    probe passes during model load), not started.
+
+    Raises:
+        RuntimeError: ``--grpc-port`` is in use (gRPC's own error)."""
     tokenizer = Tokenizer(config.resolved_model_path())
     generator = Generator(engine, tokenizer, ChatTemplate(tokenizer, config.chat_template_source()), RateLimiter(engine.buckets, config.redis_url))
     # No cap on concurrent calls: gRPC would refuse the excess with RESOURCE_EXHAUSTED (which
     # means "over quota" here) and count health probes against it. Calls beyond the threads
     # wait for one; the default has a thread for every mailbox and spare ones, so a saturated
     # server still answers UNAVAILABLE at once and probes at once.
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=config.grpc_handler_threads),
-                         options=[("grpc.max_receive_message_length", config.max_body_bytes)])
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=config.grpc_handler_threads), options=options(config))
     inference_pb2_grpc.add_InferenceServiceServicer_to_server(InferenceService(config, generator, tenants), server)
     health_servicer = health.HealthServicer()
     for name in ("", SERVICE_NAME):
@@ -84,7 +95,12 @@ def main() -> int:
     config = ServerConfig.from_env()
     tenants = TenantRegistry(Tenants.load(config.tenants_file or None))
     engine = EngineClient.attach(os.environ["INFERENCE_SHM"])
-    server, health_servicer = build(config, engine, tenants)
+    try:
+        server, health_servicer = build(config, engine, tenants)
+    except RuntimeError as e:  # the port was taken after the master's check (keeper.check_port)
+        log.error("cannot serve gRPC on %s:%d: %s", config.host, config.grpc_port, e)
+        engine.close()
+        return 1
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGHUP, lambda *_: tenants.reload())

@@ -133,8 +133,8 @@ class Telemetry:
         line = {"request_id": record.request_id, "tenant": record.tenant.id, "route": record.route,
                 "status": status, "finish_reason": reason, "prompt_tokens": usage.prompt_tokens,
                 "cached_tokens": usage.cached_tokens, "completion_tokens": usage.completion_tokens,
-                "tool_calls": sum(gen.tool_calls) if gen is not None else 0, "queue_wait_s": _round(queue_wait), "time_to_first_token_s": _round(ttft),
-                "latency_s": _round(latency)}
+                "tool_calls": sum(gen.tool_calls) if gen is not None else 0, "queue_wait_s": _round(queue_wait),
+                "time_to_first_token_s": _round(ttft), "latency_s": _round(latency)}
         if self.log_prompts:
             line["prompt"] = record.prompt
         log.info(ujson.dumps(line, ensure_ascii=False, escape_forward_slashes=False))
