@@ -489,7 +489,7 @@ def test_a_failed_bind_leaves_no_shared_memory():
         taken.listen()
         name = f"infer-test-{secrets.token_hex(4)}"
         r = subprocess.run([sys.executable, "-m", "server.cli", "--port", str(taken.getsockname()[1]),
-                            "--workers", "1"], env={**os.environ, "INFERENCE_SHM": name},
+                            "--grpc-port", "0", "--workers", "1"], env={**os.environ, "INFERENCE_SHM": name},
                            capture_output=True, text=True, timeout=120)
     assert r.returncode != 0
     assert not os.path.exists(f"/dev/shm/{name}") and not os.path.exists(f"/dev/shm/{name}.d")
