@@ -417,6 +417,30 @@ def test_parameters_llguidance_cannot_compile_are_refused_by_name():
     assert e.value.param == "tools[1].function.parameters"
 
 
+@pytest.mark.parametrize("parameters", [{"$ref": "#/$defs/x", "$defs": {"x": {"const": None}}},
+                                        {"anyOf": [{"type": "array"}]}, {"allOf": [{"type": "string"}]}])
+def test_parameters_that_allow_no_object_are_refused_by_name(parameters):
+    """Found by a hostile helper: a root with no ``type`` of its own that reaches another type
+    let the model write ``"arguments": null`` (or ``[]``, ``"f"``), which no parser reads as a call."""
+    from server.tools.grammar import tool_grammar
+    from server.tools.spec import ToolRequest
+    with pytest.raises(InvalidRequest) as e:
+        tool_grammar(formats.GENERIC, ToolRequest((Tool("f", "", parameters),), "required"))
+    assert e.value.param == "tools[0].function.parameters"
+
+
+def test_arguments_are_an_object_whatever_the_parameters(tokenizer, ll_tokenizer):
+    """``{}`` and a root that may be an array or an object admit objects only."""
+    from server.tools.grammar import tool_grammar
+    from server.tools.spec import ToolRequest
+    for parameters in ({}, {"anyOf": [{"type": "array"}, {"type": "object"}]}):
+        grammar = tool_grammar(formats.GENERIC, ToolRequest((Tool("f", "", parameters),), "required"))
+        call = lambda args: tokenizer.encode(f'{{"tool_calls": [{{"name": "f", "arguments": {args}}}]}}')  # noqa: E731
+        assert walk(ll_tokenizer, grammar, call('{"a": 1}'))
+        for other in ("null", "[]", '"f"', "1"):
+            assert not walk(ll_tokenizer, grammar, call(other)), (parameters, other)
+
+
 def test_nested_definitions_of_each_function_are_kept_apart(tokenizer, ll_tokenizer):
     """pydantic's ``$defs`` and ``#/$defs/...`` references (and ``#`` recursion), of two
     functions that both name a definition ``Item``."""

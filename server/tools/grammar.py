@@ -4,7 +4,7 @@ enforced per sequence by the engine (docs/architecture.md "Grammar constraints")
 
 A call is the text ``{"name": "<name>", "arguments": <JSON of the function's parameters>}`` (key
 ``parameters`` for Llama 3), one Lark rule per callable function: the fixed text as literals,
-the arguments a ``%json`` of the function's ``parameters`` as given, so its ``$ref``s resolve
+the arguments a ``%json`` of the function's ``parameters`` as given (and of an object), so its ``$ref``s resolve
 in it alone and no two functions' definitions meet (nothing is rewritten: a ``$ref`` inside a
 ``const`` stays data). JSON is written with the separators ``json.dumps`` uses (what the
 templates show the model). Per ``tool_choice``:
@@ -41,8 +41,12 @@ COMPACT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator"
 
 
 def _arguments(parameters: dict) -> str:
-    """A function's arguments: its ``parameters`` as their own ``%json`` root."""
-    return "%json " + json.dumps({**parameters, "x-guidance": COMPACT})
+    """A function's arguments: its ``parameters`` as their own ``%json`` root, and an object
+    (OpenAI: ``arguments`` is a JSON object) whatever else the schema says. The request's check
+    reads only the root's ``type``, so ``{}`` or a root that reaches another type through
+    ``$ref``, ``anyOf`` or ``allOf`` would otherwise let the model write ``null`` or ``[]``
+    there; llguidance intersects the two, and one that allows no object does not compile."""
+    return "%json " + json.dumps({**parameters, "type": "object", "x-guidance": COMPACT})
 
 
 def _calls(fmt: ToolFormat, request: ToolRequest) -> str:
