@@ -175,6 +175,22 @@ def test_function_call_then_its_output_in_a_second_turn(server, client):
     error(call(server, "GET", f"/v1/responses/{stateless['id']}"), 404, "response_id")
 
 
+def test_a_response_whose_call_was_cut_can_be_continued(server):
+    """Found by a hostile helper: a function call cut by ``max_output_tokens`` was stored with its
+    partial arguments, and every continuation of the response was a 400 on them."""
+    r = create(server, {"input": "What is the weather in Paris?", "tools": [WEATHER], "tool_choice": "required",
+                        "max_output_tokens": 20, "temperature": 0})
+    (cut,) = [o for o in r["output"] if o["type"] == "function_call"]
+    assert r["status"] == "incomplete" and cut["status"] == "incomplete"
+    follow = create(server, {"previous_response_id": r["id"], "input": "Never mind; say hi.", "max_output_tokens": 8,
+                             "temperature": 0})
+    assert follow["status"] in ("completed", "incomplete") and follow["output"]
+    # the cut call was never made, so nothing may answer it
+    error(call(server, "POST", "/v1/responses", {"previous_response_id": r["id"], "tools": [WEATHER],
+                                                 "input": [{"type": "function_call_output", "call_id": cut["call_id"],
+                                                            "output": "21 C"}]}), 400, "input[0].call_id")
+
+
 def test_streamed_function_call_events(server):
     events = stream(server, {"input": "Weather in Rome?", "tools": [WEATHER], "max_output_tokens": 60,
                              "tool_choice": {"type": "function", "name": "get_weather"}, "parallel_tool_calls": False})

@@ -186,6 +186,28 @@ def test_recorded_answers_parse_the_same_streamed_and_whole(fmt, text, content, 
             all(i.startswith("call_") for i in ids)
 
 
+@pytest.mark.parametrize("cut", [1, 2, 5, 11, 14, 16, 30])
+def test_an_envelope_cut_before_its_first_call_is_no_content(cut):
+    """Found by a hostile helper: ``max_tokens`` cutting the generic envelope in its first few
+    tokens left ``{"tool`` as the answer's content; the grammar holds every answer to the
+    envelope, so its start is nothing, whatever ``tool_choice``."""
+    text = '{"tool_calls": [{"name": "get_weather", "arguments": {"city": "Paris"}}]}'[:cut]
+    for step in (1, len(text)):
+        content, calls, _ = read(formats.GENERIC, text, step)
+        assert content == "" and all(c[1] == "get_weather" for c in calls), (text, content)
+    assert read(formats.GENERIC, '{"resp', 1)[0] == "" and read(formats.GENERIC, '{"response": "Hi', 1)[0] == "Hi"
+    assert read(formats.GENERIC, '{"oth', 1)[0] == '{"oth'  # not the envelope: text, as an unconstrained model's
+
+
+@pytest.mark.parametrize("fmt", [formats.HERMES, formats.MISTRAL, formats.LLAMA3_JSON, formats.GENERIC])
+def test_calls_only_answers_have_no_content(fmt):
+    """Under ``tool_choice`` ``required`` or a function, the start of a call marker that
+    ``max_tokens`` cut (``<tool``, ``[TOOL_``) is not content either."""
+    for text in ("<tool", "[TOOL_", "<|python", "{", "Sure"):
+        parser = ToolCallParser(fmt, calls_only=True)
+        assert parser.feed(text[:2])[0] == "" and parser.feed(text[2:], final=True)[0] == ""
+
+
 def test_one_call_when_parallel_calls_are_off():
     text = RECORDED[0][1] + "\nMore text."
     parser = ToolCallParser(formats.HERMES, max_calls=1)

@@ -95,6 +95,19 @@ def test_auto_is_text_or_valid_calls_and_no_envelope_in_content(client):
         assert r.choices[0].finish_reason in ("stop", "length", "tool_calls")
 
 
+@pytest.mark.parametrize("choice", ["required", "auto"])
+def test_an_answer_cut_in_its_first_tokens_leaves_no_envelope_in_content(client, choice):
+    """Found by a hostile helper: ``max_tokens`` 1 to 5 left ``{"tool_calls":`` in ``content``.
+    Under ``required`` there is no content; under ``auto`` only the envelope's ``response`` text."""
+    for max_tokens in (1, 3, 5):
+        r = create(client, tool_choice=choice, max_tokens=max_tokens)
+        content = r.choices[0].message.content or ""
+        streamed = create(client, tool_choice=choice, max_tokens=max_tokens, stream=True)
+        assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == content
+        assert r.choices[0].finish_reason == "length" and "{" not in content and '"' not in content, r
+        assert choice == "auto" or not content
+
+
 def test_none_answers_in_text(client):
     r = create(client, tool_choice="none", max_tokens=12)
     assert r.choices[0].message.tool_calls is None and r.choices[0].message.content

@@ -28,7 +28,7 @@ from server.text.detokenizer import Detokenizer
 from server.tools.formats import ToolFormat, detect, generic_messages
 from server.tools.grammar import tool_grammar
 from server.tools.parser import ToolCallParser
-from server.tools.spec import NONE
+from server.tools.spec import NAMED, NONE, REQUIRED
 
 #: The text of OpenAI's default prompt: the document separator, a new document's start.
 DOCUMENT_START = "<|endoftext|>"
@@ -213,7 +213,9 @@ class Generation:
     def _tool_parser(self) -> ToolCallParser | None:
         if self.tool_format is None:
             return None
-        return ToolCallParser(self.tool_format, None if self.req.tools.parallel else 1)
+        tools = self.req.tools
+        return ToolCallParser(self.tool_format, None if tools.parallel else 1,
+                              calls_only=tools.choice in (REQUIRED, NAMED))
 
     def _finish(self, k: int, text: str, parser: ToolCallParser | None, reason: str) -> Delta:
         """Choice ``k``'s last delta: the rest of its text (read for calls to the end), and its

@@ -168,10 +168,12 @@ class ResponseBuilder:
 
     def chat_messages(self) -> list[dict]:
         """This response's output as the chat messages a continuation re-sends: one assistant
-        message, with its text and its calls."""
+        message, with its text and its complete calls. A call that ``max_output_tokens`` cut
+        (``status: incomplete``) is left out: its arguments are no JSON object, so re-sent it
+        made every continuation of this response a 400, and no tool can have run it."""
         text = self.output_text()
         calls = [{"id": i["call_id"], "type": "function", "function": {"name": i["name"], "arguments": i["arguments"]}}
-                 for i in self.output if i["type"] == "function_call"]
+                 for i in self.output if i["type"] == "function_call" and i["status"] == "completed"]
         message = {"role": "assistant", "content": text if text or not calls else None}
         if calls:
             message["tool_calls"] = calls

@@ -177,7 +177,14 @@ def _llama3(fmt: ToolFormat, text: str, final: bool) -> tuple[str, list[CallView
     return "", calls
 
 
+#: The generic envelope's keys (llama.cpp's former generic handler).
+_GENERIC_KEYS = ("response", "tool_calls", "tool_call")
+
+
 def _generic(fmt: ToolFormat, text: str, final: bool) -> tuple[str, list[CallView]]:
+    """The envelope ``{"tool_calls": [...]}`` or ``{"response": ...}``. Its grammar holds every
+    answer to it, so a start of it that ``max_tokens`` cut (``{"tool``) is no content; text that
+    is not the envelope (a model unconstrained) is content."""
     i = skip_ws(text, 0)
     if i == len(text):
         return (text if final else ""), []
@@ -186,19 +193,23 @@ def _generic(fmt: ToolFormat, text: str, final: bool) -> tuple[str, list[CallVie
     try:
         j = skip_ws(text, i + 1)
         if j == len(text):
-            return ("" if not final else text), []
+            return "", []
         end = string_end(text, j) if text[j] == '"' else -1
         if end == -1:
             raise ParseError("expected a key")
         if end is None:
-            return ("" if not final else text), []
+            if not any(k.startswith(text[j + 1:]) for k in _GENERIC_KEYS):
+                raise ParseError("unknown key")
+            return "", []
         key = json.loads(text[j:end])
+        if key not in _GENERIC_KEYS:
+            raise ParseError(f"unknown key {key!r}")
         j = skip_ws(text, end)
         if j < len(text) and text[j] != ":":
             raise ParseError("expected ':'")
         j = skip_ws(text, j + 1)
         if j >= len(text):
-            return ("" if not final else text), []
+            return "", []
         if key == "response":  # a string, or a document of the request's JSON format
             return (_json_value_prefix(text, j) if fmt.json_answer else _json_string_prefix(text, j, final)), []
         if key == "tool_calls" and text[j] == "[":

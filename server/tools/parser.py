@@ -154,10 +154,13 @@ class ToolCallParser:
         fmt: the template's :class:`server.tools.formats.ToolFormat`.
         max_calls: calls read at most (1 for ``parallel_tool_calls: false``); text after the
             last of them is dropped, and :attr:`done` says the answer is over.
+        calls_only: the answer holds calls and nothing else (``tool_choice`` ``required`` or a
+            function: its grammar says so), so no text is content, not even the start of a
+            call that ``max_tokens`` cut before its name.
     """
 
-    def __init__(self, fmt, max_calls: int | None = None):
-        self.fmt, self.max_calls = fmt, max_calls
+    def __init__(self, fmt, max_calls: int | None = None, calls_only: bool = False):
+        self.fmt, self.max_calls, self.calls_only = fmt, max_calls, calls_only
         self.text = ""
         self._content_sent = 0
         self._calls: list[list] = []  # [id, arguments sent]
@@ -174,6 +177,8 @@ class ToolCallParser:
             return "", []
         self.text += text
         content, calls = self.fmt.parse(self.text, final)
+        if self.calls_only:
+            content = ""
         if self.max_calls is not None:
             calls = calls[:self.max_calls]
             if len(calls) == self.max_calls and calls[-1].complete:
