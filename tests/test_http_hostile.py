@@ -55,6 +55,45 @@ def test_unpaired_surrogate_escapes_are_400(server, path, body):
     assert resp.status == 400 and "surrogate" in assert_error_shape(reply)["message"]
 
 
+def _raw_post(server, path: str, raw: str) -> tuple[int, dict]:
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
+    conn.request("POST", path, raw, {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    reply = json.loads(resp.read())
+    conn.close()
+    return resp.status, reply
+
+
+@pytest.mark.parametrize("raw", [
+    '{"prompt": "hi", "max_tokens": 1, "temperature": NaN}',
+    '{"prompt": "hi", "max_tokens": 1, "top_p": Infinity}',
+    '{"prompt": "hi", "max_tokens": 1, "presence_penalty": -Infinity}',
+    '{"prompt": "hi", "max_tokens": 1, "frequency_penalty": 1e999}',
+    '{"prompt": "hi", "max_tokens": 1, "response_format": {"type": "json_schema", "json_schema": '
+    '{"name": "n", "schema": {"type": "number", "maximum": NaN}}}}',
+])
+def test_numbers_json_does_not_have_are_400(server, raw):
+    """ujson reads ``NaN``, ``Infinity`` and ``1e999`` (as infinity); JSON has none of them."""
+    status, reply = _raw_post(server, "/v1/completions", raw)
+    assert status == 400 and "not valid JSON" in assert_error_shape(reply)["message"], reply
+
+
+def test_tool_call_arguments_with_nan_are_400(server):
+    messages = [{"role": "user", "content": "hi"},
+                {"role": "assistant", "content": None, "tool_calls": [
+                    {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": '{"a": NaN}'}}]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "ok"}]
+    status, _, reply = post(server, CHAT, {"messages": messages, "max_tokens": 2})
+    assert status == 400 and assert_error_shape(reply)["param"] == "messages[1].tool_calls[0].function.arguments"
+
+
+def test_the_words_nan_and_infinity_in_text_are_text(server):
+    status, reply = _raw_post(server, "/v1/completions", json.dumps(
+        {"prompt": "NaN, Infinity and 1e999 are not JSON numbers", "max_tokens": 1, "temperature": 0.5,
+         "stop": ["NaN"]}))
+    assert status == 200, reply
+
+
 def test_paired_surrogate_escape_is_an_emoji(server):
     status, _, reply = post(server, "/v1/completions", {"prompt": "\U0001F600", "max_tokens": 1})
     assert status == 200, reply

@@ -18,12 +18,12 @@ small model cannot spend its tokens on blank space. A schema is enforced exactly
 """
 from __future__ import annotations
 
-import json
 import re
 
 import llguidance
 
 from engine.errors import InvalidRequest
+from server.api import json_text
 
 #: llguidance's JSON-schema options: compact JSON (``,`` and ``:`` with no spaces around).
 JSON_OPTIONS = {"whitespace_flexible": False}
@@ -104,7 +104,7 @@ def _structured_outputs(so) -> tuple[str, str]:
             raise InvalidRequest(f"{param} must be a JSON Schema or its JSON text", param)
         if isinstance(value, str):
             try:
-                value = json.loads(value)
+                value = json_text.loads(value)
             except ValueError as e:
                 raise InvalidRequest(f"{param} is not JSON: {e}", param) from None
         return _json(value, param), param

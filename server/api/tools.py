@@ -9,6 +9,7 @@ import re
 import ujson
 
 from engine.errors import InvalidRequest
+from server.api import json_text
 from server.tools.spec import AUTO, NAMED, NONE, REQUIRED, Tool, ToolRequest
 
 #: OpenAI's rule for a function's name, and its limit on a request's tools.
@@ -147,7 +148,7 @@ def _history_call(c, where: str) -> dict:
         raise InvalidRequest(f"{where}.function must be an object with a name", f"{where}.function")
     arguments = f.get("arguments")
     try:
-        parsed = ujson.loads(arguments) if isinstance(arguments, str) else None
+        parsed = json_text.loads(arguments) if isinstance(arguments, str) else None
     except ValueError:
         parsed = None
     if not isinstance(parsed, dict):

@@ -13,11 +13,8 @@ that went away) cancels its sequences, queued or running.
 from __future__ import annotations
 
 import functools
-import json
 import inspect
 import secrets
-
-import ujson
 
 import grpc
 
@@ -25,6 +22,7 @@ from engine.errors import DeadlineExceeded, EngineError, InvalidRequest, Request
 from engine.request import DEADLINE_MS_BOUNDS
 from proto import inference_pb2 as pb
 from proto import inference_pb2_grpc
+from server.api import json_text
 from server.api.infer import infer_result, parse_infer
 from server.api.requests import check_model, parse_generation, parse_messages, render_options
 from server.config import ServerConfig
@@ -88,7 +86,7 @@ def _schemas_from_text(body: dict) -> None:
                           (fmt.get("json_schema") or {}, "response_format.json_schema.schema")):
         if isinstance(holder.get("schema"), str):
             try:
-                holder["schema"] = json.loads(holder["schema"])
+                holder["schema"] = json_text.loads(holder["schema"])
             except ValueError as e:
                 raise InvalidRequest(f"{param} is not JSON: {e}", param) from None
 
@@ -251,7 +249,7 @@ def _tool_body(body: dict) -> dict:
         function = {"name": tool["name"], "description": tool["description"]}
         if tool["parameters"]:
             try:
-                function["parameters"] = ujson.loads(tool["parameters"])
+                function["parameters"] = json_text.loads(tool["parameters"])
             except ValueError:
                 raise InvalidRequest("parameters must be a JSON Schema as JSON text",
                                      f"tools[{i}].function.parameters") from None

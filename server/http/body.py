@@ -8,6 +8,7 @@ import falcon
 import ujson
 
 from engine.errors import InvalidRequest
+from server.api import json_text
 from server.errors import APIError
 
 _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
@@ -46,8 +47,8 @@ def read_json(req: falcon.Request, max_body_bytes: int) -> dict:
     except UnicodeDecodeError as e:
         raise InvalidRequest(f"request body is not valid UTF-8 (byte {e.start})") from None
     try:
-        body = ujson.loads(text)
-    except (ValueError, OverflowError) as e:
+        body = json_text.loads(text)
+    except ValueError as e:
         raise InvalidRequest(f"request body is not valid JSON: {e}") from None
     if not isinstance(body, dict):
         raise InvalidRequest(f"request body must be a JSON object, got {type(body).__name__}")
