@@ -27,9 +27,17 @@ class Block:
         return f"{self.path.relative_to(ROOT)}:{self.line} ({self.lang or 'no language'})"
 
     def commands(self) -> list[str]:
-        """The block's commands: continuation lines joined, blank lines and comments dropped."""
-        joined = self.code.replace("\\\n", " ")
-        return [s.strip() for s in joined.splitlines() if s.strip() and not s.strip().startswith("#")]
+        """The block's commands: continuation lines joined, and the lines of a single-quoted
+        string that spans several (a JSON body written out) kept in one command, as the shell
+        reads them; blank lines and comments dropped."""
+        commands, pending = [], ""
+        for line in self.code.replace("\\\n", " ").splitlines():
+            pending = f"{pending}\n{line}" if pending else line
+            if pending.count("'") % 2 == 0:
+                commands.append(pending.strip())
+                pending = ""
+        assert not pending, f"{self}: a quote left open"
+        return [c for c in commands if c and not c.startswith("#")]
 
     @property
     def runnable(self) -> bool:
