@@ -124,6 +124,8 @@ class ServerConfig:
             raise ConfigError(f"--grpc-port must be 0..65535, got {self.grpc_port}")
         if not 0 <= self.metrics_port <= 65535:
             raise ConfigError(f"--metrics-port must be 0..65535, got {self.metrics_port}")
+        if self.grpc_port and self.grpc_port == self.port:
+            raise ConfigError(f"--grpc-port must differ from --port, got {self.port} for both")
         if self.metrics_port and (self.metrics_port in (self.port, self.grpc_port) or not self.metrics):
             raise ConfigError("--metrics-port must differ from --port and --grpc-port, with metrics on")
         if self.grpc_threads < 0:

@@ -401,6 +401,18 @@ def test_a_used_grpc_port_stops_the_start_and_leaves_nothing(tmp_path):
     assert not os.path.exists(f"/dev/shm/{name}") and not os.path.exists(f"/dev/shm/{name}.d")
 
 
+def test_the_grpc_port_check_leaves_other_faults_to_the_binds():
+    """The same port for HTTP and gRPC is a configuration error (the check runs before the HTTP
+    bind, so it would not see it); a host that does not resolve is left to the HTTP bind."""
+    from engine.config import ConfigError
+    from server.config import ServerConfig
+    from server.grpc.keeper import check_port
+
+    with pytest.raises(ConfigError, match="--grpc-port must differ from --port"):
+        ServerConfig(port=18080, grpc_port=18080)
+    check_port("no-such-host.invalid", 50051)
+
+
 def test_the_sidecar_does_not_share_its_port(model_path):
     """The sidecar's own server, built on a port another socket holds with ``SO_REUSEPORT``, fails
     to bind (:func:`server.grpc.server.options` turns gRPC's default ``SO_REUSEPORT`` off): a port

@@ -33,8 +33,11 @@ def check_port(host: str, port: int) -> None:
     Raises:
         ConfigError: the port is in use.
     """
-    for family, kind, proto, _, address in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
-                                                               flags=socket.AI_PASSIVE):
+    try:
+        addresses = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except OSError:
+        return  # a host that does not resolve: the HTTP bind, next, says so
+    for family, kind, proto, _, address in addresses:
         with socket.socket(family, kind, proto) as s:
             s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             try:
