@@ -78,6 +78,14 @@ def test_numbers_json_does_not_have_are_400(server, raw):
     assert status == 400 and "not valid JSON" in assert_error_shape(reply)["message"], reply
 
 
+def test_a_body_nested_as_deep_as_ujson_reads_with_a_suspect_number_is_a_400_not_a_crash(server):
+    """1,000 levels (ujson reads up to 1,023) holding ``1e100``: the look for non-finite numbers
+    must not recurse (Python's limit is 1,000: a RecursionError was a 500)."""
+    raw = '{"prompt": "hi", "max_tokens": 1, "stop": ' + "[" * 1000 + "1e100" + "]" * 1000 + "}"
+    status, reply = _raw_post(server, "/v1/completions", raw)
+    assert status == 400 and assert_error_shape(reply)["param"] == "stop", reply
+
+
 def test_tool_call_arguments_with_nan_are_400(server):
     messages = [{"role": "user", "content": "hi"},
                 {"role": "assistant", "content": None, "tool_calls": [

@@ -4,9 +4,9 @@ enforced per sequence by the engine (docs/architecture.md "Grammar constraints")
 
 A call is the text ``{"name": "<name>", "arguments": <JSON of the function's parameters>}`` (key
 ``parameters`` for Llama 3), one Lark rule per callable function: the fixed text as literals,
-the arguments a ``%json`` of the function's ``parameters`` as given (and of an object), so its ``$ref``s resolve
-in it alone and no two functions' definitions meet (nothing is rewritten: a ``$ref`` inside a
-``const`` stays data). JSON is written with the separators ``json.dumps`` uses (what the
+the arguments a ``%json`` of the function's ``parameters`` as given (and of an object), so its
+``$ref``s resolve in it alone and no two functions' definitions meet (nothing is rewritten: a
+``$ref`` inside a ``const`` stays data). JSON is written with the separators ``json.dumps`` uses (what the
 templates show the model). Per ``tool_choice``:
 
 - ``required`` / a named function: the answer is the format's call section and nothing else,
