@@ -463,6 +463,17 @@ def test_arguments_are_an_object_whatever_the_parameters(tokenizer, ll_tokenizer
             assert not walk(ll_tokenizer, grammar, call(other)), (parameters, other)
 
 
+def test_a_root_that_refers_to_itself_keeps_its_meaning(tokenizer, ll_tokenizer):
+    """A helper's finding: the root's added ``type: object`` narrowed ``"$ref": "#"`` inside it too."""
+    from server.tools.grammar import tool_grammar
+    from server.tools.spec import ToolRequest
+    calc = {"anyOf": [{"type": "object", "properties": {"op": {"enum": ["add"]}, "args": {
+        "type": "array", "items": {"$ref": "#"}, "maxItems": 3}}, "required": ["op", "args"]}, {"type": "integer"}]}
+    grammar = tool_grammar(formats.GENERIC, ToolRequest((Tool("calc", "", calc),), "required"))
+    call = '{"tool_calls": [{"name": "calc", "arguments": {"op": "add", "args": [1, 2]}}]}'
+    assert walk(ll_tokenizer, grammar, tokenizer.encode(call))
+
+
 def test_nested_definitions_of_each_function_are_kept_apart(tokenizer, ll_tokenizer):
     """pydantic's ``$defs`` and ``#/$defs/...`` references (and ``#`` recursion), of two
     functions that both name a definition ``Item``."""

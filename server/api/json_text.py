@@ -13,8 +13,9 @@ import re
 
 import ujson
 
-#: What may yield a non-finite float: the two names, or an exponent of three digits or more.
-_SUSPECT = re.compile(r"NaN|Infinity|[eE][+-]?\d{3}")
+#: What may yield a non-finite float: the two names, an exponent of three digits or more, or a
+#: run of 309 digits (10^308 is a double's limit).
+_SUSPECT = re.compile(r"NaN|Infinity|[eE][+-]?\d{3}|\d{309}")
 
 
 def _has_non_finite(value) -> bool:

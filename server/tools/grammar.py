@@ -45,8 +45,12 @@ def _arguments(parameters: dict) -> str:
     (OpenAI: ``arguments`` is a JSON object) whatever else the schema says. The request's check
     reads only the root's ``type``, so ``{}`` or a root that reaches another type through
     ``$ref``, ``anyOf`` or ``allOf`` would otherwise let the model write ``null`` or ``[]``
-    there; llguidance intersects the two, and one that allows no object does not compile."""
-    return "%json " + json.dumps({**parameters, "type": "object", "x-guidance": COMPACT})
+    there; llguidance intersects the two, and one that allows no object does not compile. A root
+    without a ``type`` that refers to itself (``"$ref": "#"``) stays as given: the added type would
+    narrow every such reference too (a helper's finding), so there the root is not held to an object."""
+    own = parameters if "type" in parameters or '"$ref": "#"' in json.dumps(parameters) else \
+        {**parameters, "type": "object"}
+    return "%json " + json.dumps({**own, "x-guidance": COMPACT})
 
 
 def _calls(fmt: ToolFormat, request: ToolRequest) -> str:
