@@ -79,9 +79,43 @@ def test_numbers_json_does_not_have_are_400(server, raw):
 
 
 def test_a_body_nested_as_deep_as_ujson_reads_with_a_suspect_number_is_a_400_not_a_crash(server):
-    """1,000 levels (ujson reads up to 1,023) holding ``1e100``: the look for non-finite numbers
-    must not recurse (Python's limit is 1,000: a RecursionError was a 500)."""
+    """1,000 levels (ujson reads up to 1,023) holding ``1e100``: neither look (non-finite
+    numbers, nesting) may recurse (Python's limit is 1,000: a RecursionError was a 500)."""
     raw = '{"prompt": "hi", "max_tokens": 1, "stop": ' + "[" * 1000 + "1e100" + "]" * 1000 + "}"
+    status, reply = _raw_post(server, "/v1/completions", raw)
+    assert status == 400 and "nest more than 128 levels" in assert_error_shape(reply)["message"], reply
+
+
+def _nested_object(levels: int) -> dict:
+    """A JSON Schema whose properties nest ``levels`` objects deep (each level two JSON levels)."""
+    schema: dict = {"type": "string"}
+    for _ in range(levels):
+        schema = {"type": "object", "properties": {"a": schema}}
+    return schema
+
+
+def test_json_nested_deeper_than_128_levels_is_a_400_wherever_it_is(server):
+    """Tool parameters, a JSON format's schema and a history call's arguments 300 levels deep
+    (within ujson's 1,023) were 500s: ``json.dumps`` of the schema, or the template's rendering of
+    the arguments, recursed past Python's limit. Each is a 400 naming what holds it."""
+    deep = _nested_object(150)
+    tools = [{"type": "function", "function": {"name": "f", "parameters": deep}}]
+    status, _, reply = post(server, CHAT, {"messages": [{"role": "user", "content": "hi"}], "tools": tools,
+                                           "max_tokens": 2})
+    assert status == 400 and "nest more than 128 levels" in assert_error_shape(reply)["message"], reply
+    fmt = {"type": "json_schema", "json_schema": {"name": "n", "schema": json.dumps(deep)}}
+    status, _, reply = post(server, CHAT, {"messages": [{"role": "user", "content": "hi"}], "response_format": fmt,
+                                           "max_tokens": 2})
+    assert status == 400, reply
+    arguments = '{"a": ' * 300 + "1" + "}" * 300
+    messages = [{"role": "user", "content": "hi"},
+                {"role": "assistant", "content": None, "tool_calls": [
+                    {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": arguments}}]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "ok"}]
+    status, _, reply = post(server, CHAT, {"messages": messages, "max_tokens": 2})
+    assert status == 400 and assert_error_shape(reply)["param"] == "messages[1].tool_calls[0].function.arguments"
+    # 128 levels are JSON this server reads: the field's own check answers (a list of lists is no stop)
+    raw = '{"prompt": "hi", "max_tokens": 1, "stop": ' + "[" * 127 + '"x"' + "]" * 127 + "}"
     status, reply = _raw_post(server, "/v1/completions", raw)
     assert status == 400 and assert_error_shape(reply)["param"] == "stop", reply
 

@@ -127,6 +127,26 @@ def test_tokenize_and_detokenize(server, tokenizer, chat):
     assert ok(post(server, "/detokenize", {"tokens": []})) == {"prompt": ""}
 
 
+def test_tokenize_renders_tools_and_tool_call_history_as_the_chat_does(server):
+    """A conversation with a call and its result, and tools offered: ``/tokenize`` counts the
+    prompt a chat completion of the same messages and tools is given (this template has no tool
+    syntax: the generic format's text), and a prompt without the tools is shorter."""
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+    messages = [{"role": "user", "content": "Weather in Paris?"},
+                {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
+                    "name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "18 C, sunny"}]
+    with_tools = ok(post(server, "/tokenize", {"messages": messages, "tools": tools}))["count"]
+    without = ok(post(server, "/tokenize", {"messages": messages}))["count"]
+    chat = ok(post(server, "/v1/chat/completions", {"messages": messages, "tools": tools, "max_tokens": 1,
+                                                    "tool_choice": "none"}))
+    assert with_tools > without
+    assert chat["usage"]["prompt_tokens"] == without  # tool_choice none: no tools in the prompt
+    chat = ok(post(server, "/v1/chat/completions", {"messages": messages, "tools": tools, "max_tokens": 1}))
+    assert chat["usage"]["prompt_tokens"] == with_tools
+
+
 def test_tokenizer_info(server, tokenizer):
     info = ok(request(server, "GET", "/tokenizer_info"))
     assert (info["bos_token"], info["eos_token"]) == ("<|im_start|>", "<|im_end|>")
@@ -141,6 +161,8 @@ def test_tokenizer_info(server, tokenizer):
     ("/tokenize", {"prompt": ["a"]}, "prompt"),
     ("/tokenize", {"prompt": "a", "add_special_tokens": "yes"}, "add_special_tokens"),
     ("/tokenize", {"prompt": "a", "add_generation_prompt": True}, "add_generation_prompt"),
+    ("/tokenize", {"prompt": "a", "tools": []}, "tools"),
+    ("/tokenize", {"messages": [{"role": "user", "content": "b"}], "tools": [{"type": "x"}]}, "tools[0].type"),
     ("/tokenize", {"prompt": "a", "extra": 1}, "extra"),
     ("/tokenize", {"messages": [{"role": "function", "content": "b"}]}, "messages[0].role"),
     ("/detokenize", {"tokens": [1, 10**9]}, "tokens"),

@@ -5,6 +5,11 @@ ujson reads ``NaN``, ``Infinity`` and ``-Infinity``, which JSON does not have, a
 as ``1e999`` as infinity; such a value would reach a chat template (``{"a": NaN}`` in a prompt),
 a schema or a bound check as a float no JSON can hold. They are refused instead, as a JSON
 parser that follows the RFC refuses them.
+
+ujson reads arrays and objects 1,023 levels deep; a value that deep breaks the recursive code
+that takes it on (``json.dumps`` of a tool's schema, a chat template's ``tojson``), past Python's
+recursion limit. Values are bounded at :data:`MAX_DEPTH` levels instead, as RFC 8259 (section 9)
+lets a parser bound nesting.
 """
 from __future__ import annotations
 
@@ -12,6 +17,11 @@ import math
 import re
 
 import ujson
+
+#: Levels of arrays and objects a JSON text may nest (the text's own value is level 1): far
+#: beyond any schema (OpenAI's structured outputs allow 10 levels of properties) or message, and
+#: far within Python's recursion limit for everything that walks the value afterwards.
+MAX_DEPTH = 128
 
 #: What may yield a non-finite float: the two names, an exponent of three digits or more, or a
 #: run of 309 digits (10^308 is a double's limit).
@@ -34,13 +44,33 @@ def _has_non_finite(value) -> bool:
     return False
 
 
+class TooDeep(ValueError):
+    """JSON text whose arrays and objects nest more than :data:`MAX_DEPTH` levels: JSON, but
+    more than this server reads."""
+
+
+def _deeper_than(value, limit: int) -> bool:
+    """Whether arrays and objects nest more than ``limit`` levels in ``value``; iterative."""
+    stack = [(value, 1)]
+    while stack:
+        v, depth = stack.pop()
+        children = v.values() if isinstance(v, dict) else v if isinstance(v, list) else None
+        if children is None:
+            continue
+        if depth > limit:
+            return True
+        stack.extend((c, depth + 1) for c in children if isinstance(c, (dict, list)))
+    return False
+
+
 def loads(text: str):
     """The value of JSON ``text`` (ujson's parse); its floats are looked at only when ``text``
-    holds something that could be a non-finite one, so most bodies cost nothing more.
+    holds something that could be a non-finite one, and its nesting only when it holds more than
+    :data:`MAX_DEPTH` brackets, so most bodies cost nothing more.
 
     Raises:
-        ValueError: ``text`` is not JSON, or holds ``NaN``, ``Infinity`` or a number beyond a
-            double's range.
+        ValueError: ``text`` is not JSON, holds ``NaN``, ``Infinity`` or a number beyond a
+            double's range; :class:`TooDeep` when it nests more than :data:`MAX_DEPTH` levels.
     """
     try:
         value = ujson.loads(text)
@@ -48,4 +78,6 @@ def loads(text: str):
         raise ValueError(str(e)) from None
     if _SUSPECT.search(text) and _has_non_finite(value):
         raise ValueError("NaN, Infinity and numbers beyond a double's range are not JSON")
+    if text.count("[") + text.count("{") > MAX_DEPTH and _deeper_than(value, MAX_DEPTH):
+        raise TooDeep(f"arrays and objects nest more than {MAX_DEPTH} levels")
     return value

@@ -8,8 +8,10 @@ from dataclasses import dataclass
 
 from engine.errors import InvalidRequest
 from server.api.requests import is_token, boolean, check_fields, parse_messages, render_options
+from server.api.tools import parse_tools
+from server.tools.spec import Tool
 
-TOKENIZE_FIELDS = {"model", "prompt", "messages", "add_special_tokens", "return_token_strs",
+TOKENIZE_FIELDS = {"model", "prompt", "messages", "tools", "add_special_tokens", "return_token_strs",
                    "add_generation_prompt", "continue_final_message"}
 DETOKENIZE_FIELDS = {"model", "tokens"}
 
@@ -24,6 +26,8 @@ class TokenizeRequest:
         add_special_tokens: add the model's BOS to a prompt if it wants one (vLLM's default:
         true for a prompt, false for messages, whose template writes its own).
         return_token_strs: also answer each token's text.
+        tools: the ``tools`` the chat is rendered with, as ``/v1/chat/completions`` renders
+        them (vLLM's ``TokenizeChatRequest.tools``).
     """
 
     prompt: str | None = None
@@ -31,6 +35,7 @@ class TokenizeRequest:
     render: dict | None = None
     add_special_tokens: bool = True
     return_token_strs: bool = False
+    tools: tuple[Tool, ...] = ()
 
 
 def parse_tokenize(body: dict, max_messages: int) -> TokenizeRequest:
@@ -43,7 +48,7 @@ def parse_tokenize(body: dict, max_messages: int) -> TokenizeRequest:
                              "messages" if has_messages else "prompt")
     r = TokenizeRequest(return_token_strs=boolean(body, "return_token_strs"))
     if has_prompt:
-        for name in ("add_generation_prompt", "continue_final_message"):
+        for name in ("add_generation_prompt", "continue_final_message", "tools"):
             if body.get(name) is not None:
                 raise InvalidRequest(f"{name} applies to messages only", name)
         if not isinstance(body["prompt"], str):
@@ -53,6 +58,8 @@ def parse_tokenize(body: dict, max_messages: int) -> TokenizeRequest:
     else:
         r.messages = parse_messages(body, max_messages)
         r.render = render_options(body, r.messages)
+        tools = parse_tools({"tools": body.get("tools")})
+        r.tools = tools.tools if tools is not None else ()
         r.add_special_tokens = boolean(body, "add_special_tokens", False)
     return r
 

@@ -28,7 +28,7 @@ from server.text.detokenizer import Detokenizer
 from server.tools.formats import ToolFormat, detect, generic_messages
 from server.tools.grammar import tool_grammar
 from server.tools.parser import ToolCallParser
-from server.tools.spec import NAMED, NONE, REQUIRED
+from server.tools.spec import NAMED, NONE, REQUIRED, Tool
 
 #: The text of OpenAI's default prompt: the document separator, a new document's start.
 DOCUMENT_START = "<|endoftext|>"
@@ -356,13 +356,27 @@ class Generator:
         self._check_grammar(req, tenant)
         texts = [m["content"] or "" for m in messages] + [json.dumps(t.parameters) for t in offered]
         self._fits_at_all(texts, prompt_param, len(messages) * self.template.tokens_per_message)
-        if self.tool_format.native:
-            ids = self.template.encode(messages, tools=[t.openai() for t in offered] or None, **render)
-        else:
-            ids = self.template.encode(generic_messages(messages, offered, json_answer=content is not None), **render)
+        ids = self.prompt_ids(messages, offered, render, json_answer=content is not None)
         tool_format = dataclasses.replace(self.tool_format, json_answer=content is not None) if offered else None
         return Generation(self.engine, self.tool_pieces if offered else self.tokenizer.pieces, [ids], req,
                           prompt_param, limiter=self.limiter, tool_format=tool_format, **submit).submit()
+
+    def prompt_ids(self, messages: list[dict], offered: tuple[Tool, ...] = (), render: dict | None = None,
+                   json_answer: bool = False) -> list[int]:
+        """The prompt tokens of ``messages`` (``server.api.requests.parse_messages``'s) with the
+        tools ``offered``: a template that takes ``tools`` gets them and renders the history's
+        calls itself; any other renders :func:`server.tools.formats.generic_messages` (calls and
+        results as text). The one rendering of a chat, for generation and ``POST /tokenize``
+        alike. ``render``: :meth:`ChatTemplate.encode`'s options; ``json_answer``: an answer
+        that is not a call follows a JSON format.
+
+        Raises:
+            InvalidRequest: the template refuses the conversation (:meth:`ChatTemplate.render`).
+        """
+        render = render or {}
+        if self.tool_format.native:
+            return self.template.encode(messages, tools=[t.openai() for t in offered] or None, **render)
+        return self.template.encode(generic_messages(messages, offered, json_answer=json_answer), **render)
 
     def _check_logit_bias(self, req: GenerationRequest) -> None:
         """Every token ``logit_bias`` names is in the vocabulary.

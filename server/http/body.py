@@ -48,6 +48,8 @@ def read_json(req: falcon.Request, max_body_bytes: int) -> dict:
         raise InvalidRequest(f"request body is not valid UTF-8 (byte {e.start})") from None
     try:
         body = json_text.loads(text)
+    except json_text.TooDeep as e:
+        raise InvalidRequest(f"request body: {e}") from None
     except ValueError as e:
         raise InvalidRequest(f"request body is not valid JSON: {e}") from None
     if not isinstance(body, dict):

@@ -19,11 +19,12 @@ class Tokenize:
     """``POST /tokenize`` -> ``{"count", "max_model_len", "tokens", "token_strs"}``.
 
     A ``prompt`` is tokenized with special-token text parsed (``<|im_end|>`` is that token), as
-    vLLM's Hugging Face tokenizers do; ``messages`` as ``/v1/chat/completions`` renders them
-    (the chat template, message text never parsed for special tokens)."""
+    vLLM's Hugging Face tokenizers do; ``messages`` (with ``tools``) as ``/v1/chat/completions`` renders
+    them (:meth:`Generator.prompt_ids`: the chat template, message text never parsed for special
+    tokens)."""
 
     def __init__(self, config: ServerConfig, generator: Generator):
-        self.config, self.tokenizer, self.template = config, generator.tokenizer, generator.template
+        self.config, self.generator, self.tokenizer = config, generator, generator.tokenizer
         self.max_seq_len = generator.engine.max_seq_len
 
     def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
@@ -34,7 +35,7 @@ class Tokenize:
         if r.prompt is not None:
             tokens = tok.encode(r.prompt, special=True, add_bos=r.add_special_tokens)
         else:
-            tokens = self.template.encode(r.messages, **r.render)
+            tokens = self.generator.prompt_ids(r.messages, r.tools, r.render)
             if r.add_special_tokens and tok.add_bos:
                 tokens = [tok.bos] + tokens
         resp.media = {"count": len(tokens), "max_model_len": self.max_seq_len, "tokens": tokens,
