@@ -36,7 +36,10 @@ def _in_other_process(pool: ProcessPoolExecutor, name: str, jobs: list[dict]) ->
 
 def test_batch_isolation_outputs_equal_solo_runs(chat, producer):
     prompts = [chat.encode([{"role": "user", "content": c}]) for c in CHATS]
-    jobs = [{"prompt": p, "params": {**GREEDY, "max_new_tokens": 32}} for p in prompts]
+    # ignore_eos: every sequence runs its 32 steps, so all 8 overlap even when the producer, on a
+    # busy machine, submits them over several engine steps (a reply of 7 tokens once ended before
+    # the last was admitted)
+    jobs = [{"prompt": p, "params": {**GREEDY, "max_new_tokens": 32, "ignore_eos": True}} for p in prompts]
     with running_engine(max_slots=8) as (client, _):
         together = _in_other_process(producer, client.t.name, jobs)
         alone = [_in_other_process(producer, client.t.name, [job])[0] for job in jobs]
