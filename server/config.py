@@ -118,6 +118,10 @@ class ServerConfig:
                                 "write each request's prompt into its JSON log line (the flag or 1)", False, shown="0")
 
     def __post_init__(self):
+        if self.host.startswith("[") and self.host.endswith("]"):  # an IPv6 address as a URL writes it
+            object.__setattr__(self, "host", self.host[1:-1])
+        if not self.host or "[" in self.host or "]" in self.host:
+            raise ConfigError(f"--host must be a host name or an IP address, got {self.host!r}")
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"--port must be 0..65535, got {self.port}")
         if not 0 <= self.grpc_port <= 65535:
@@ -148,6 +152,11 @@ class ServerConfig:
         if self.redis_url:
             check_redis_url(self.redis_url)
         self.engine_config()  # validates the engine's share
+
+    def address(self, port: int) -> str:
+        """``host:port`` as gunicorn's ``bind`` and gRPC's ``add_insecure_port`` take it: an
+        IPv6 address (``--host ::1`` or ``[::1]``) in brackets."""
+        return f"[{self.host}]:{port}" if ":" in self.host else f"{self.host}:{port}"
 
     @property
     def model_ids(self) -> tuple[str, ...]:

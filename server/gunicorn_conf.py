@@ -48,7 +48,7 @@ try:
 except ConfigError as e:  # gunicorn would print a traceback; one line is enough
     raise SystemExit(f"inference-server: {e}") from None
 
-bind = [f"{_config.host}:{_config.port}"] + ([f"{_config.host}:{_config.metrics_port}"] if _config.metrics_port else [])
+bind = [_config.address(_config.port)] + ([_config.address(_config.metrics_port)] if _config.metrics_port else [])
 workers = _config.workers
 threads = _config.front_end_threads
 # gthread, where no thread waits for a slow client's request head, and a refused body is read

@@ -179,7 +179,7 @@ def redis_server(port: int | None = None):
 
 def free_port(host: str = "127.0.0.1") -> int:
     import socket
-    with socket.socket() as s:
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
 
@@ -205,7 +205,7 @@ class RunningServer:
         self.host, self.port = host, free_port(host)
         self.grpc_port = free_port(host) if grpc else 0
         flags = ("--host", host, "--grpc-port", str(self.grpc_port), *flags)
-        self.url = f"http://{host}:{self.port}"
+        self.url = f"http://[{host}]:{self.port}" if ":" in host else f"http://{host}:{self.port}"
         self.shm = f"infer-test-{secrets.token_hex(4)}"
         self.log = tempfile.NamedTemporaryFile(prefix="server-", suffix=".log", delete=False).name
         environ = {**os.environ, "INFERENCE_SHM": self.shm, **(env or {})}

@@ -33,8 +33,8 @@ TENANTS = [{"id": "alpha", "api_keys": ["alpha-key"]},
 ALPHA = (("authorization", "Bearer alpha-key"),)
 
 
-def _channel(port: int) -> grpc.Channel:
-    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+def _channel(port: int, host: str = "127.0.0.1") -> grpc.Channel:
+    channel = grpc.insecure_channel(f"[{host}]:{port}" if ":" in host else f"{host}:{port}")
     grpc.channel_ready_future(channel).result(timeout=60)
     return channel
 
@@ -411,6 +411,43 @@ def test_the_grpc_port_check_leaves_other_faults_to_the_binds():
     with pytest.raises(ConfigError, match="--grpc-port must differ from --port"):
         ServerConfig(port=18080, grpc_port=18080)
     check_port("no-such-host.invalid", 50051)
+
+
+def _ipv6_loopback() -> bool:
+    import socket
+    try:
+        with socket.socket(socket.AF_INET6) as s:
+            s.bind(("::1", 0))
+        return True
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not _ipv6_loopback(), reason="this machine has no IPv6 loopback (::1)")
+def test_an_ipv6_host_serves_http_and_grpc_and_its_grpc_port_is_checked():
+    """``--host ::1`` (or ``[::1]``, as a URL writes it): gunicorn and gRPC bind ``[::1]:port``
+    (``ServerConfig.address``; ``::1:8080`` was a gunicorn error), and a used gRPC port on that
+    address stops the start (the check did not resolve ``[::1]``, so it let it through)."""
+    import urllib.request
+
+    from engine.config import ConfigError
+    from server.config import ServerConfig
+    from server.grpc.keeper import check_port
+
+    config = ServerConfig(host="[::1]", port=8080, grpc_port=50051)
+    assert (config.host, config.address(8080)) == ("::1", "[::1]:8080")
+    assert ServerConfig(host="127.0.0.1").address(9) == "127.0.0.1:9"
+    with pytest.raises(ConfigError, match="--host"):
+        ServerConfig(host="[::1")
+    with running_server("--max-slots", "1", "--max-seq-len", "128", "--workers", "1", grpc=True,
+                        host="::1") as server:
+        with urllib.request.urlopen(server.url + "/health", timeout=10) as r:
+            assert r.status == 200
+        channel = _channel(server.grpc_port, "::1")
+        _wait_serving(channel)
+        channel.close()
+        with pytest.raises(ConfigError, match=f"--grpc-port {server.grpc_port} is in use on ::1"):
+            check_port("[::1]", server.grpc_port)
 
 
 def test_the_sidecar_does_not_share_its_port(model_path):

@@ -33,6 +33,8 @@ def check_port(host: str, port: int) -> None:
     Raises:
         ConfigError: the port is in use.
     """
+    if host.startswith("[") and host.endswith("]"):  # an IPv6 address as a URL writes it
+        host = host[1:-1]
     try:
         addresses = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except OSError:

@@ -69,7 +69,7 @@ def build(config: ServerConfig, engine: EngineClient,
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
         (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server)
-    server.add_insecure_port(f"{config.host}:{config.grpc_port}")
+    server.add_insecure_port(config.address(config.grpc_port))
     return server, health_servicer
 
 
@@ -98,14 +98,14 @@ def main() -> int:
     try:
         server, health_servicer = build(config, engine, tenants)
     except RuntimeError as e:  # the port was taken after the master's check (keeper.check_port)
-        log.error("cannot serve gRPC on %s:%d: %s", config.host, config.grpc_port, e)
+        log.error("cannot serve gRPC on %s: %s", config.address(config.grpc_port), e)
         engine.close()
         return 1
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGHUP, lambda *_: tenants.reload())
     server.start()
-    log.info("gRPC sidecar serving on %s:%d (pid %d)", config.host, config.grpc_port, os.getpid())
+    log.info("gRPC sidecar serving on %s (pid %d)", config.address(config.grpc_port), os.getpid())
     follow_engine(engine, health_servicer, stop)
     server.stop(GRACE_S).wait()
     engine.close()
