@@ -114,6 +114,10 @@ def test_json_nested_deeper_than_128_levels_is_a_400_wherever_it_is(server):
                 {"role": "tool", "tool_call_id": "call_1", "content": "ok"}]
     status, _, reply = post(server, CHAT, {"messages": messages, "max_tokens": 2})
     assert status == 400 and assert_error_shape(reply)["param"] == "messages[1].tool_calls[0].function.arguments"
+    # brackets inside strings (escaped quotes among them) are text, not nesting
+    prompt = '\\"[{' * 150
+    status, _, reply = post(server, "/v1/completions", {"prompt": prompt, "max_tokens": 1, "stop": ['"]' * 200]})
+    assert status == 200, reply
     # 128 levels are JSON this server reads: the field's own check answers (a list of lists is no stop)
     raw = '{"prompt": "hi", "max_tokens": 1, "stop": ' + "[" * 127 + '"x"' + "]" * 127 + "}"
     status, reply = _raw_post(server, "/v1/completions", raw)

@@ -163,6 +163,9 @@ def test_tokenizer_info(server, tokenizer):
     ("/tokenize", {"prompt": "a", "add_generation_prompt": True}, "add_generation_prompt"),
     ("/tokenize", {"prompt": "a", "tools": []}, "tools"),
     ("/tokenize", {"messages": [{"role": "user", "content": "b"}], "tools": [{"type": "x"}]}, "tools[0].type"),
+    ("/tokenize", {"messages": [{"role": "user", "content": "b"}, {"role": "assistant", "content": "c"}],
+                   "tools": [{"type": "function", "function": {"name": "f"}}], "continue_final_message": True},
+     "continue_final_message"),  # as the chat route refuses it
     ("/tokenize", {"prompt": "a", "extra": 1}, "extra"),
     ("/tokenize", {"messages": [{"role": "function", "content": "b"}]}, "messages[0].role"),
     ("/detokenize", {"tokens": [1, 10**9]}, "tokens"),

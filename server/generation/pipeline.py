@@ -341,9 +341,6 @@ class Generator:
                     raise InvalidRequest(f"tools can be combined with a JSON format only, not with "
                                          f"{req.grammar_param}", req.grammar_param)
                 self._check_grammar(req, tenant)  # the format alone first: its faults name its field
-            if render.get("continue_final_message"):  # the call grammar starts where the answer starts
-                raise InvalidRequest("continue_final_message cannot be combined with tools (use tool_choice: none)",
-                                     "continue_final_message")
             try:
                 grammar = tool_grammar(self.tool_format, req.tools, self.tool_specials, content)
             except InvalidRequest:
@@ -371,9 +368,14 @@ class Generator:
         that is not a call follows a JSON format.
 
         Raises:
-            InvalidRequest: the template refuses the conversation (:meth:`ChatTemplate.render`).
+            InvalidRequest: ``continue_final_message`` with tools offered (a call's grammar
+                starts where an answer starts), or the template refuses the conversation
+                (:meth:`ChatTemplate.render`).
         """
         render = render or {}
+        if offered and render.get("continue_final_message"):
+            raise InvalidRequest("continue_final_message cannot be combined with tools (use tool_choice: none)",
+                                 "continue_final_message")
         if self.tool_format.native:
             return self.template.encode(messages, tools=[t.openai() for t in offered] or None, **render)
         return self.template.encode(generic_messages(messages, offered, json_answer=json_answer), **render)
