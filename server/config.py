@@ -10,7 +10,9 @@ the same configuration.
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import os
+import re
 from dataclasses import MISSING, dataclass, field, fields
 from typing import NamedTuple
 from urllib.parse import urlparse
@@ -26,6 +28,21 @@ def _option(flag: str, env: str, help_: str, default=MISSING, engine: str | None
     if engine is not None:
         default = _ENGINE[engine]
     return field(default=default, metadata={"flag": flag, "env": env, "help": help_, "shown": shown, "engine": engine})
+
+
+#: A host name (RFC 1123 labels) or an IPv4 address written as one.
+_HOST_NAME = re.compile(r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)(\.(?!-)[A-Za-z0-9-]{1,63}(?<!-))*\.?")
+
+
+def _is_host(host: str) -> bool:
+    """Whether ``host`` is a host name, an IPv4 address, or an IPv6 address (with ``:``)."""
+    if ":" in host:
+        try:
+            ipaddress.IPv6Address(host)
+        except ValueError:
+            return False
+        return True
+    return len(host) <= 253 and _HOST_NAME.fullmatch(host) is not None
 
 
 @dataclass(frozen=True)
@@ -120,7 +137,7 @@ class ServerConfig:
     def __post_init__(self):
         if self.host.startswith("[") and self.host.endswith("]"):  # an IPv6 address as a URL writes it
             object.__setattr__(self, "host", self.host[1:-1])
-        if not self.host or "[" in self.host or "]" in self.host:
+        if not _is_host(self.host):
             raise ConfigError(f"--host must be a host name or an IP address, got {self.host!r}")
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"--port must be 0..65535, got {self.port}")

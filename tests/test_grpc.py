@@ -437,8 +437,9 @@ def test_an_ipv6_host_serves_http_and_grpc_and_its_grpc_port_is_checked():
     config = ServerConfig(host="[::1]", port=8080, grpc_port=50051)
     assert (config.host, config.address(8080)) == ("::1", "[::1]:8080")
     assert ServerConfig(host="127.0.0.1").address(9) == "127.0.0.1:9"
-    with pytest.raises(ConfigError, match="--host"):
-        ServerConfig(host="[::1")
+    for host in ("[::1", " ", "1::2::3", "gggg::1", "127.0.0.1:8080", "not a host", "-x.example"):
+        with pytest.raises(ConfigError, match="--host"):  # gunicorn retried each 5 s, or bound every address
+            ServerConfig(host=host)
     with running_server("--max-slots", "1", "--max-seq-len", "128", "--workers", "1", grpc=True,
                         host="::1") as server:
         with urllib.request.urlopen(server.url + "/health", timeout=10) as r:

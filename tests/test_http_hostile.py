@@ -124,13 +124,32 @@ def test_json_nested_deeper_than_128_levels_is_a_400_wherever_it_is(server):
     assert status == 400 and assert_error_shape(reply)["param"] == "stop", reply
 
 
-def test_tool_call_arguments_with_nan_are_400(server):
+@pytest.mark.parametrize("arguments,reason", [
+    ('{"a": NaN}', "NaN"),
+    ('{"a": "\\ud800"}', "surrogate"),  # a lone surrogate in the JSON text inside the body was a 500
+    ('{"\\udfff x": 1}', "surrogate"),
+])
+@pytest.mark.parametrize("path", [CHAT, "/tokenize"])
+def test_tool_call_arguments_json_does_not_have_are_400(server, path, arguments, reason):
     messages = [{"role": "user", "content": "hi"},
                 {"role": "assistant", "content": None, "tool_calls": [
-                    {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": '{"a": NaN}'}}]},
+                    {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": arguments}}]},
                 {"role": "tool", "tool_call_id": "call_1", "content": "ok"}]
-    status, _, reply = post(server, CHAT, {"messages": messages, "max_tokens": 2})
-    assert status == 400 and assert_error_shape(reply)["param"] == "messages[1].tool_calls[0].function.arguments"
+    status, _, reply = post(server, path, {"messages": messages, **({"max_tokens": 2} if path == CHAT else {})})
+    error = assert_error_shape(reply)
+    assert status == 400 and error["param"] == "messages[1].tool_calls[0].function.arguments", reply
+    assert reason in error["message"]
+    paired = '{"a": "\\ud83d\\ude00"}'  # a pair is one character, an emoji
+    messages[1]["tool_calls"][0]["function"]["arguments"] = paired
+    assert post(server, path, {"messages": messages, **({"max_tokens": 2} if path == CHAT else {})})[0] == 200
+
+
+def test_a_responses_call_item_with_a_lone_surrogate_in_its_arguments_is_a_400(server):
+    items = [{"role": "user", "content": "hi"},
+             {"type": "function_call", "call_id": "c1", "name": "f", "arguments": '{"a": "\\ud800"}'},
+             {"type": "function_call_output", "call_id": "c1", "output": "ok"}]
+    status, _, reply = post(server, "/v1/responses", {"input": items, "max_output_tokens": 2})
+    assert status == 400 and "surrogate" in assert_error_shape(reply)["message"], reply
 
 
 def test_the_words_nan_and_infinity_in_text_are_text(server):

@@ -147,6 +147,18 @@ def test_tokenize_renders_tools_and_tool_call_history_as_the_chat_does(server):
     assert chat["usage"]["prompt_tokens"] == with_tools
 
 
+def test_tokenize_refuses_tools_whose_description_cannot_fit_before_rendering_it(server):
+    """48 KB of nested arrays in a tool's schema (the shared server's bodies are at most 64 KiB):
+    the generic format's indented description of it is over 3 million characters (100 KB took
+    8 s and 400,000 tokens for /tokenize to count); the indentation counts in the size check, so
+    it is refused before anything is rendered."""
+    nested = json.loads("[" * 120 + "]" * 120)
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object",
+                                                                           "examples": [nested] * 200}}}]
+    reply = post(server, "/tokenize", {"messages": [{"role": "user", "content": "hi"}], "tools": tools})
+    assert reply.status == 400 and reply.json()["error"]["code"] == "context_length_exceeded", reply.body[:300]
+
+
 def test_tokenizer_info(server, tokenizer):
     info = ok(request(server, "GET", "/tokenizer_info"))
     assert (info["bos_token"], info["eos_token"]) == ("<|im_start|>", "<|im_end|>")

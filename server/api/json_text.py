@@ -4,7 +4,8 @@ text inside it (a tool call's ``arguments``, a schema sent as text over HTTP or 
 ujson reads ``NaN``, ``Infinity`` and ``-Infinity``, which JSON does not have, and a number such
 as ``1e999`` as infinity; such a value would reach a chat template (``{"a": NaN}`` in a prompt),
 a schema or a bound check as a float no JSON can hold. They are refused instead, as a JSON
-parser that follows the RFC refuses them.
+parser that follows the RFC refuses them; and so is an escape of half a UTF-16 surrogate pair
+(``"\\ud800"``), which decodes to a string no UTF-8 text can hold (RFC 8259, section 8.2).
 
 ujson reads arrays and objects 1,023 levels deep; a value that deep breaks the recursive code
 that takes it on (``json.dumps`` of a tool's schema, a chat template's ``tojson``), past Python's
@@ -18,6 +19,10 @@ import re
 
 import numpy as np
 import ujson
+
+#: A ``\\uD800``-``\\uDFFF`` escape: half of a UTF-16 pair, which a lone one decodes to a
+#: string no UTF-8 text can hold (the tokenizer, a log, a JSON answer would fail on it).
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
 
 #: Levels of arrays and objects a JSON text may nest (the text's own value is level 1): far
 #: beyond any schema (OpenAI's structured outputs allow 10 levels of properties) or message, and
@@ -73,8 +78,8 @@ def loads(text: str):
     :data:`MAX_DEPTH` brackets, so most bodies cost nothing more.
 
     Raises:
-        ValueError: ``text`` is not JSON, holds ``NaN``, ``Infinity`` or a number beyond a
-            double's range; :class:`TooDeep` when it nests more than :data:`MAX_DEPTH` levels.
+        ValueError: ``text`` is not JSON, holds ``NaN``, ``Infinity``, a number beyond a
+            double's range or an unpaired surrogate escape; :class:`TooDeep` when it nests more than :data:`MAX_DEPTH` levels.
     """
     try:
         value = ujson.loads(text)
@@ -84,4 +89,9 @@ def loads(text: str):
         raise ValueError("NaN, Infinity and numbers beyond a double's range are not JSON")
     if text.count("[") + text.count("{") > MAX_DEPTH and _depth(text) > MAX_DEPTH:
         raise TooDeep(f"arrays and objects nest more than {MAX_DEPTH} levels")
+    if _SURROGATE_ESCAPE.search(text):
+        try:  # a pair decodes to one character; a lone half cannot be written as UTF-8
+            ujson.dumps(value, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValueError("an unpaired UTF-16 surrogate escape (\\ud800-\\udfff) is no character") from None
     return value

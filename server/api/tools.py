@@ -149,8 +149,9 @@ def _history_call(c, where: str) -> dict:
     arguments = f.get("arguments")
     try:
         parsed = json_text.loads(arguments) if isinstance(arguments, str) else None
-    except ValueError:
-        parsed = None
+    except ValueError as e:
+        raise InvalidRequest(f"{where}.function.arguments must be a string holding a JSON object: {e}",
+                             f"{where}.function.arguments") from None
     if not isinstance(parsed, dict):
         raise InvalidRequest(f"{where}.function.arguments must be a string holding a JSON object",
                              f"{where}.function.arguments")

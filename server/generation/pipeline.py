@@ -25,7 +25,7 @@ from server.tenancy.ratelimit import RateLimiter
 from server.tenancy.tenants import DEFAULT_TENANT, Tenant
 from server.text.chat_template import ChatTemplate
 from server.text.detokenizer import Detokenizer
-from server.tools.formats import ToolFormat, detect, generic_messages
+from server.tools.formats import ToolFormat, detect, generic_indentation, generic_messages
 from server.tools.grammar import tool_grammar
 from server.tools.parser import ToolCallParser
 from server.tools.spec import NAMED, NONE, REQUIRED, Tool
@@ -351,15 +351,13 @@ class Generator:
             req.sampling = dataclasses.replace(req.sampling, grammar=grammar)
             req.grammar_param = "tools"
         self._check_grammar(req, tenant)
-        texts = [m["content"] or "" for m in messages] + [json.dumps(t.parameters) for t in offered]
-        self._fits_at_all(texts, prompt_param, len(messages) * self.template.tokens_per_message)
-        ids = self.prompt_ids(messages, offered, render, json_answer=content is not None)
+        ids = self.prompt_ids(messages, offered, render, json_answer=content is not None, prompt_param=prompt_param)
         tool_format = dataclasses.replace(self.tool_format, json_answer=content is not None) if offered else None
         return Generation(self.engine, self.tool_pieces if offered else self.tokenizer.pieces, [ids], req,
                           prompt_param, limiter=self.limiter, tool_format=tool_format, **submit).submit()
 
     def prompt_ids(self, messages: list[dict], offered: tuple[Tool, ...] = (), render: dict | None = None,
-                   json_answer: bool = False) -> list[int]:
+                   json_answer: bool = False, prompt_param: str = "messages") -> list[int]:
         """The prompt tokens of ``messages`` (``server.api.requests.parse_messages``'s) with the
         tools ``offered``: a template that takes ``tools`` gets them and renders the history's
         calls itself; any other renders :func:`server.tools.formats.generic_messages` (calls and
@@ -371,11 +369,18 @@ class Generator:
             InvalidRequest: ``continue_final_message`` with tools offered (a call's grammar
                 starts where an answer starts), or the template refuses the conversation
                 (:meth:`ChatTemplate.render`).
+            PromptTooLong: naming ``prompt_param``, for a chat that cannot fit one sequence,
+                found before rendering (:meth:`_fits_at_all`; with the generic format, the
+                indentation its tool description adds counts too: 100 KB of nested schema
+                rendered to 400,000 tokens in 8 s).
         """
         render = render or {}
         if offered and render.get("continue_final_message"):
             raise InvalidRequest("continue_final_message cannot be combined with tools (use tool_choice: none)",
                                  "continue_final_message")
+        texts = [m["content"] or "" for m in messages] + [json.dumps(t.parameters, ensure_ascii=False) for t in offered]
+        indentation = generic_indentation(offered) if offered and not self.tool_format.native else 0
+        self._fits_at_all(texts, prompt_param, len(messages) * self.template.tokens_per_message, indentation)
         if self.tool_format.native:
             return self.template.encode(messages, tools=[t.openai() for t in offered] or None, **render)
         return self.template.encode(generic_messages(messages, offered, json_answer=json_answer), **render)
@@ -411,17 +416,18 @@ class Generator:
         if error:
             raise InvalidRequest(f"{req.grammar_param} cannot be enforced: {error}", req.grammar_param)
 
-    def _fits_at_all(self, texts: list[str], prompt_param: str, template_tokens: int = 0) -> None:
+    def _fits_at_all(self, texts: list[str], prompt_param: str, template_tokens: int = 0, chars: int = 0) -> None:
         """Refuse, before rendering or tokenizing, text that cannot fit one sequence: a token holds
         at most ``max_piece_bytes`` bytes and a character is at least one byte, so C characters
         are at least C / ``max_piece_bytes`` tokens. A body that will be refused costs little CPU.
 
-        ``template_tokens``: tokens the chat template adds for sure (per message).
+        ``template_tokens``: tokens the chat template adds for sure (per message); ``chars``:
+        characters the rendering adds for sure beyond ``texts``.
 
         Raises:
             PromptTooLong: naming ``prompt_param`` and the lower bound.
         """
-        at_least = template_tokens + -(-sum(len(t) for t in texts) // self.tokenizer.max_piece_bytes)
+        at_least = template_tokens + -(-(chars + sum(len(t) for t in texts)) // self.tokenizer.max_piece_bytes)
         if at_least > self.engine.max_seq_len - 1:
             e = PromptTooLong(at_least, self.engine.max_seq_len, at_least=True)
             e.param = prompt_param

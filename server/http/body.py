@@ -2,16 +2,11 @@
 encoding, size and text before any field is looked at (the fields are ``server/api``'s)."""
 from __future__ import annotations
 
-import re
-
 import falcon
-import ujson
 
 from engine.errors import InvalidRequest
 from server.api import json_text
 from server.errors import APIError
-
-_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
 
 
 def read_json(req: falcon.Request, max_body_bytes: int) -> dict:
@@ -54,9 +49,4 @@ def read_json(req: falcon.Request, max_body_bytes: int) -> dict:
         raise InvalidRequest(f"request body is not valid JSON: {e}") from None
     if not isinstance(body, dict):
         raise InvalidRequest(f"request body must be a JSON object, got {type(body).__name__}")
-    if _SURROGATE_ESCAPE.search(text):
-        try:  # a \ud800-style escape decodes to half a UTF-16 pair: text that cannot be UTF-8
-            ujson.dumps(body, ensure_ascii=False).encode("utf-8")
-        except UnicodeEncodeError:
-            raise InvalidRequest("request body contains an unpaired UTF-16 surrogate escape") from None
     return body

@@ -251,6 +251,28 @@ _PARSERS = {"hermes": _hermes, "mistral": _mistral, "llama3_json": _llama3, "gen
 
 
 # -- the generic format's prompt -------------------------------------------------------------------
+#: Spaces a level of the tool description's JSON is indented by.
+GENERIC_INDENT = 2
+
+
+def generic_indentation(tools: tuple[Tool, ...]) -> int:
+    """Characters the indentation of :func:`generic_messages`' tool description adds to the
+    tools' parameters as ``json.dumps`` writes them without it, at least: with
+    ``indent=GENERIC_INDENT`` each member of a non-empty array or object starts a new line
+    indented by its level (a parameters object's members are at level 3: the list, then each
+    function object), where ``, `` becomes ``,`` and a line break. A lower bound found without
+    rendering, for the size check before it: a deeply nested schema grows hundreds of times
+    when indented."""
+    total = 0
+    stack: list = [(t.parameters, 3) for t in tools]
+    while stack:
+        value, level = stack.pop()
+        members = value.values() if isinstance(value, dict) else value if isinstance(value, list) else ()
+        total += len(members) * GENERIC_INDENT * level
+        stack.extend((m, level + 1) for m in members if isinstance(m, (dict, list)))
+    return total
+
+
 def generic_messages(messages: list[dict], tools: tuple[Tool, ...], json_answer: bool = False) -> list[dict]:
     """``messages`` as a template without tool syntax can render them: the tools' description
     in the system message (the first one, extended, or a new one; ``json_answer``: the answer
@@ -271,7 +293,7 @@ def generic_messages(messages: list[dict], tools: tuple[Tool, ...], json_answer:
         else:
             out.append({"role": m["role"], "content": m["content"] or "", **({"name": m["name"]} if "name" in m else {})})
     if tools:
-        described = json.dumps([t.openai()["function"] for t in tools], ensure_ascii=False, indent=2)
+        described = json.dumps([t.openai()["function"] for t in tools], ensure_ascii=False, indent=GENERIC_INDENT)
         instructions = GENERIC_INSTRUCTIONS.format(tools=described, answer=GENERIC_ANSWERS[json_answer])
         if out[0]["role"] in ("system", "developer"):
             out[0] = {**out[0], "content": f"{out[0]['content']}\n\n{instructions}"}
