@@ -79,7 +79,8 @@ def loads(text: str):
 
     Raises:
         ValueError: ``text`` is not JSON, holds ``NaN``, ``Infinity``, a number beyond a
-            double's range or an unpaired surrogate escape; :class:`TooDeep` when it nests more than :data:`MAX_DEPTH` levels.
+            double's range or an unpaired surrogate escape; :class:`TooDeep` when it nests
+            more than :data:`MAX_DEPTH` levels.
     """
     try:
         value = ujson.loads(text)
