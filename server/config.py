@@ -30,8 +30,9 @@ def _option(flag: str, env: str, help_: str, default=MISSING, engine: str | None
     return field(default=default, metadata={"flag": flag, "env": env, "help": help_, "shown": shown, "engine": engine})
 
 
-#: A host name (RFC 1123 labels) or an IPv4 address written as one.
-_HOST_NAME = re.compile(r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)(\.(?!-)[A-Za-z0-9-]{1,63}(?<!-))*\.?")
+#: A host name (RFC 1123 labels, and ``_``, which container runtimes' names may hold and their
+#: DNS resolves) or an IPv4 address written as one.
+_HOST_NAME = re.compile(r"(?!-)[A-Za-z0-9_-]{1,63}(?<!-)(\.(?!-)[A-Za-z0-9_-]{1,63}(?<!-))*\.?")
 
 
 def _is_host(host: str) -> bool:
