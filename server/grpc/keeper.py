@@ -30,11 +30,11 @@ def check_port(host: str, port: int) -> None:
     no ``SO_REUSEPORT``, :func:`server.grpc.server.options`). A port taken between this check and
     the sidecar's bind shows as the sidecar's restarts in the log.
 
+    Args:
+        host: ``ServerConfig.host`` (an IPv6 address without its brackets). port: the gRPC port.
     Raises:
         ConfigError: the port is in use.
     """
-    if host.startswith("[") and host.endswith("]"):  # an IPv6 address as a URL writes it
-        host = host[1:-1]
     try:
         addresses = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except OSError:
