@@ -33,7 +33,10 @@ serve: install
 test: install
 	# Three workers, a test file to each at a time, longest files first (tests/conftest.py orders
 	# them; --no-loadscope-reorder keeps that order instead of xdist's, by number of tests).
-	$(PY) -m pytest -n 3 --dist loadfile --no-loadscope-reorder
+	# Bytecode is written even where PYTHONDONTWRITEBYTECODE is set: without it every Python process
+	# the suite starts (a server is four to six) compiles each module of ours it imports again, and
+	# every pytest process rewrites the asserts of some 380 modules of its plugins' packages again.
+	env -u PYTHONDONTWRITEBYTECODE $(PY) -m pytest -n 3 --dist loadfile --no-loadscope-reorder
 
 bench: install
 	$(PY) -m pip install -q -e '.[test,bench]'

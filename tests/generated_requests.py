@@ -139,6 +139,17 @@ def _openai_pinned_document() -> dict:
         for part in schemas[name].get("allOf", [schemas[name]]):
             if "model" in part.get("properties", {}):
                 part["properties"]["model"] = {"type": "string", "enum": [MODEL]}
+    # Generation kept short, as in this server's document above: each generating route's token
+    # limit required and at most 8. Left out, a request generates up to the sequence limit
+    # (docs/api.md), and the server's decoding was most of this module's CPU time (the legacy
+    # route's 150-odd cases alone took 16 s).
+    for name, fields in (("CreateChatCompletionRequest", ("max_tokens", "max_completion_tokens")),
+                         ("CreateCompletionRequest", ("max_tokens",)), ("CreateResponse", ("max_output_tokens",))):
+        for part in schemas[name].get("allOf", [schemas[name]]):
+            if fields[0] in part.get("properties", {}):
+                for field in fields:
+                    part["properties"][field] = {"type": "integer", "minimum": 0, "maximum": 8}
+                part["required"] = [*part.get("required", []), fields[0]]
     # The document gives a deleted response's 404 as the bare ``Error`` object; OpenAI's API (and
     # every SDK, which reads ``body["error"]``) wraps it, as every other error: {"error": Error}.
     for path in ("/responses/{response_id}",):
