@@ -114,6 +114,10 @@ def test_a_grammar_with_no_way_on_is_a_400(app):
                           ({"structured_outputs": {"regex": "a{1000000}"}}, "structured_outputs.regex")):
         body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 16, **fields}
         error(post(app, CHAT, body), 400, param=param, code="constraint_failed")
+    # Text the model's vocabulary cannot spell (found by schemathesis): SmolLM2 has no token for
+    # the bytes 0xF1 and 0xF2 that lead UTF-8's planes 4 to 11, so this choice has no way on either.
+    unspellable = {"prompt": "x", "max_tokens": 8, "structured_outputs": {"choice": ["/\U00093d7e?", "\U0009d85b"]}}
+    error(post(app, "/v1/completions", unspellable), 400, param="structured_outputs.choice", code="constraint_failed")
     body = {"input": "hi", "max_output_tokens": 16, "store": False,
             "text": {"format": {"type": "json_schema", "name": "x", "schema": endless}}}
     error(post(app, "/v1/responses", body), 400, param="text.format.schema", code="constraint_failed")
