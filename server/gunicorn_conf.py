@@ -113,7 +113,8 @@ def _start_engine(server) -> None:
     server.log.info("engine starting: %d slots x %d tokens, policy %s, %d threads; shared memory %s",
                     engine.max_slots, engine.max_seq_len, engine.policy, engine.threads, supervisor.transport_name)
     if _config.grpc_port:
-        sidecar = Sidecar(dict(os.environ), on_exit=lambda pid: _process_exited(server, pid, "gRPC sidecar"))
+        sidecar = Sidecar(dict(os.environ), on_exit=lambda pid: _process_exited(server, pid, "gRPC sidecar"),
+                          on_bind_failed=lambda: _grpc_port_lost(server))
         _state["sidecar"] = sidecar
         sidecar.start()
         server.log.info("gRPC sidecar starting on port %d (pid %d)", _config.grpc_port, sidecar.pid)
@@ -121,7 +122,9 @@ def _start_engine(server) -> None:
     # workers fork with it (server/http/worker_app.py says why). gunicorn calls no on_exit for
     # an error in when_ready, so a broken install stops everything started above here.
     try:
-        import server.http.worker_app  # noqa: F401
+        # Not `import server.http.worker_app`: that binds the name `server` here to the package,
+        # and the sidecar's callbacks above, which close over this `server`, then failed.
+        from server.http import worker_app  # noqa: F401
     except Exception as e:
         on_exit(server)
         raise SystemExit(f"inference-server: cannot import the app: {type(e).__name__}: {e}") from None
@@ -287,6 +290,16 @@ def _process_exited(server, pid: int, who: str) -> None:
         metrics_dir.retire(pid)
 
 
+def _grpc_port_lost(server) -> None:
+    """The gRPC sidecar could not bind ``--grpc-port`` (another process took it after the check
+    at start): stop now (gunicorn's quick stop, SIGINT), and exit with status 1 (:func:`on_exit`)."""
+    server.log.error("inference-server: --grpc-port %d was taken by another process before the gRPC sidecar "
+                     "bound it (another server's sidecar? give each server its own --grpc-port); stopping",
+                     _config.grpc_port)
+    _state["exit_status"] = 1
+    os.kill(os.getpid(), signal.SIGINT)
+
+
 def _engine_exited(pid: int, crashed: bool) -> None:
     if _config.metrics:
         metrics_dir.retire(pid)
@@ -312,3 +325,6 @@ def on_exit(server) -> None:
     path, owned = _state.pop("metrics_dir", (None, False))
     if owned:
         private_dir.remove(path)
+    status = _state.pop("exit_status", 0)
+    if status:  # gunicorn's halt, next, would exit 0 after the quick stop; this stop is a failure
+        raise SystemExit(status)

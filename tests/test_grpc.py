@@ -401,6 +401,35 @@ def test_a_used_grpc_port_stops_the_start_and_leaves_nothing(tmp_path):
     assert not os.path.exists(f"/dev/shm/{name}") and not os.path.exists(f"/dev/shm/{name}.d")
 
 
+def test_a_grpc_port_taken_before_the_sidecar_binds_stops_the_server():
+    """The port taken between the master's check and the sidecar's bind (two servers started at
+    once with one ``--grpc-port``; here another process takes it while the sidecar restarts):
+    the server stops with exit status 1 and a line naming the flag, leaving nothing behind.
+    Before, the sidecar was restarted every 0.5 s for good while the health check said ready."""
+    with running_server("--max-slots", "1", "--max-seq-len", "128", "--workers", "1", grpc=True) as s:
+        children = s.children()
+        sidecar = s.sidecar_pid()
+        os.kill(sidecar, signal.SIGKILL)
+        while _running(sidecar):
+            time.sleep(0.01)
+        with socket.socket() as taker:  # before the restart (RESTART_S) binds it again
+            taker.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC binds
+            end = time.monotonic() + 0.3
+            while True:  # the dead sidecar's listening socket may take a moment to go
+                try:
+                    taker.bind(("127.0.0.1", s.grpc_port))
+                    break
+                except OSError:
+                    assert time.monotonic() < end, "the sidecar's port stayed bound"
+                    time.sleep(0.01)
+            taker.listen()
+            assert s.proc.wait(60) == 1
+        log = open(s.log).read()
+        assert f"inference-server: --grpc-port {s.grpc_port} was taken by another process" in log, log[-3000:]
+        assert log.count("cannot serve gRPC") == 1, log[-3000:]  # stopped, not restarted again
+    assert not [pid for pid in children if _running(pid)]
+
+
 def test_the_grpc_port_check_leaves_other_faults_to_the_binds():
     """The same port for HTTP and gRPC is a configuration error (the check runs before the HTTP
     bind, so it would not see it); a host that does not resolve is left to the HTTP bind."""

@@ -3,7 +3,11 @@
 gRPC's core does not survive ``fork`` once it is loaded, so the sidecar is a new interpreter
 (``subprocess``: fork then exec, from the master, which never imports grpc), not a forked
 worker. A sidecar that exits while the server runs is started again after ``RESTART_S``, and
-the mailboxes it leased are reclaimed as a dead worker's are.
+the mailboxes it leased are reclaimed as a dead worker's are. One that cannot bind its port
+(another process took it after the master's :func:`check_port`: two servers started at once
+with one ``--grpc-port``, or a process that took the port while the sidecar restarted) exits with
+:data:`BIND_FAILED`, and the server stops rather than serve HTTP with no gRPC behind a ready
+health check.
 """
 from __future__ import annotations
 
@@ -21,6 +25,8 @@ from engine.supervisor import stop_child
 log = logging.getLogger("sidecar")
 RESTART_S = 0.5
 STOP_S = 10.0
+#: The sidecar's exit status when gRPC could not bind its port (``server.grpc.server.main``).
+BIND_FAILED = 3
 
 
 def check_port(host: str, port: int) -> None:
@@ -28,7 +34,7 @@ def check_port(host: str, port: int) -> None:
     would only fail to bind after the engine loaded, then again every ``RESTART_S``. Binds and
     closes a socket on each address ``host`` resolves to, as gRPC will bind them (``SO_REUSEADDR``,
     no ``SO_REUSEPORT``, :func:`server.grpc.server.options`). A port taken between this check and
-    the sidecar's bind shows as the sidecar's restarts in the log.
+    the sidecar's bind stops the server (:class:`Sidecar`'s ``on_bind_failed``).
 
     Args:
         host: ``ServerConfig.host`` (an IPv6 address without its brackets). port: the gRPC port.
@@ -58,10 +64,12 @@ class Sidecar:
         env: its environment (the server's configuration variables and ``INFERENCE_SHM``).
         on_exit: called with the pid after every exit (the master reclaims the dead process's
             mailboxes and retires its metric files).
+        on_bind_failed: called, from the keeper's thread, instead of a restart when the child
+            exited with :data:`BIND_FAILED` (the master stops the server).
     """
 
-    def __init__(self, env: dict[str, str], on_exit: Callable[[int], None]):
-        self.env, self.on_exit = env, on_exit
+    def __init__(self, env: dict[str, str], on_exit: Callable[[int], None], on_bind_failed: Callable[[], None]):
+        self.env, self.on_exit, self.on_bind_failed = env, on_exit, on_bind_failed
         self.proc: subprocess.Popen | None = None
         self._stopping = threading.Event()
         self._lock = threading.Lock()  # no spawn after stop() began
@@ -83,6 +91,9 @@ class Sidecar:
             code = self.proc.wait()
             self.on_exit(self.proc.pid)
             if self._stopping.is_set():
+                return
+            if code == BIND_FAILED:
+                self.on_bind_failed()
                 return
             log.error("gRPC sidecar (pid %d) exited with %s; restarting in %.1f s", self.proc.pid, code, RESTART_S)
             if self._stopping.wait(RESTART_S):

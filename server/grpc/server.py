@@ -26,6 +26,7 @@ from engine.client import EngineClient
 from proto import inference_pb2_grpc
 from server.config import ServerConfig
 from server.generation.pipeline import Generator
+from server.grpc.keeper import BIND_FAILED
 from server.grpc.service import SERVICE_NAME, InferenceService
 from server.tenancy.ratelimit import RateLimiter
 from server.tenancy.tenants import TenantRegistry, Tenants
@@ -100,7 +101,7 @@ def main() -> int:
     except RuntimeError as e:  # the port was taken after the master's check (keeper.check_port)
         log.error("cannot serve gRPC on %s: %s", config.address(config.grpc_port), e)
         engine.close()
-        return 1
+        return BIND_FAILED
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGHUP, lambda *_: tenants.reload())
