@@ -141,8 +141,8 @@ def _openai_pinned_document() -> dict:
                 part["properties"]["model"] = {"type": "string", "enum": [MODEL]}
     # Generation kept short, as in this server's document above: each generating route's token
     # limit required and at most 8. Left out, a request generates up to the sequence limit
-    # (docs/api.md), and the server's decoding was most of this module's CPU time (the legacy
-    # route's 150-odd cases alone took 16 s).
+    # (docs/api.md), and the server's decoding was most of this module's time (the legacy
+    # route's cases alone took 16 of its 67 s).
     for name, fields in (("CreateChatCompletionRequest", ("max_tokens", "max_completion_tokens")),
                          ("CreateCompletionRequest", ("max_tokens",)), ("CreateResponse", ("max_output_tokens",))):
         for part in schemas[name].get("allOf", [schemas[name]]):

@@ -31,7 +31,7 @@ BIND_FAILED = 3
 
 def check_port(host: str, port: int) -> None:
     """Refuse a ``--grpc-port`` another process listens on, before anything starts: the sidecar
-    would only fail to bind after the engine loaded, then again every ``RESTART_S``. Binds and
+    would only fail to bind after the engine loaded, and stop the server then. Binds and
     closes a socket on each address ``host`` resolves to, as gRPC will bind them (``SO_REUSEADDR``,
     no ``SO_REUSEPORT``, :func:`server.grpc.server.options`). A port taken between this check and
     the sidecar's bind stops the server (:class:`Sidecar`'s ``on_bind_failed``).
