@@ -26,7 +26,7 @@ from engine.client import EngineClient
 from proto import inference_pb2_grpc
 from server.config import ServerConfig
 from server.generation.pipeline import Generator
-from server.grpc.keeper import BIND_FAILED
+from server.grpc.keeper import BIND_FAILED, report_bind_failed
 from server.grpc.service import SERVICE_NAME, InferenceService
 from server.tenancy.ratelimit import RateLimiter
 from server.tenancy.tenants import TenantRegistry, Tenants
@@ -100,6 +100,7 @@ def main() -> int:
         server, health_servicer = build(config, engine, tenants)
     except RuntimeError as e:  # the port was taken after the master's check (keeper.check_port)
         log.error("cannot serve gRPC on %s: %s", config.address(config.grpc_port), e)
+        report_bind_failed()
         engine.close()
         return BIND_FAILED
     stop = threading.Event()
