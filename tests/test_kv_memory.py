@@ -92,6 +92,21 @@ def test_copies_move_the_cells_used_and_keep_the_output(model):
     model.free_sequence(4)
 
 
+def test_a_sequence_length_llama_cpp_rounds_up_still_gives_its_pages_back():
+    """llama.cpp sizes a stream to a multiple of 256 cells (``n_ctx_seq``): at --max-seq-len 128
+    each of the 129 streams has 256. The buffer is found at that size, so its 760 MiB are not
+    resident (it was found at 128 cells a stream, i.e. not at all, before)."""
+    m = Model.from_config(suite_threads(EngineConfig(max_slots=1, max_seq_len=128, prefix_cache_tokens=16384)))
+    try:
+        assert m.pages is not None, "the KV buffer was not found"
+        before = resident_bytes()
+        prefill(m, 0, np.arange(100, 228, dtype=np.int32))
+        assert resident_bytes() - before < 128 * CELL_BYTES + 16 * MIB
+        m.free_sequence(0)
+    finally:
+        m.close()
+
+
 def test_the_defaults_serve_the_models_whole_context_beyond_the_old_2048(model_path):
     """--max-seq-len defaults to the bundled model's trained context (8,192), and a 2,400-token
     prompt (smolagents' CodeAgent sends 2,332) is served at the default settings."""

@@ -26,7 +26,8 @@ class Model:
     ``max_seq_len`` cells each.
 
     The KV cache is allocated once here: ``n_ctx = n_seq_max * max_seq_len``; with a non-unified
-    cache every sequence (slot id = ``seq_id``) owns a stream of ``max_seq_len`` cells. Streams
+    cache every sequence (slot id = ``seq_id``) owns a stream of ``max_seq_len`` cells (llama.cpp
+    rounds a stream up to a multiple of 256 cells; the engine uses ``max_seq_len`` of them). Streams
     ``0 .. max_slots - 1`` hold running sequences, the ``cache_streams`` after them the prefix
     cache (:mod:`engine.prefix_cache`). Where the backend profile allows it
     (``Backend.kv_pages``), a stream's memory is what its sequence wrote
@@ -65,8 +66,10 @@ class Model:
         self.eog = frozenset(t for t in range(self.n_vocab) if llama_cpp.llama_vocab_is_eog(self.vocab, t))
         self.pages = None
         if backend.kv_pages:
-            self.pages = KvPages.locate(self.ctx, self.mem, self.model, max_seq_len, params.n_seq_max,
-                                        self._decode_probe)
+            # A stream's cells as llama.cpp sized it: max_seq_len rounded up to a multiple of 256
+            # (``llama_context``'s ``n_ctx_seq``), not max_seq_len itself.
+            self.pages = KvPages.locate(self.ctx, self.mem, self.model, llama_cpp.llama_n_ctx_seq(self.ctx),
+                                        params.n_seq_max, self._decode_probe)
             if self.pages is not None:
                 self.pages.release_all()
 
