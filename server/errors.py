@@ -26,7 +26,8 @@ CLIENT_CLOSED = f"{CLIENT_CLOSED_STATUS} Client Closed Request"
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
           404: "invalid_request_error",
-          405: "invalid_request_error", 424: "server_error", 413: "invalid_request_error", 415: "invalid_request_error",
+          405: "invalid_request_error", 408: "invalid_request_error", 424: "server_error", 413: "invalid_request_error",
+          415: "invalid_request_error",
           429: "rate_limit_error", 503: "server_error", 500: "server_error"}
 
 

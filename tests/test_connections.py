@@ -13,6 +13,7 @@ import pytest
 
 from bench.overload import run as overload
 from server.config import ServerConfig
+from server.http.body import BODY_GAP_S, read_bounded
 from server.http.worker import HEADER_TIMEOUT_S
 from tests.conftest import running_server
 
@@ -104,6 +105,64 @@ def test_a_head_that_never_completes_is_closed_with_408(server):
         assert answer.startswith(b"HTTP/1.1 408"), answer
     finally:
         s.close()
+
+
+def test_a_stalled_body_is_answered_408_and_frees_its_thread(server):
+    """Clients that send a request head and part of its body, then nothing: each held a worker
+    thread for good (a few hundred took every thread, /health/live included). Each is now
+    answered 408 ``request_timeout`` and closed once its body stalled ``BODY_GAP_S``, and the
+    server answers meanwhile and after."""
+    socks = []
+    for _ in range(8):
+        s = socket.create_connection(("127.0.0.1", server.port), timeout=BODY_GAP_S + 20)
+        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: 1000\r\n\r\n{\"messages\":")
+        socks.append(s)
+    try:
+        start = time.monotonic()
+        assert _get(server.port) == 200
+        for s in socks:
+            answer = b""
+            while b"\r\n\r\n" not in answer or not answer.endswith(b"}"):
+                part = s.recv(4096)
+                if not part:
+                    break
+                answer += part
+            head, _, body = answer.partition(b"\r\n\r\n")
+            assert head.startswith(b"HTTP/1.1 408") and b"connection: close" in head.lower(), answer
+            assert json.loads(body)["error"]["code"] == "request_timeout"
+            assert s.recv(4096) == b""  # closed
+        assert BODY_GAP_S - 1 < time.monotonic() - start < BODY_GAP_S + 10
+        assert _get(server.port, "/v1/models") == 200
+    finally:
+        for s in socks:
+            s.close()
+    server.wait_idle()
+
+
+def test_a_trickled_body_times_out_in_all():
+    """A byte every 0.1 s never leaves a 1 s gap; the body's bound in all ends it."""
+    a, b = socket.socketpair()
+    try:
+        start = time.monotonic()
+        with pytest.raises(TimeoutError):
+            reader = a.makefile("rb", buffering=0)
+
+            class Trickle:
+                def read(self, n):
+                    b.sendall(b"x")
+                    time.sleep(0.1)
+                    return reader.read(1)
+            read_bounded(Trickle(), a, 1000, gap_s=1.0, total_s=0.5)
+        assert time.monotonic() - start < 1.0
+        assert a.gettimeout() is None  # the socket blocks again
+        b.sendall(b"abc")
+        assert read_bounded(reader, a, 3, gap_s=1.0, total_s=5.0) == b"abc"
+        with pytest.raises(TimeoutError):  # nothing more comes: the gap bound
+            read_bounded(reader, a, 10, gap_s=0.2, total_s=5.0)
+    finally:
+        a.close()
+        b.close()
 
 
 def test_ten_times_more_requests_than_slots_and_queue():

@@ -2,11 +2,23 @@
 encoding, size and text before any field is looked at (the fields are ``server/api``'s)."""
 from __future__ import annotations
 
+import time
+
 import falcon
 
 from engine.errors import InvalidRequest
 from server.api import json_text
 from server.errors import APIError
+from server.http.worker import close_after_response
+
+#: Seconds a request body may pause between two reads (nginx's ``client_body_timeout`` is the
+#: same gap, 60 s there)...
+BODY_GAP_S = 10.0
+#: ...and may take in all, counted once its head is in (1 MiB, the default --max-body-bytes, in
+#: that time is 140 kbit/s). A client that stalls or trickles its body otherwise holds a worker
+#: thread for as long as it likes: a few hundred such connections took every thread.
+BODY_TIMEOUT_S = 60.0
+_CHUNK = 64 * 1024
 
 
 def read_json(req: falcon.Request, max_body_bytes: int) -> dict:
@@ -14,7 +26,9 @@ def read_json(req: falcon.Request, max_body_bytes: int) -> dict:
 
     Raises:
         APIError: 415 not ``application/json``; 413 over ``max_body_bytes`` (the connection is
-        then closed, the body left unread); 400 not UTF-8, not JSON, or not an object.
+        then closed, the body left unread); 408 (then closed too) when the body stalls
+        :data:`BODY_GAP_S` or takes :data:`BODY_TIMEOUT_S` in all; 400 not UTF-8, not JSON, or
+        not an object.
     """
     media = (req.content_type or "").split(";")[0].strip().lower()
     if media != "application/json":
@@ -32,7 +46,12 @@ def read_json(req: falcon.Request, max_body_bytes: int) -> dict:
     # own input stream decodes the chunks and ends at the body's end.
     stream = req.bounded_stream if req.content_length is not None else req.stream
     try:
-        raw = stream.read(max_body_bytes + 1)
+        raw = read_bounded(stream, req.env.get("gunicorn.socket"), max_body_bytes + 1)
+    except TimeoutError:
+        close_after_response()  # the rest of the body will not be read
+        raise APIError(408, f"request body not received within {BODY_GAP_S:.0f} s of its last bytes or "
+                            f"{BODY_TIMEOUT_S:.0f} s in all", code="request_timeout",
+                       headers={"Connection": "close"}) from None
     except Exception as e:  # noqa: BLE001 - gunicorn's malformed-chunk errors have no common base
         raise InvalidRequest(f"request body could not be read: {type(e).__name__}") from None
     if len(raw) > max_body_bytes:
@@ -50,3 +69,32 @@ def read_json(req: falcon.Request, max_body_bytes: int) -> dict:
     if not isinstance(body, dict):
         raise InvalidRequest(f"request body must be a JSON object, got {type(body).__name__}")
     return body
+
+
+def read_bounded(stream, sock, limit: int, gap_s: float = BODY_GAP_S, total_s: float = BODY_TIMEOUT_S) -> bytes:
+    """Up to ``limit`` bytes of ``stream`` (a file-like body reader over the client's socket
+    ``sock``; None: no socket, as in-process tests), each read of the socket bounded by
+    ``gap_s`` seconds and all of them by ``total_s``; the socket's own timeout is restored
+    afterwards (a response has no such bound).
+
+    Raises:
+        TimeoutError: a bound passed.
+    """
+    if sock is None:
+        return stream.read(limit)
+    deadline, before = time.monotonic() + total_s, sock.gettimeout()
+    parts, size = [], 0
+    try:
+        while size < limit:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError
+            sock.settimeout(min(gap_s, remaining))
+            part = stream.read(min(_CHUNK, limit - size))
+            if not part:
+                break
+            parts.append(part)
+            size += len(part)
+    finally:
+        sock.settimeout(before)
+    return b"".join(parts)

@@ -15,12 +15,16 @@
   close does, the rest is read and thrown away, up to ``--max-discard-bytes`` and
   :data:`LINGER_S` seconds.
 
+A body is read by the app's thread, within bounds of its own (``server.http.body``), which
+closes the connection after its 408 through :func:`close_after_response`.
+
 Use it as ``worker_class = "server.http.worker.Worker"`` (``server.gunicorn_conf`` does).
 """
 from __future__ import annotations
 
 import os
 import socket
+import threading
 import time
 
 from gunicorn.workers import gthread
@@ -38,6 +42,17 @@ LINGER_S = 10.0
 #: ...and between two reads (nginx's ``lingering_timeout`` is 5).
 LINGER_READ_S = 2.0
 _408 = b"HTTP/1.1 408 Request Timeout\r\nConnection: close\r\nContent-Length: 0\r\n\r\n"
+#: The gunicorn request each worker thread is handling (for :func:`close_after_response`).
+_handling = threading.local()
+
+
+def close_after_response() -> None:
+    """From the app, in a worker's thread: close the connection once the current answer is
+    sent, and say ``Connection: close`` in it (gunicorn ignores the app's own ``Connection``
+    header, a hop-by-hop one). A no-op outside this worker (in-process tests)."""
+    req = getattr(_handling, "request", None)
+    if req is not None:
+        req.must_close = True
 
 
 def read_head(conn) -> bool:
@@ -94,6 +109,14 @@ def discard_body(sock: socket.socket, max_bytes: int, seconds: float = LINGER_S)
 
 class Worker(gthread.ThreadWorker):
     """gthread, where a connection holds a thread only while its request head is complete."""
+
+    def handle_request(self, req, conn):
+        """gthread's, with ``req`` known to :func:`close_after_response` meanwhile."""
+        _handling.request = req
+        try:
+            return super().handle_request(req, conn)
+        finally:
+            _handling.request = None
 
     def handle(self, conn):
         """Defer a connection (back to the poller, no thread held) until its head is complete;
