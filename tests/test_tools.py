@@ -248,6 +248,11 @@ def test_malformed_tool_fields_are_refused_by_name(fields, param):
 def test_tool_fields_parse():
     r = parse_generation(chat_body(tools=[WEATHER, TIME], parallel_tool_calls=False), chat=True).tools
     assert [t.name for t in r.tools] == ["get_weather", "get_time"] and r.choice == "auto" and not r.parallel
+    named = {"type": "function", "function": {"name": "get_time"}}
+    for parallel in (None, True):  # a named function is called once
+        assert not parse_generation(chat_body(tools=[WEATHER, TIME], tool_choice=named, parallel_tool_calls=parallel),
+                                    chat=True).tools.parallel
+    assert parse_generation(chat_body(tools=[WEATHER, TIME], tool_choice="required"), chat=True).tools.parallel
     assert parse_generation(chat_body(tools=[], tool_choice="none"), chat=True).tools is None
     assert parse_generation(chat_body(tools=[WEATHER], tool_choice="none"), chat=True).tools.callable() == ()
     bare = parse_generation(chat_body(tools=[{"type": "function", "function": {"name": "ping"}}]), chat=True)

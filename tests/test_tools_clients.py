@@ -69,11 +69,15 @@ def test_required_answers_with_valid_calls(client):
         valid(call.function.name, call.function.arguments)
 
 
-def test_a_named_function_is_the_one_called(client):
-    r = create(client, tool_choice={"type": "function", "function": {"name": "get_time"}}, parallel_tool_calls=False)
-    (call,) = r.choices[0].message.tool_calls
-    assert call.function.name == "get_time" and r.choices[0].finish_reason == "tool_calls"
-    valid("get_time", call.function.arguments)
+def test_a_named_function_is_called_once(client):
+    """As instructor's default mode asks (no ``parallel_tool_calls``; found by a helper: the
+    call was repeated until ``max_tokens``, and instructor raised on ``length``), and with
+    parallel calls asked for."""
+    for parallel in ({}, {"parallel_tool_calls": True}):
+        r = create(client, tool_choice={"type": "function", "function": {"name": "get_time"}}, max_tokens=64, **parallel)
+        (call,) = r.choices[0].message.tool_calls
+        assert call.function.name == "get_time" and r.choices[0].finish_reason == "tool_calls"
+        valid("get_time", call.function.arguments)
 
 
 def test_parallel_calls_off_is_one_call(client):

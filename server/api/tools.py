@@ -44,7 +44,10 @@ def parse_tools(body: dict) -> ToolRequest | None:
         if choice not in (NONE, AUTO):
             raise InvalidRequest("tool_choice requires tools", "tool_choice")
         return None
-    return ToolRequest(tools, choice, name, True if parallel is None else parallel)
+    # A named function is called once (as vLLM and llama-server do; OpenAI's models make one
+    # call): with parallel calls allowed a small model repeated it until max_tokens, and clients
+    # that force a function to extract one object (instructor's default mode) saw "length".
+    return ToolRequest(tools, choice, name, choice != NAMED and parallel is not False)
 
 
 def _tool(raw, where: str) -> Tool:

@@ -42,7 +42,8 @@ class ToolRequest:
         tools: the functions, names unique, in request order.
         choice: :data:`NONE`, :data:`AUTO`, :data:`REQUIRED` or :data:`NAMED`.
         name: the function :data:`NAMED` forces (None otherwise).
-        parallel: more than one call in one answer may be made (``parallel_tool_calls``).
+        parallel: more than one call in one answer may be made (``parallel_tool_calls``; never
+            under :data:`NAMED`, which makes one call).
     """
 
     tools: tuple[Tool, ...]
