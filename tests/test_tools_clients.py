@@ -80,6 +80,28 @@ def test_a_named_function_is_called_once(client):
         valid("get_time", call.function.arguments)
 
 
+@pytest.mark.parametrize("stop", ['"', "response", "{", "Paris"])
+def test_stop_strings_end_the_visible_text_only(client, stop):
+    """Found by a client-library helper: a stop string matched inside the generic format's
+    envelope (``{"response": "``) or a call's arguments, which ended the answer in its first
+    tokens or cut the arguments under ``finish_reason: "tool_calls"``. It ends what the client
+    sees: the same answer as without it, cut before its first occurrence in ``content``."""
+    for ask in (ASK, [{"role": "user", "content": "Say hello to me, please."}]):
+        plain = create(client, messages=ask, max_tokens=40).choices[0]
+        cut = create(client, messages=ask, max_tokens=40, stop=[stop]).choices[0]
+        text = plain.message.content or ""
+        if stop in text:
+            assert cut.message.content == text[:text.index(stop)] and cut.finish_reason == "stop"
+        else:
+            assert cut.message.content == plain.message.content and cut.finish_reason == plain.finish_reason
+        assert [c.function.arguments for c in cut.message.tool_calls or ()] == \
+            [c.function.arguments for c in plain.message.tool_calls or ()]
+    required = create(client, tool_choice="required", parallel_tool_calls=False, stop=[stop]).choices[0]
+    (call,) = required.message.tool_calls
+    assert required.finish_reason == "tool_calls"
+    valid(call.function.name, call.function.arguments)
+
+
 def test_parallel_calls_off_is_one_call(client):
     r = create(client, tool_choice="required", parallel_tool_calls=False, temperature=1.0, seed=1, max_tokens=48, n=2)
     for choice in r.choices:

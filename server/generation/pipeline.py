@@ -24,7 +24,7 @@ from server.generation.request import Choice, Delta, GenerationRequest, ToolCall
 from server.tenancy.ratelimit import RateLimiter
 from server.tenancy.tenants import DEFAULT_TENANT, Tenant
 from server.text.chat_template import ChatTemplate
-from server.text.detokenizer import Detokenizer
+from server.text.detokenizer import Detokenizer, StopStrings
 from server.tools.formats import ToolFormat, detect, generic_indentation, generic_messages
 from server.tools.grammar import tool_grammar
 from server.tools.parser import ToolCallParser
@@ -159,8 +159,12 @@ class Generation:
             self.finish_reasons = ["length"] * self.n_choices
             yield from (Delta(k, self._echo_text(k), [], "length") for k in range(self.n_choices))
             return
-        detoks = [Detokenizer(self.pieces, self.req.stop) for _ in self.streams]
         parsers = [self._tool_parser() for _ in self.streams]
+        # Stop strings end the text the client sees: with a tool parser, its visible text, never
+        # the envelope or a call's arguments (a stop matched inside them cut the arguments, and
+        # the answer still said tool_calls).
+        detoks = [Detokenizer(self.pieces, [] if p else self.req.stop) for p in parsers]
+        stops = [StopStrings(self.req.stop) if p else None for p in parsers]
         ended = [False] * len(self.streams)
         echoed = [not self.req.echo] * len(self.streams)
         try:
@@ -181,17 +185,18 @@ class Generation:
                     text, calls = detoks[k].push(token.id), []
                     if parser is not None:
                         text, calls = parser.feed(text)
+                        text = stops[k].push(text)
                     if text or calls or token.logprob is not None:
                         yield Delta(k, text, [token], tool_calls=calls)
-                    if detoks[k].stopped or (parser is not None and parser.done):
+                    if detoks[k].stopped or (parser is not None and (parser.done or stops[k].stopped)):
                         self.streams[k].cancel()
                         ended[k] = True
-                        yield self._finish(k, "", parser, "stop")
+                        yield self._finish(k, "", parser, "stop", stops[k])
                         break
                 else:
                     if self.streams[k].finished:
                         ended[k] = True
-                        yield self._finish(k, detoks[k].flush(), parser, self.streams[k].finish_reason)
+                        yield self._finish(k, detoks[k].flush(), parser, self.streams[k].finish_reason, stops[k])
         except BaseException as e:  # GeneratorExit too: the reader stopped (a stream's client left)
             if isinstance(e, ConstraintFailed):
                 e.param = self.req.grammar_param
@@ -217,12 +222,17 @@ class Generation:
         return ToolCallParser(self.tool_format, None if tools.parallel else 1,
                               calls_only=tools.choice in (REQUIRED, NAMED))
 
-    def _finish(self, k: int, text: str, parser: ToolCallParser | None, reason: str) -> Delta:
-        """Choice ``k``'s last delta: the rest of its text (read for calls to the end), and its
-        finish reason, ``tool_calls`` when it made calls and stopped (OpenAI's)."""
+    def _finish(self, k: int, text: str, parser: ToolCallParser | None, reason: str,
+                stops: StopStrings | None = None) -> Delta:
+        """Choice ``k``'s last delta: the rest of its text (read for calls to the end, ``stops``
+        applied to what is visible), and its finish reason, ``tool_calls`` when it made calls
+        and stopped (OpenAI's)."""
         calls = []
         if parser is not None:
             text, calls = parser.feed(text, final=True)
+            if stops is not None:  # nothing more after a stop string
+                text = stops.push(text) + stops.flush()
+                reason = "stop" if stops.stopped else reason
             self.tool_calls[k] = parser.n_calls
             if parser.n_calls and reason == "stop":
                 reason = "tool_calls"

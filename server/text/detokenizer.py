@@ -1,4 +1,5 @@
-"""Incremental, UTF-8-safe detokenization with stop strings.
+"""Incremental, UTF-8-safe detokenization with stop strings (:class:`StopStrings`, also applied
+on their own to the visible text of an answer read for tool calls).
 
 Tokens arrive one at a time; a token may carry part of a code point (the bundled model splits
 one CJK character over two tokens) and a stop string may span tokens or sit inside one. Text
@@ -11,28 +12,25 @@ from __future__ import annotations
 import codecs
 
 
-class Detokenizer:
-    """Turns token byte-pieces into text deltas.
+class StopStrings:
+    """Ends a text at its first stop string, holding back a tail that may still become one.
 
     Args:
-        pieces: ``token id -> bytes`` (``Tokenizer.pieces``).
         stops: stop strings; the text ends right before the first of them to be complete (the
             occurrence that ends first; of those ending at the same place, the longest).
     """
 
-    def __init__(self, pieces: list[bytes], stops: list[str]):
-        self.pieces = pieces
+    def __init__(self, stops: list[str]):
         self.stops = stops
-        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self._held = ""
         self.stopped = False
 
-    def push(self, token: int) -> str:
-        """Add one token; returns the text now safe to emit ('' if none). After a stop string
+    def push(self, text: str) -> str:
+        """Add text; returns what is now safe to emit ('' if none). After a stop string
         matched, ``stopped`` is True and later calls return ''."""
         if self.stopped:
             return ""
-        self._held += self._utf8.decode(self.pieces[token])
+        self._held += text
         if not self.stops:
             out, self._held = self._held, ""
             return out
@@ -59,11 +57,39 @@ class Detokenizer:
         return 0
 
     def flush(self) -> str:
+        """End of the text: what is held (nothing after a stop)."""
+        out, self._held = ("" if self.stopped else self._held), ""
+        return out
+
+
+class Detokenizer:
+    """Turns token byte-pieces into text deltas.
+
+    Args:
+        pieces: ``token id -> bytes`` (``Tokenizer.pieces``).
+        stops: stop strings (:class:`StopStrings`).
+    """
+
+    def __init__(self, pieces: list[bytes], stops: list[str]):
+        self.pieces = pieces
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._stops = StopStrings(stops)
+
+    @property
+    def stopped(self) -> bool:
+        return self._stops.stopped
+
+    def push(self, token: int) -> str:
+        """Add one token; returns the text now safe to emit ('' if none). After a stop string
+        matched, ``stopped`` is True and later calls return ''."""
+        if self.stopped:
+            return ""
+        return self._stops.push(self._utf8.decode(self.pieces[token]))
+
+    def flush(self) -> str:
         """End of generation: whatever text is held. Bytes of a code point that generation cut
         short (``max_tokens`` inside a multi-byte character) are dropped, not sent as U+FFFD,
         as vLLM's detokenizer does."""
-        if self.stopped:
-            return ""
-        out, self._held = self._held, ""
+        out = self._stops.flush()
         self._utf8.reset()
         return out
