@@ -181,6 +181,10 @@ def test_a_second_turn_with_tool_results(client):
                      {"role": "tool", "tool_call_id": call.id, "content": '{"temp_c": 21, "sky": "clear"}'}]
     r = create(client, messages=history, tool_choice="none", max_tokens=12)
     assert r.choices[0].message.content and r.choices[0].message.tool_calls is None
+    # LiteLLM up to 1.80 sends the answer back with a record of its own (found by a helper: a 400)
+    history[1] = {**history[1], "provider_specific_fields": {"refusal": None}}
+    again = create(client, messages=history, tool_choice="none", max_tokens=12)
+    assert again.choices[0].message.content == r.choices[0].message.content
 
 
 def test_refusals_name_the_field(client):

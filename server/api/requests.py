@@ -209,6 +209,12 @@ def _logprobs(body: dict, chat: bool) -> int | None:
     return sampling_field(body, "logprobs")
 
 
+#: Message fields a client library adds to an answer it sends back as history, for itself:
+#: nothing for a server to honour, so passed over (LiteLLM up to 1.80 sends an assistant
+#: message's ``provider_specific_fields``; vLLM accepts any extra field).
+CLIENT_METADATA = ("provider_specific_fields",)
+
+
 def parse_messages(body: dict, max_messages: int) -> list[dict]:
     """``messages`` -> ``[{"role", "content": str | None, ...}]``: text parts are joined, other
     parts rejected; the tool fields (``name``, an assistant's ``tool_calls``, a tool message's
@@ -233,7 +239,7 @@ def parse_messages(body: dict, max_messages: int) -> list[dict]:
         if role not in ROLES:
             raise InvalidRequest(f"{where}.role must be one of {', '.join(ROLES)}, got {ujson.dumps(role)}",
                                  f"{where}.role")
-        for key in sorted(set(m) - {"role", "content", "name", "tool_calls", "tool_call_id"}):
+        for key in sorted(set(m) - {"role", "content", "name", "tool_calls", "tool_call_id", *CLIENT_METADATA}):
             if m[key] is not None:  # function_call, refusal, audio: not implemented
                 raise InvalidRequest(f"{where}.{key} is not supported by this server", f"{where}.{key}")
         tool_fields = message_tool_fields(m, where, role, call_ids)
