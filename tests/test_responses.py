@@ -304,6 +304,19 @@ def test_refusals_name_the_field(server, extra, param):
     assert item is None or item.group(0) in err["message"], err
 
 
+@pytest.mark.parametrize("extra,param", [
+    ({"max_tokens": 5}, "max_tokens"), ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"messages": [{"role": "user", "content": "Hi"}]}, "messages"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]},
+     "tools[0].function")])
+def test_chat_fields_sent_to_responses_are_named_as_sent(server, extra, param):
+    """Found by a hostile helper: the renaming of the chat path's refusals to Responses fields
+    was applied to the Responses request's own refusals too, so ``max_tokens`` was refused as
+    an unrecognized ``max_output_tokens``."""
+    err = error(call(server, "POST", "/v1/responses", {"input": "Hi", **extra}), 400, param)
+    assert param.split(".")[-1] in err["message"], err
+
+
 # -- clients ------------------------------------------------------------------------------------------------
 def test_agents_sdk_runs_an_agent_with_a_function_tool(server):
     import agents

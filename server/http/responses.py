@@ -49,14 +49,9 @@ class Responses:
     def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
         body = read_json(req, self.config.max_body_bytes)
         tenant = req.context.tenant
-        rr = None
-        try:
+        try:  # the Responses request itself: its refusals name its own fields
             model = check_model(body, self.config.model_ids)
             rr = parse(body, lambda rid: self.store.get(tenant.id, rid))
-            greq = parse_generation(rr.chat, chat=True)
-            messages = parse_messages(rr.chat, self.config.max_messages)
-            gen = self.generator.chat(messages, greq, prompt_param="input", render=render_options(rr.chat, messages),
-                                      tenant=tenant, watch_socket=req.env.get("gunicorn.socket"))
         except StoreUnavailable as e:
             e.param = "previous_response_id"
             raise
@@ -64,8 +59,14 @@ class Responses:
             if e.param == "response_id":  # the previous response is unknown to this tenant
                 e.param = "previous_response_id"
                 e.message = f"Previous response with id {body['previous_response_id']!r} not found."
-            origins = rr.origins if rr is not None else []
-            e.param, e.message = responses_param(e.param, origins), responses_message(e.message, origins)
+            raise
+        try:  # the chat request it means: refusals renamed to the fields they came from
+            greq = parse_generation(rr.chat, chat=True)
+            messages = parse_messages(rr.chat, self.config.max_messages)
+            gen = self.generator.chat(messages, greq, prompt_param="input", render=render_options(rr.chat, messages),
+                                      tenant=tenant, watch_socket=req.env.get("gunicorn.socket"))
+        except RequestError as e:
+            e.param, e.message = responses_param(e.param, rr.origins), responses_message(e.message, rr.origins)
             raise
         req.context.record.attach(gen, body.get("input"))
         builder = ResponseBuilder(new_id("resp"), model, self._echo(body, rr))
