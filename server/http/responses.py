@@ -156,6 +156,8 @@ class StoredResponse:
         resp.content_type = falcon.MEDIA_JSON
         resp.text = dumps(self.store.get(req.context.tenant.id, response_id)["response"])
 
+    on_head = on_get  # every GET answers HEAD (HTTP requires it)
+
     def on_delete(self, req: falcon.Request, resp: falcon.Response, response_id: str) -> None:
         self.store.delete(req.context.tenant.id, response_id)
         resp.content_type = falcon.MEDIA_JSON
@@ -191,6 +193,8 @@ class InputItems:
         resp.content_type = falcon.MEDIA_JSON
         resp.text = dumps({"object": "list", "data": page, "has_more": len(items) > len(page),
                            "first_id": page[0]["id"] if page else None, "last_id": page[-1]["id"] if page else None})
+
+    on_head = on_get
 
 
 def _no_query(req: falcon.Request, allowed: tuple[str, ...]) -> None:
