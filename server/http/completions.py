@@ -133,17 +133,20 @@ class Completions(_Completions):
         return self.generator.complete(parse_prompt(body, self.generator.engine.capacity // greq.n), greq, **submit)
 
     def logprobs(self, tokens, greq, offsets: "TextOffsets") -> dict | None:
-        """Legacy shape: tokens, token_logprobs, top_logprobs (token -> logprob) and text_offset
-        (characters into the completion's text where each token starts). With ``echo``, the
-        prompt's tokens come first, the first with a null logprob and top_logprobs (OpenAI's
-        legacy API, vLLM)."""
+        """Legacy shape: tokens, token_logprobs, top_logprobs (token -> logprob: the ``logprobs``
+        most likely and the chosen token, so up to ``logprobs + 1`` entries, as OpenAI's legacy
+        API and vLLM give them) and text_offset (characters into the completion's text where
+        each token starts). With ``echo``, the prompt's tokens come first, the first with a null
+        logprob and top_logprobs."""
         if greq.sampling.logprobs is None:
             return None
-        return {"tokens": [token_text(self.tokenizer.piece(t.id)) for t in tokens],
+        texts = [token_text(self.tokenizer.piece(t.id)) for t in tokens]
+        return {"tokens": texts,
                 "token_logprobs": [t.logprob for t in tokens],
                 # null where a token has no log-probability: an echoed prompt's first token
                 "top_logprobs": [None if t.logprob is None else
-                                 {token_text(self.tokenizer.piece(i)): lp for i, lp in t.top} for t in tokens],
+                                 {**{token_text(self.tokenizer.piece(i)): lp for i, lp in t.top}, text: t.logprob}
+                                 for t, text in zip(tokens, texts)],
                 "text_offset": [offsets.advance(self.tokenizer.piece(t.id)) for t in tokens]}
 
     def choice(self, i: int, c: Choice, greq) -> dict:
