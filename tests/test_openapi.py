@@ -262,6 +262,8 @@ def test_answers_conform_in_process(app):
             (CHAT, {"messages": hi, "max_tokens": 3, "logprobs": True, "top_logprobs": 2}),
             (CHAT, {"messages": hi, "max_tokens": 3, "n": 2, "stream": True, "stream_options": {"include_usage": True},
                     "logprobs": True, "top_logprobs": 1}),
+            (CHAT, {"messages": hi, "max_tokens": 24, "stream": True, "tool_choice": "required",  # content null first
+                    "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]}),
             (COMPLETIONS, {"prompt": ["Hi", "Yo"], "max_tokens": 3, "logprobs": 2}),
             (COMPLETIONS, {"prompt": [1, 2], "max_tokens": 3, "logprobs": 1, "stream": True,
                            "stream_options": {"include_usage": True}}),

@@ -17,6 +17,7 @@ from server.generation.pipeline import Generation, Generator
 from server.generation.request import Choice, Delta, GenerationRequest, ToolCallDelta
 from server.http.body import read_json
 from server.http.json import dumps, sse
+from server.tools.spec import NAMED, REQUIRED
 
 
 class _Completions:
@@ -110,11 +111,19 @@ class ChatCompletions(_Completions):
                 "finish_reason": c.finish_reason}
 
     def chunk_choice(self, d: Delta, greq, state: dict, first: bool = False) -> dict:
-        delta = {"role": "assistant", "content": ""} if first else ({"content": d.text} if d.text else {})
+        if first:  # an answer that can only be calls has null content, as its non-streamed message
+            delta = {"role": "assistant", "content": None if calls_only(greq) else ""}
+        else:
+            delta = {"content": d.text} if d.text else {}
         if d.tool_calls:
             delta["tool_calls"] = [tool_call_delta(c) for c in d.tool_calls]
         return {"index": d.index, "delta": delta,
                 "logprobs": None if first else self.logprobs(d.tokens, greq), "finish_reason": d.finish_reason}
+
+
+def calls_only(greq: GenerationRequest) -> bool:
+    """Whether the answer can only be tool calls (``tool_choice`` required or a named function)."""
+    return greq.tools is not None and greq.tools.choice in (REQUIRED, NAMED)
 
 
 def tool_call_delta(c: ToolCallDelta) -> dict:
