@@ -288,6 +288,21 @@ def test_logit_bias_bans_the_greedy_token_and_forces_another(server, tokenizer, 
     server.wait_idle()
 
 
+def test_a_banned_token_is_never_emitted_where_a_format_allows_only_it(server, tokenizer):
+    """Found by a hostile helper: a choice of one text allows only its canonical tokens
+    (llguidance), so a -100 on one of them was emitted anyway. The text is spelled otherwise
+    where the format allows it, and the request fails (400 ``constraint_failed``) where not."""
+    (hello,) = tokenizer.encode("Hello", special=False, add_bos=False)
+    ask = {"messages": HI, "max_tokens": 4, "logprobs": True, "logit_bias": {str(hello): -100}}
+    status, _, reply = post(server, CHAT, {**ask, "structured_outputs": {"choice": ["Hello", "Goodbye"]}})
+    choice = reply["choices"][0]
+    assert status == 200 and choice["message"]["content"] in ("Hello", "Goodbye"), reply
+    assert "Hello" not in [t["token"] for t in choice["logprobs"]["content"]]
+    status, _, reply = post(server, CHAT, {**ask, "structured_outputs": {"choice": ["Hello"]}})
+    assert status == 400 and assert_error_shape(reply)["code"] == "constraint_failed", reply
+    server.wait_idle()
+
+
 def test_compressed_body_is_415_and_head_health_is_200(server):
     conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
     conn.request("POST", CHAT, json.dumps({"messages": HI}),

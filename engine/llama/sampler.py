@@ -79,7 +79,8 @@ class Sampler:
     Args:
         n_vocab: the model's vocabulary size.
         sampling: the request's settings; ``seed`` None seeds randomly (``LLAMA_DEFAULT_SEED``).
-        banned: token ids never to sample (the EOG tokens when ignore_eos).
+        banned: token ids never to sample (the EOG tokens when ignore_eos); a ``logit_bias`` of
+            -100 bans its token too (OpenAI's "a ban"), also where a constraint allows only it.
         prompt: int32 token ids ``[n_prompt]``.
         constraint: what the sequence may generate (None: anything, the fast path).
     """
@@ -88,7 +89,10 @@ class Sampler:
                  constraint: Constraint | None = None):
         L = llama_cpp
         self.n_vocab, self.constraint = n_vocab, constraint
-        self._banned = np.array(sorted(banned), np.int32)
+        # Never picked, even where the constraint allows nothing else (the constraint then fails):
+        # a grammar that admits one text allows only its canonical tokens (llguidance), so a
+        # -100 on one of them was emitted anyway.
+        self._banned = np.array(sorted({*banned, *(t for t, b in sampling.logit_bias if b <= -100)}), np.int32)
         self.chain = L.llama_sampler_chain_init(L.llama_sampler_chain_default_params())
         add = lambda s: L.llama_sampler_chain_add(self.chain, s)  # noqa: E731
         biases = [(t, float("-inf")) for t in sorted(banned)] + list(sampling.logit_bias)
