@@ -29,7 +29,8 @@ windows, a status other than the one the request was built for, a connection err
 a stream without ``[DONE]``, no answer within 60 s).
 
 The RSS of every process (``/proc/<pid>/status`` ``VmRSS``; master, each worker, engine,
-sidecar, multiprocessing's resource tracker) is sampled every second. A process's start value is
+sidecar, multiprocessing's resource tracker) is sampled every second (the server's prefix cache
+is 1,024 tokens: its cells are engine memory, which grows until the cache is full). A process's start value is
 its first sample ``--warmup-s`` seconds after the traffic began or after it appeared (a restarted
 engine, a replacement worker: compared from its own first sample after its own warm-up); its
 end value is its last sample (after the traffic, the server idle; a killed process: its last
@@ -534,7 +535,12 @@ def run(a) -> dict:
     with tempfile.NamedTemporaryFile("w", prefix="soak-tenants-", suffix=".json") as tenants:
         json.dump(TENANTS, tenants)
         tenants.flush()
-        flags = ["--max-slots", str(a.slots), "--max-seq-len", "384", "--max-queued", str(a.queued),
+        # The engine's KV memory is what its sequences and its prefix cache hold (engine/llama/
+        # kv_pages.py): the cache's cells grow until its budget is full. A budget of 1,024 tokens
+        # (23 MiB of SmolLM2's cells, a few entries: it evicts often) keeps that growth inside the
+        # RSS threshold, which is there for leaks.
+        flags = ["--max-slots", str(a.slots), "--max-seq-len", "384", "--prefix-cache-tokens", "1024",
+                 "--max-queued", str(a.queued),
                  "--workers", str(a.workers), "--threads", "16", "--max-body-bytes", "65536",
                  "--tenants", tenants.name, "--drain-timeout", "30"]
         shm_before = set(os.listdir(SHM))

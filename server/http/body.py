@@ -45,10 +45,11 @@ def read_json(req: falcon.Request, max_body_bytes: int) -> dict:
     # Without Content-Length (a chunked body), Falcon's bounded stream reads nothing; gunicorn's
     # own input stream decodes the chunks and ends at the body's end.
     stream = req.bounded_stream if req.content_length is not None else req.stream
+    sock = req.env.get("gunicorn.socket")
     try:
-        raw = read_bounded(stream, req.env.get("gunicorn.socket"), max_body_bytes + 1)
+        raw = read_bounded(stream, sock, max_body_bytes + 1)
     except TimeoutError:
-        close_after_response()  # the rest of the body will not be read
+        close_after_response(sock)  # the rest of the body will not be read
         raise APIError(408, f"request body not received within {BODY_GAP_S:.0f} s of its last bytes or "
                             f"{BODY_TIMEOUT_S:.0f} s in all", code="request_timeout",
                        headers={"Connection": "close"}) from None
