@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import os
 import socket
+import ssl
 import threading
 import time
 
@@ -59,7 +60,9 @@ def close_after_response(sock: socket.socket | None = None) -> None:
     req = getattr(_handling, "request", None)
     if req is not None:
         req.must_close = True
-        if sock is not None:
+        # Not under TLS: an SSLSocket's shutdown drops its TLS state, and the answer would then
+        # go out in clear.
+        if sock is not None and not isinstance(sock, ssl.SSLSocket):
             try:
                 sock.shutdown(socket.SHUT_RD)
             except OSError:
