@@ -2,6 +2,12 @@
 encoding, size and text before any field is looked at (the fields are ``server/api``'s)."""
 from __future__ import annotations
 
+import heapq
+import itertools
+import os
+import socket
+import ssl
+import threading
 import time
 
 import falcon
@@ -75,27 +81,90 @@ def read_json(req: falcon.Request, max_body_bytes: int) -> dict:
 def read_bounded(stream, sock, limit: int, gap_s: float = BODY_GAP_S, total_s: float = BODY_TIMEOUT_S) -> bytes:
     """Up to ``limit`` bytes of ``stream`` (a file-like body reader over the client's socket
     ``sock``; None: no socket, as in-process tests), each read of the socket bounded by
-    ``gap_s`` seconds and all of them by ``total_s``; the socket's own timeout is restored
-    afterwards (a response has no such bound).
+    ``gap_s`` seconds (its timeout) and all of them by ``total_s`` (:class:`Deadlines`: the
+    reader's own loop reads on until it has what it was asked for, so a client that keeps each
+    gap short is cut off from outside). The socket's own timeout is restored afterwards (a
+    response has no such bound).
 
     Raises:
         TimeoutError: a bound passed.
     """
     if sock is None:
         return stream.read(limit)
-    deadline, before = time.monotonic() + total_s, sock.gettimeout()
+    before = sock.gettimeout()
+    deadline = DEADLINES.add(time.monotonic() + total_s, sock)
     parts, size = [], 0
     try:
+        sock.settimeout(gap_s)
         while size < limit:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise TimeoutError
-            sock.settimeout(min(gap_s, remaining))
             part = stream.read(min(_CHUNK, limit - size))
             if not part:
                 break
             parts.append(part)
             size += len(part)
     finally:
+        DEADLINES.done(deadline)
         sock.settimeout(before)
+    if deadline.expired:  # its read side was shut: what was read ends early
+        raise TimeoutError
     return b"".join(parts)
+
+
+class _Deadline:
+    __slots__ = ("at", "seq", "sock", "expired", "live")
+
+    def __init__(self, at: float, seq: int, sock):
+        self.at, self.seq, self.sock, self.expired, self.live = at, seq, sock, False, True
+
+    def __lt__(self, other: "_Deadline") -> bool:
+        return (self.at, self.seq) < (other.at, other.seq)
+
+
+class Deadlines:
+    """Shuts the read side of a socket whose body is not in by its deadline (a blocked read then
+    returns the end at once), from one thread per process, started at the first use in it (a
+    gunicorn worker forks after the app is imported). Not for a TLS socket: an ``SSLSocket``'s
+    shutdown drops its TLS state; its body has the gap bound only."""
+
+    def __init__(self):
+        self._cond = threading.Condition()
+        self._heap: list[_Deadline] = []
+        self._seq = itertools.count()
+        self._pid = None
+
+    def add(self, at: float, sock) -> _Deadline:
+        """Watch ``sock`` until :meth:`done`; ``at``: ``time.monotonic()`` seconds."""
+        entry = _Deadline(at, next(self._seq), sock)
+        if isinstance(sock, ssl.SSLSocket):
+            return entry
+        with self._cond:
+            if self._pid != os.getpid():
+                self._pid, self._heap = os.getpid(), []
+                threading.Thread(target=self._run, name="body-deadlines", daemon=True).start()
+            heapq.heappush(self._heap, entry)
+            self._cond.notify()
+        return entry
+
+    def done(self, entry: _Deadline) -> None:
+        """The body is read (or failed): stop watching (its entry leaves at its deadline)."""
+        with self._cond:
+            entry.live = False
+
+    def _run(self) -> None:
+        with self._cond:
+            while True:
+                while self._heap and not self._heap[0].live:
+                    heapq.heappop(self._heap)
+                wait = self._heap[0].at - time.monotonic() if self._heap else None
+                if wait is None or wait > 0:
+                    self._cond.wait(wait)
+                    continue
+                entry = heapq.heappop(self._heap)
+                entry.expired, entry.live = True, False
+                try:
+                    entry.sock.shutdown(socket.SHUT_RD)
+                except OSError:
+                    pass
+
+
+DEADLINES = Deadlines()
