@@ -427,6 +427,11 @@ def test_a_grpc_port_taken_before_the_sidecar_binds_stops_the_server():
         log = open(s.log).read()
         assert f"inference-server: --grpc-port {s.grpc_port} was taken by another process" in log, log[-3000:]
         assert log.count("cannot serve gRPC") == 1, log[-3000:]  # stopped, not restarted again
+    # The master's children end on their own once it is gone (the engine on its parent-death
+    # signal, after its shutdown): within seconds, not at once (one was still running in a run).
+    end = time.monotonic() + 20
+    while [pid for pid in children if _running(pid)] and time.monotonic() < end:
+        time.sleep(0.1)
     assert not [pid for pid in children if _running(pid)]
 
 
