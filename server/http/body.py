@@ -142,7 +142,8 @@ class Deadlines:
                 self._pid, self._heap = os.getpid(), []
                 threading.Thread(target=self._run, name="body-deadlines", daemon=True).start()
             heapq.heappush(self._heap, entry)
-            self._cond.notify()
+            if self._heap[0] is entry:  # else the thread already wakes no later than it is due
+                self._cond.notify()
         return entry
 
     def done(self, entry: _Deadline) -> None:
