@@ -3,6 +3,8 @@ llama.cpp's ``common_sampler`` shape, a constraint checked against the chain's t
 masked resample only when it refuses it."""
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -82,3 +84,37 @@ def test_logit_bias_bans_and_forces(model):
     assert banned[0] != free[0]
     forced = greedy_tokens(model, SamplingParams(temperature=0, logit_bias=((42, 100),)), n=3)
     assert forced == [42, 42, 42]
+
+
+def chain_greedy(sampling, banned=frozenset(), constraint=None):
+    """A Sampler that keeps llama.cpp's greedy chain where the argmax path would apply: the same
+    settings plus a zero bias on a token (a no-op that makes the chain)."""
+    sampler = Sampler(49152, dataclasses.replace(sampling, logit_bias=((0, 0.0),)), banned, PROMPT, constraint)
+    assert not sampler.greedy and sampler.chain
+    return sampler
+
+
+def test_the_argmax_path_picks_what_llama_cpp_s_greedy_chain_picks(model):
+    """Greedy with only bans skips the chain (engine/llama/sampler.py): on the real logits of 24
+    positions its token equals the chain's, with EOG-style bans that include the best token, and
+    with a constraint that refuses the first pick."""
+    model.free_sequence(0)
+    batch = Batch(64)
+    text = np.array([1, 504, 3458, 314, 4763, 30, 2, 1078, 314, 253, 1848, 28, 2565, 30, 378, 260, 3117, 282,
+                     260, 1535, 314, 4763, 30, 2], np.int32)
+    batch.add(text, 0, 0, True, all_logits=True)
+    model.decode(batch)
+    rows = range(len(text))
+    best = [Sampler(model.n_vocab, GREEDY, frozenset(), PROMPT).sample(model.ctx, r) for r in rows]
+    for banned in (frozenset(), frozenset(best[:3]), frozenset(best)):
+        for make in (lambda: None, lambda: Forbid({best[0], best[5]})):
+            fast = Sampler(model.n_vocab, GREEDY, banned, PROMPT, make())
+            slow = chain_greedy(GREEDY, banned, make())
+            assert fast.greedy and fast.chain is None
+            try:
+                assert [fast.sample(model.ctx, r) for r in rows] == [slow.sample(model.ctx, r) for r in rows]
+            finally:
+                fast.free()
+                slow.free()
+    assert any(b != t for b, t in zip(best, [Sampler(model.n_vocab, GREEDY, frozenset(best), PROMPT).sample(
+        model.ctx, r) for r in rows]))  # the bans did change tokens: the comparison above is not vacuous

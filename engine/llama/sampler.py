@@ -9,6 +9,13 @@ constraint allows only (the same choice as over the whole vocabulary with every 
 instead of the whole vocabulary; 16 constrained streams ran at 0.92 of the speed of 16 free
 ones, bench/structured.py). A sequence without a constraint takes llama.cpp's own
 ``llama_sampler_sample`` (apply and accept in C): unconstrained sequences pay nothing.
+
+Greedy sampling with nothing but bans (temperature 0, no penalties, no ``logit_bias`` other than
+the banned tokens' ``-inf``: what ``ignore_eos`` adds) needs no chain: its choice is llama.cpp's
+greedy sampler's (the first of the highest logits, ``llama_sampler_greedy_apply``) over logits
+where the banned are ``-inf`` (``llama_sampler_logit_bias_apply``), i.e. numpy's ``argmax``, which
+also takes the first. That is 6 µs a row here against the chain's 60 µs (which fills a
+49,152-entry candidate array first): a 16-row decode step samples in 0.1 ms, not 1 ms.
 """
 from __future__ import annotations
 
@@ -93,14 +100,19 @@ class Sampler:
         # a grammar that admits one text allows only its canonical tokens (llguidance), so a
         # -100 on one of them was emitted anyway.
         self._banned = np.array(sorted({*banned, *(t for t, b in sampling.logit_bias if b <= -100)}), np.int32)
+        p = sampling
+        penalized = p.repeat_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+        self._candidates = None  # llama_token_data [n_vocab], made on the first constrained step
+        self.greedy = p.temperature <= 0.0 and not penalized and not p.logit_bias  # the argmax path (module doc)
+        self.chain = None
+        if self.greedy:
+            return
         self.chain = L.llama_sampler_chain_init(L.llama_sampler_chain_default_params())
         add = lambda s: L.llama_sampler_chain_add(self.chain, s)  # noqa: E731
         biases = [(t, float("-inf")) for t in sorted(banned)] + list(sampling.logit_bias)
         if biases:
             bias = (L.llama_logit_bias * len(biases))(*[L.llama_logit_bias(t, b) for t, b in biases])
             add(L.llama_sampler_init_logit_bias(n_vocab, len(biases), bias))
-        p = sampling
-        penalized = p.repeat_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
         if penalized:
             add(L.llama_sampler_init_penalties(n_vocab, p.penalty_last_n, p.repeat_penalty,
                                                p.frequency_penalty, p.presence_penalty))
@@ -118,28 +130,32 @@ class Sampler:
         if penalized:
             for tok in prompt.tolist():
                 L.llama_sampler_accept(self.chain, tok)
-        self._candidates = None  # llama_token_data [n_vocab], made on the first constrained step
 
     def sample(self, ctx, row: int) -> int:
         """Sample from batch row ``row``'s logits; the token is accepted into the chain and the
         constraint."""
-        if self.constraint is None:
+        if self.constraint is None and not self.greedy:
             return llama_cpp.llama_sampler_sample(self.chain, ctx, row)
         logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(ctx, row), shape=(self.n_vocab,))
         token = self._pick(logits)
+        if self.constraint is None:
+            return token
         if not self.constraint.allows(token):  # rejected: pick again among the allowed tokens
             allowed = self.constraint.allowed()
             if len(self._banned):  # never a banned token, even one the constraint allows
                 allowed = allowed[~np.isin(allowed, self._banned)]
             if len(allowed):  # else the refused token stands, and the constraint fails on it
                 token = self._pick(logits, allowed)
-        llama_cpp.llama_sampler_accept(self.chain, token)
+        if self.chain is not None:
+            llama_cpp.llama_sampler_accept(self.chain, token)
         self.constraint.accept(token)
         return token
 
     def _pick(self, logits: np.ndarray, ids: np.ndarray | None = None) -> int:
         """The chain's choice over ``logits`` (``llama_sampler_apply``, nothing accepted), among
         the token ids ``ids`` only (ascending; None: all)."""
+        if self.greedy:
+            return self._argmax(logits, ids)
         if self._candidates is None:
             self._buffer = (llama_cpp.llama_token_data * self.n_vocab)()
             self._candidates = np.frombuffer(self._buffer, _TOKEN_DATA)
@@ -154,6 +170,20 @@ class Sampler:
         array = llama_cpp.llama_token_data_array(self._buffer, n, -1, False)
         llama_cpp.llama_sampler_apply(self.chain, ctypes.byref(array))
         return int(self._buffer[array.selected].id)
+
+    def _argmax(self, logits: np.ndarray, ids: np.ndarray | None) -> int:
+        """The greedy chain's choice (module doc): the first highest of ``logits`` (among
+        ``ids``), a banned token only where every candidate is banned (all ``-inf``: the
+        chain's greedy then keeps the first)."""
+        x = logits if ids is None else logits[ids]
+        best = int(x.argmax())
+        token = best if ids is None else int(ids[best])
+        if len(self._banned) and token in self._banned:  # rare: copy and mask only then
+            x = x.copy()
+            x[np.isin(np.arange(self.n_vocab) if ids is None else ids, self._banned)] = -np.inf
+            best = int(x.argmax())
+            token = best if ids is None else int(ids[best])
+        return token
 
     def free(self) -> None:
         if self.chain:
