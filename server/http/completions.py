@@ -163,7 +163,9 @@ class Completions(_Completions):
                 "finish_reason": c.finish_reason}
 
     def chunk_choice(self, d: Delta, greq, state: dict, first: bool = False) -> dict:
-        offsets = state.setdefault(d.index, TextOffsets())
+        offsets = state.get(d.index)
+        if offsets is None:  # not setdefault: that built one (and its UTF-8 decoder) every chunk
+            offsets = state[d.index] = TextOffsets()
         return {"index": d.index, "text": d.text, "logprobs": self.logprobs(d.tokens, greq, offsets),
                 "finish_reason": d.finish_reason}
 
