@@ -251,6 +251,19 @@ class SamplingParams:
         return obj
 
 
+def check_prompt_fits(n_prompt: int, max_seq_len: int, param: str | None = None) -> None:
+    """The one length rule for a prompt: at most ``max_seq_len - 1`` tokens, so that one sequence
+    holds it and a token after it.
+
+    Raises:
+        PromptTooLong: naming ``param`` (None: the front end names the field).
+    """
+    if n_prompt > max_seq_len - 1:
+        e = PromptTooLong(n_prompt, max_seq_len)
+        e.param = param
+        raise e
+
+
 @dataclass(frozen=True)
 class EngineRequest:
     """One sequence to generate: what a request-ring record carries (token ids only).
@@ -341,8 +354,7 @@ class EngineRequest:
             raise InvalidRequest("max_new_tokens must be at least 1 for a request that generates", "max_tokens")
         if extras_bytes is not None:
             self.sampling.check_extras(extras_bytes)
-        if n > max_seq_len - 1:
-            raise PromptTooLong(n, max_seq_len)
+        check_prompt_fits(n, max_seq_len)
         if max_new is None:
             return replace(self, sampling=replace(self.sampling, max_new_tokens=max_seq_len - n))
         if n + max_new > max_seq_len:

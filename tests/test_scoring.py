@@ -163,6 +163,25 @@ def test_tokenize_refuses_tools_whose_description_cannot_fit_before_rendering_it
     assert reply.status == 400 and reply.json()["error"]["code"] == "context_length_exceeded", reply.body[:300]
 
 
+def test_tokenize_refuses_a_chat_the_chat_route_refuses_as_too_long(server):
+    """A chat whose rendering is over the sequence limit (found by a helper: /tokenize answered
+    200 with its 8,223 tokens, where /v1/chat/completions refuses the same chat): both refuse it,
+    400 ``context_length_exceeded`` naming ``messages``; one just under the limit is counted. A
+    ``prompt`` over the limit is still counted: lm-eval tokenizes whole documents and splits them
+    itself."""
+    def chat_of(words: int) -> list:
+        return [{"role": "user", "content": " ".join(["word"] * words)}]
+    fits = ok(post(server, "/tokenize", {"messages": chat_of(400)}))["count"]
+    assert fits < 511
+    long = chat_of(400 + 512 - fits)  # one "word" is one token here: the rendering is 512 or more
+    for path in ("/tokenize", "/v1/chat/completions"):
+        reply = post(server, path, {"messages": long, "max_tokens": 1} if path != "/tokenize" else {"messages": long})
+        assert reply.status == 400, (path, reply.body[:300])
+        err = reply.json()["error"]
+        assert (err["code"], err["param"]) == ("context_length_exceeded", "messages"), (path, err)
+    assert ok(post(server, "/tokenize", {"prompt": " ".join(["word"] * 600)}))["count"] > 512
+
+
 def test_tokenizer_info(server, tokenizer):
     info = ok(request(server, "GET", "/tokenizer_info"))
     assert (info["bos_token"], info["eos_token"]) == ("<|im_start|>", "<|im_end|>")

@@ -17,7 +17,7 @@ from typing import Iterator
 from engine.client import EngineClient
 from engine.errors import ConstraintFailed, InvalidRequest, PromptTooLong
 from engine.llama.grammar import CheckedGrammars, json_schema_of
-from engine.request import RequestKind, reduce_seed
+from engine.request import RequestKind, check_prompt_fits, reduce_seed
 from engine.stream import Stream, Timings, follow
 from engine.llama.tokenizer import Tokenizer
 from server.generation.request import Choice, Delta, GenerationRequest, ToolCall, Usage
@@ -459,14 +459,11 @@ class Generator:
                 # An empty prompt starts a new document (OpenAI's default, "<|endoftext|>").
                 ids.append(self.tokenizer.encode(prompt, special=False, add_bos=True)
                            or self.tokenizer.encode(DOCUMENT_START, special=True, add_bos=True))
-            elif len(prompt) >= self.engine.max_seq_len:  # refused on length before the O(n) id check
-                e = PromptTooLong(len(prompt), self.engine.max_seq_len)
-                e.param = prompt_param
-                raise e
-            elif any(not 0 <= t < self.tokenizer.n_vocab for t in prompt):
-                raise InvalidRequest(f"{prompt_param}[{i}] holds a token id outside 0..{self.tokenizer.n_vocab - 1}",
-                                     prompt_param)
             else:
+                check_prompt_fits(len(prompt), self.engine.max_seq_len, prompt_param)  # before the O(n) id check
+                if any(not 0 <= t < self.tokenizer.n_vocab for t in prompt):
+                    raise InvalidRequest(f"{prompt_param}[{i}] holds a token id outside "
+                                         f"0..{self.tokenizer.n_vocab - 1}", prompt_param)
                 ids.append(list(prompt))
         echo_texts = [p if isinstance(p, str) else self.tokenizer.decode(p) for p in prompts] if req.echo else None
         return Generation(self.engine, self.tokenizer.pieces, ids, req, prompt_param, limiter=self.limiter,

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import falcon
 
+from engine.request import check_prompt_fits
 from server.api.requests import check_model
 from server.api.tokenize import parse_detokenize, parse_tokenize
 from server.config import ServerConfig
@@ -36,6 +37,7 @@ class Tokenize:
             tokens = tok.encode(r.prompt, special=True, add_bos=r.add_special_tokens)
         else:
             tokens = self.generator.prompt_ids(r.messages, r.tools, r.render)
+            check_prompt_fits(len(tokens), self.max_seq_len, "messages")  # as the chat refuses it
             if r.add_special_tokens and tok.add_bos:
                 tokens = [tok.bos] + tokens
         resp.media = {"count": len(tokens), "max_model_len": self.max_seq_len, "tokens": tokens,
