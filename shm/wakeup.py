@@ -61,10 +61,11 @@ class Wakeups:
             pass  # pipe full: a wake-up is already pending
 
     def drain(self, index: int) -> None:
-        """Consume pending wake-ups of FIFO ``index``."""
+        """Consume pending wake-ups of FIFO ``index``. A read that returns less than it asked
+        for emptied the pipe, so the usual drain is one ``read(2)``, not a second one that fails."""
         fd = self.fd(index)
         try:
-            while os.read(fd, 4096):
+            while len(os.read(fd, 4096)) == 4096:
                 pass
         except BlockingIOError:
             pass

@@ -257,3 +257,15 @@ def test_prompt_logprobs_share_the_token_arrays_from_their_far_end(transport):
     again = boxes.lease()  # a new lease starts with no prompt positions
     assert boxes.prompt_logprobs(again, 1) == []
     boxes.release(again)
+
+
+@pytest.mark.parametrize("pending", [0, 1, 4095, 4096, 4097, 20000, 65536])
+def test_drain_empties_the_fifo_whatever_is_pending(transport, pending):
+    """``Wakeups.drain`` stops at its first short read: the pipe was empty then. Around the read
+    size and at a full pipe (65,536 bytes), nothing is left to wake a reader again."""
+    w = transport.wakeups
+    for _ in range(pending):
+        w.wake(0)
+    assert w.wait([0], 0)[0] == ({0} if pending else set())
+    w.drain(0)
+    assert w.wait([0], 0)[0] == set()
