@@ -80,7 +80,8 @@ class Sampler:
 
     Order follows llama.cpp's common sampler: logit bias (the request's ``logit_bias``, and
     ``-inf`` on ``banned``), penalties, top-k, top-p, min-p, temperature, then ``dist`` (seeded);
-    temperature 0 is ``greedy``. Penalties see the prompt: its tokens are accepted into the chain
+    temperature 0 is ``greedy``, and with nothing but bans no chain at all (``greedy`` True: the
+    argmax path, module doc). Penalties see the prompt: its tokens are accepted into the chain
     first, as llama.cpp's server does; a constraint never sees them.
 
     Args:
@@ -132,8 +133,8 @@ class Sampler:
                 L.llama_sampler_accept(self.chain, tok)
 
     def sample(self, ctx, row: int) -> int:
-        """Sample from batch row ``row``'s logits; the token is accepted into the chain and the
-        constraint."""
+        """Sample from batch row ``row``'s logits; the token is accepted into the chain (where
+        there is one: the argmax path has none) and the constraint."""
         if self.constraint is None and not self.greedy:
             return llama_cpp.llama_sampler_sample(self.chain, ctx, row)
         logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(ctx, row), shape=(self.n_vocab,))
