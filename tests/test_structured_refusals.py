@@ -107,7 +107,8 @@ def test_a_grammar_with_no_way_on_is_a_400(app):
     of its own type) and a regex longer than the library's limits pass the front end's check but
     leave the sequence nothing to generate. That is the client's grammar, not a server fault: 400
     ``constraint_failed`` (it was a 500) naming the field the grammar came from, in the
-    Responses API's terms there, and the sequence never goes on unconstrained."""
+    Responses API's terms there (a stream's ``response.failed``: ``invalid_prompt``, not
+    ``server_error``), and the sequence never goes on unconstrained."""
     endless = {"$ref": "#/$defs/n", "$defs": {"n": {"type": "object", "properties": {"c": {"$ref": "#/$defs/n"}},
                                                     "required": ["c"]}}}
     for fields, param in (({"response_format": schema_format(endless)}, "response_format.json_schema.schema"),
@@ -126,6 +127,8 @@ def test_a_grammar_with_no_way_on_is_a_400(app):
     events = [json.loads(line[6:]) for line in raw.decode().splitlines() if line.startswith("data: ")]
     assert status == 200 and [e["type"] for e in events][-2:] == ["error", "response.failed"], events
     assert events[-2]["code"] == "constraint_failed" and events[-2]["param"] == "text.format.schema", events[-2]
+    # The response's own error says whose fault it was, in ResponseErrorCode's terms (it said server_error).
+    assert events[-1]["response"]["error"]["code"] == "invalid_prompt", events[-1]
     app.wait_idle()
 
 
@@ -155,7 +158,40 @@ def test_a_schema_too_costly_to_check_is_refused_in_bounded_time(app, submits):
     err = error(post(app, CHAT, {**body, "response_format": schema_format(slow)}), 400,
                 param="response_format.json_schema.schema")
     assert "could not check it within 5 s" in err["message"] and time.monotonic() - start < 30
+    # The same as a tool's parameters: the tools' grammar was compiled in the request's thread
+    # too (over 30 s, a worker's thread held), and is now checked as any grammar, by name.
+    tool = {"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"s": slow}, "required": ["s"]}}}
+    start = time.monotonic()
+    err = error(post(app, CHAT, {**body, "tools": [tool], "tool_choice": "required"}), 400,
+                param="tools[0].function.parameters")
+    assert "could not check it within 5 s" in err["message"] and time.monotonic() - start < 30
     r = post(app, CHAT, {**body, "response_format": schema_format({"type": "object"})})
     assert r.status == 200, r.body
     assert len(submits) == 1
     app.wait_idle()
+
+
+@pytest.mark.parametrize("parameters,message", [
+    ({"$ref": "#"}, "no text is an instance"),
+    ({"type": "object", "properties": {"a": {"type": "integer", "minimum": 5, "maximum": 2}}, "required": ["a"]},
+     "Unsatisfiable schema: required property 'a' is unsatisfiable")])
+def test_a_tool_no_call_could_satisfy_is_refused_up_front_by_name(app, submits, parameters, message):
+    """A function whose parameters have no instance compiled and reached the engine, which failed
+    the request at the first token it refused (a Responses stream's ``response.failed`` then said
+    ``server_error``); an unsatisfiable one was refused naming it, but quoting the whole Lark
+    grammar. Both are now a 400 naming the function's field with the library's message about the
+    schema, in the Responses API's terms there, and nothing is submitted."""
+    f = {"name": "f", "parameters": parameters}
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 8,
+            "tools": [{"type": "function", "function": {"name": "ok", "parameters": {"type": "object"}}},
+                      {"type": "function", "function": f}]}
+    for choice in ("auto", "required", {"type": "function", "function": {"name": "f"}}):
+        err = error(post(app, CHAT, {**chat, "tool_choice": choice}), 400, param="tools[1].function.parameters")
+        assert message in err["message"] and "%json" not in err["message"], err
+    responses = {"input": "hi", "max_output_tokens": 8, "store": False,
+                 "tools": [{"type": "function", **f}]}
+    for stream in (False, True):
+        err = error(post(app, "/v1/responses", {**responses, "stream": stream}), 400, param="tools[0].parameters")
+        assert message in err["message"], err
+    assert submits == []

@@ -18,7 +18,7 @@ from server.api.requests import parse_generation, parse_messages
 from server.text.chat_template import ChatTemplate
 from server.tools import formats
 from server.tools.parser import ToolCallParser
-from server.tools.spec import Tool
+from server.tools.spec import NAMED, Tool
 
 TEMPLATES = pathlib.Path(__file__).parent / "templates"
 
@@ -435,13 +435,23 @@ def test_a_marker_that_is_a_special_token_is_named_as_the_token(tokenizer, ll_to
     assert walk(ll_tokenizer, grammar, tokenizer.encode("Sure <tool_call> as text"))
 
 
-def test_parameters_llguidance_cannot_compile_are_refused_by_name():
-    from server.tools.grammar import tool_grammar
+@pytest.mark.parametrize("parameters,reason", [
+    ({"type": "object", "properties": {"x": {"type": "string", "pattern": "(?<=a)b"}}}, "look-around"),
+    ({"type": "object", "properties": {"a": {"type": "integer", "minimum": 5, "maximum": 2}}, "required": ["a"]},
+     "Unsatisfiable"),
+    ({"$ref": "#"}, "no text is an instance"),  # compiles, but no call could ever be written
+])
+def test_parameters_llguidance_cannot_enforce_are_refused_by_name(parameters, reason):
+    """With the library's message about the schema, not about the Lark grammar it sits in (the
+    message quoted the whole grammar), and a schema with no instance is refused here too (it
+    compiled, and failed the request only at the first token it left no way on for)."""
+    from server.tools.grammar import check_parameters
     from server.tools.spec import ToolRequest
-    bad = Tool("bad", "", {"type": "object", "properties": {"x": {"type": "string", "pattern": "(?<=a)b"}}})
     with pytest.raises(InvalidRequest) as e:
-        tool_grammar(formats.GENERIC, ToolRequest((W, bad), "required"))
-    assert e.value.param == "tools[1].function.parameters"
+        check_parameters(ToolRequest((W, Tool("bad", "", parameters)), "required"))
+    assert e.value.param == "tools[1].function.parameters" and reason in e.value.message, e.value.message
+    assert "%llguidance" not in e.value.message and "%json" not in e.value.message
+    check_parameters(ToolRequest((W, Tool("bad", "", parameters)), NAMED, W.name))  # not callable: not checked
 
 
 @pytest.mark.parametrize("parameters", [{"$ref": "#/$defs/x", "$defs": {"x": {"const": None}}},
@@ -449,10 +459,10 @@ def test_parameters_llguidance_cannot_compile_are_refused_by_name():
 def test_parameters_that_allow_no_object_are_refused_by_name(parameters):
     """Found by a hostile helper: a root with no ``type`` of its own that reaches another type
     let the model write ``"arguments": null`` (or ``[]``, ``"f"``), which no parser reads as a call."""
-    from server.tools.grammar import tool_grammar
+    from server.tools.grammar import check_parameters
     from server.tools.spec import ToolRequest
     with pytest.raises(InvalidRequest) as e:
-        tool_grammar(formats.GENERIC, ToolRequest((Tool("f", "", parameters),), "required"))
+        check_parameters(ToolRequest((Tool("f", "", parameters),), "required"))
     assert e.value.param == "tools[0].function.parameters"
 
 

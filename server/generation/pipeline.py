@@ -26,7 +26,7 @@ from server.tenancy.tenants import DEFAULT_TENANT, Tenant
 from server.text.chat_template import ChatTemplate
 from server.text.detokenizer import Detokenizer, StopStrings
 from server.tools.formats import ToolFormat, detect, generic_indentation, generic_messages
-from server.tools.grammar import tool_grammar
+from server.tools.grammar import check_parameters, tool_grammar
 from server.tools.parser import ToolCallParser
 from server.tools.spec import NAMED, NONE, REQUIRED, Tool
 
@@ -351,10 +351,10 @@ class Generator:
                     raise InvalidRequest(f"tools can be combined with a JSON format only, not with "
                                          f"{req.grammar_param}", req.grammar_param)
                 self._check_grammar(req, tenant)  # the format alone first: its faults name its field
+            # then each function's, by name (the whole grammar's message would name only tools)
+            check_parameters(req.tools, lambda g: self.grammars.check(tenant.index, g, text_only=True))
             try:
                 grammar = tool_grammar(self.tool_format, req.tools, self.tool_specials, content)
-            except InvalidRequest:
-                raise
             except ValueError as e:  # this model's tool format cannot hold a JSON answer
                 raise InvalidRequest(f"tools cannot be combined with {req.grammar_param} here: {e}",
                                      req.grammar_param) from None

@@ -118,8 +118,9 @@ class Responses:
         except Exception as ex:  # noqa: BLE001 - headers are sent: the error becomes events
             if isinstance(ex, ConstraintFailed):
                 ex.param = responses_param(ex.param, rr.origins)
-            err = http_error(ex)[1]["error"]
-            for e in builder.fail(err["message"], err["code"], err["param"]):
+            status, body, _ = http_error(ex)
+            err = body["error"]
+            for e in builder.fail(status, err["message"], err["code"], err["param"]):
                 yield event(e)
         finally:
             gen.close()

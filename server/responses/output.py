@@ -10,7 +10,7 @@ OpenAI's order: ``response.created``, ``response.in_progress``; per output item
 for a function call ``response.function_call_arguments.delta`` ..., ``.done``; then
 ``response.output_item.done``; last ``response.completed`` (or ``response.incomplete`` when
 ``max_output_tokens`` ended it). Every event carries ``sequence_number`` from 0. An engine
-failure mid-way is an ``error`` event and ``response.failed``.
+failure mid-way is an ``error`` event and ``response.failed`` (:data:`FAILURE_CODES`).
 """
 from __future__ import annotations
 
@@ -18,6 +18,12 @@ import time
 
 from server.generation.request import Delta, Usage
 from server.responses.request import new_id
+
+#: ``response.failed``'s ``error.code`` (OpenAI's ``ResponseErrorCode`` has no code per field): a
+#: client's mistake found once the stream had begun (a tool's schema that allows no call, found
+#: at the first token it refuses) is the request's, an exhausted quota is the rate limit's, and
+#: anything else the server's.
+FAILURE_CODES = {400: "invalid_prompt", 429: "rate_limit_exceeded"}
 
 
 def usage_object(u: Usage) -> dict:
@@ -128,9 +134,11 @@ class ResponseBuilder:
                                   response=self.response()))
         return events
 
-    def fail(self, message: str, code: str | None, param: str | None) -> list[dict]:
-        """An ``error`` event (OpenAI's ``ResponseErrorEvent``), then ``response.failed``."""
-        self.status, self.error = "failed", {"code": "server_error", "message": message}
+    def fail(self, status: int, message: str, code: str | None, param: str | None) -> list[dict]:
+        """An ``error`` event (OpenAI's ``ResponseErrorEvent``, with the error's own ``code``),
+        then ``response.failed``, whose ``error.code`` is one of ``ResponseErrorCode``'s: the
+        HTTP ``status`` the error would have had before the headers went out decides it."""
+        self.status, self.error = "failed", {"code": FAILURE_CODES.get(status, "server_error"), "message": message}
         return [self._event("error", code=code, message=message, param=param),
                 self._event("response.failed", response=self.response())]
 

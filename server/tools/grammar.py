@@ -28,6 +28,7 @@ with calls, so the format has nothing to hold there.
 from __future__ import annotations
 
 import json
+from typing import Callable
 
 import llguidance
 
@@ -40,8 +41,9 @@ from server.tools.spec import AUTO, ToolRequest
 COMPACT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
-def _arguments(parameters: dict) -> str:
-    """A function's arguments: its ``parameters`` as their own ``%json`` root, and an object
+def _arguments_schema(parameters: dict) -> dict:
+    """A function's arguments' schema (with ``x-guidance``'s :data:`COMPACT`): its ``parameters``
+    as their own ``%json`` root, and an object
     (OpenAI: ``arguments`` is a JSON object) whatever else the schema says. The request's check
     reads only the root's ``type``, so ``{}`` or a root that reaches another type through
     ``$ref``, ``anyOf`` or ``allOf`` would otherwise let the model write ``null`` or ``[]``
@@ -50,7 +52,7 @@ def _arguments(parameters: dict) -> str:
     narrow every such reference too (a helper's finding), so there the root is not held to an object."""
     own = parameters if "type" in parameters or '"$ref": "#"' in json.dumps(parameters) else \
         {**parameters, "type": "object"}
-    return "%json " + json.dumps({**own, "x-guidance": COMPACT})
+    return {**own, "x-guidance": COMPACT}
 
 
 def _calls(fmt: ToolFormat, request: ToolRequest) -> str:
@@ -59,7 +61,7 @@ def _calls(fmt: ToolFormat, request: ToolRequest) -> str:
     rules, names = [], []
     for i, tool in enumerate(request.callable()):
         opening = json.dumps(f'{{"name": {json.dumps(tool.name)}, "{fmt.args_keys[0]}": ')
-        rules.append(f'call_{i}: {opening} arguments_{i} "}}"\narguments_{i}: {_arguments(tool.parameters)}\n')
+        rules.append(f'call_{i}: {opening} arguments_{i} "}}"\narguments_{i}: %json {json.dumps(_arguments_schema(tool.parameters))}\n')
         names.append(f"call_{i}")
     return f"call: {' | '.join(names)}\n" + "".join(rules)
 
@@ -76,8 +78,10 @@ def tool_grammar(fmt: ToolFormat, request: ToolRequest, specials: dict[str, int]
         content: the JSON schema (with its ``x-guidance`` options) an answer that is not a call
             must follow (None: free text); see the module's docstring.
 
+    Checks nothing (:func:`check_parameters` names a function that cannot be enforced; the
+    caller checks the whole).
+
     Raises:
-        InvalidRequest: a function's ``parameters`` llguidance cannot compile (naming it).
         ValueError: ``content`` with a format whose calls and answers could not be told apart
             (Llama 3's: both are a JSON object).
     """
@@ -120,25 +124,23 @@ def tool_grammar(fmt: ToolFormat, request: ToolRequest, specials: dict[str, int]
         lark = f"start: call{repeat}\n" if required else f"start: calls | TEXT\ncalls: call{repeat}\nTEXT: /([^{{ \\n](.|\\n)*)?/\n"
     else:
         raise ValueError(f"no grammar for format {fmt.name}")
-    try:
-        grammar = llguidance.grammar_from("lark", f"%llguidance {{}}\n{lark}{_calls(fmt, request)}")
-    except ValueError as e:
-        grammar, error = None, str(e)
-    else:
-        error = check(grammar)
-    if error:
-        raise InvalidRequest(f"the tools cannot be enforced: {error}", _culprit(request))
-    return grammar
+    return llguidance.grammar_from("lark", f"%llguidance {{}}\n{lark}{_calls(fmt, request)}")
 
 
-def _culprit(request: ToolRequest) -> str:
-    """The field to blame: the first function whose parameters do not compile alone."""
+def check_parameters(request: ToolRequest, checker: Callable[[str], str] | None = None) -> None:
+    """Refuse, by name, the first function the model may call whose ``parameters`` llguidance
+    cannot compile, or that no call could satisfy (no instance at all): each function's
+    arguments alone, taken by ``checker`` (a memo of :func:`engine.llama.grammar.check` with
+    ``text_only``, that check itself by default: arguments hold no special token). Run before
+    the whole grammar is checked, whose message would name only ``tools`` and quote its Lark.
+
+    Raises:
+        InvalidRequest: naming ``tools[<i>].function.parameters``, with the library's message.
+    """
     for i, tool in enumerate(request.tools):
         if tool in request.callable():
-            try:
-                alone = check(llguidance.grammar_from("lark", f"%llguidance {{}}\nstart: {_arguments(tool.parameters)}\n"))
-            except ValueError as e:
-                alone = str(e)
-            if alone:
-                return f"tools[{i}].function.parameters"
-    return "tools"
+            grammar = llguidance.grammar_from("json_schema", _arguments_schema(tool.parameters))
+            error = checker(grammar) if checker is not None else check(grammar, text_only=True)
+            if error:
+                param = f"tools[{i}].function.parameters"
+                raise InvalidRequest(f"{param} cannot be enforced: {error}", param)
