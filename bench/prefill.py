@@ -31,7 +31,8 @@ both compute with the same weights), ``ceiling`` (no server: ``fixed``'s and ``m
 allows at the time). Each round runs every workload on every server, one server after the other;
 the figures are the medians over the rounds, and the ratios of each median, ours ÷ llama-server
 and ours ÷ deterministic (per second: > 1 is better; milliseconds: < 1 is better), and each
-server ÷ ceiling. ``--one-at-a-time`` starts each server for its turn of a round (every
+server ÷ ceiling; also ours ÷ llama-server within each round (the two ran minutes apart), whose
+spread shows how far this machine's noise moves a ratio. ``--one-at-a-time`` starts each server for its turn of a round (every
 workload) and stops it after, so no other server is resident while one is measured (an idle
 ``llama-server`` beside ours seemed to slow ours: bench/RESULTS.md, "On an AVX2 machine").
 """
@@ -247,6 +248,10 @@ def main(argv=None) -> int:
             result[f"{mine}/{peer}"] = {w: {k: medians[mine][w][k] / medians[peer][w][k] for k in medians[peer][w]
                                             if k != "errors" and medians[peer][w][k] and k in medians[mine][w]}
                                         for w in names if w in medians[peer] and w in medians[mine]}
+    if "ours" in runs and "llama-server" in runs:  # the same round's pair: how far noise moves a ratio
+        result["ours/llama-server by round"] = {
+            w: {k: [round(a[k] / b[k], 3) for a, b in zip(runs["ours"][w], runs["llama-server"][w]) if b.get(k)]
+                for k in runs["ours"][w][0] if k != "errors"} for w in names if runs["ours"][w]}
     print(json.dumps({"medians": medians, **{k: v for k, v in result.items() if "/" in k}}, indent=1))
     save(result, a.json)
     return 0
