@@ -43,7 +43,7 @@ from hypothesis import strategies as st
 
 from engine.errors import RequestError
 from server.api.infer import INFER_FIELDS, parse_infer
-from server.api.requests import (CHAT_FIELDS, CHAT_ROLES, COMPLETION_FIELDS, MAX_N, MAX_STOPS, check_model,
+from server.api.requests import (CHAT_FIELDS, CHAT_ROLES, COMPLETION_FIELDS, MAX_N, MAX_STOPS, SERVICE_TIERS, check_model,
                                  parse_generation, parse_messages, parse_prompt, render_options)
 from server.errors import APIError, grpc_error, http_error
 from server.http.body import read_json
@@ -169,13 +169,13 @@ FIELD_VALUES = {
     "response_format": st.just({"type": "text"}),
     "modalities": st.just(["text"]), "suffix": st.just(""),
     "metadata": st.dictionaries(st.text(max_size=64), st.text(max_size=40), max_size=16),
-    "user": TEXT, "safety_identifier": TEXT, "service_tier": TEXT, "prompt_cache_key": TEXT,
+    "user": TEXT, "safety_identifier": TEXT, "service_tier": st.sampled_from(SERVICE_TIERS), "prompt_cache_key": TEXT,
     "prompt_cache_retention": TEXT, "prompt_cache_options": st.dictionaries(st.text(max_size=4), JSON, max_size=2),
     "parallel_tool_calls": st.booleans(),
     "add_generation_prompt": st.booleans(), "continue_final_message": st.booleans(),
     # served only when null
-    **{name: st.none() for name in ("audio", "moderation", "prediction", "reasoning_effort", "verbosity",
-                                    "web_search_options")},
+    **{name: st.none() for name in ("audio", "moderation", "prediction", "reasoning_effort", "web_search_options")},
+    "verbosity": st.sampled_from([None, "medium"]),
 }
 CORE_FIELD = {CHAT: "messages", COMPLETIONS: "prompt", INFER: "payload"}
 CONTENT_TYPES = ["application/json", "application/json; charset=utf-8", "APPLICATION/JSON", "application/json;",

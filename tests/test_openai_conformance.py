@@ -136,7 +136,7 @@ def test_top_p_zero_is_greedy(app):
 def test_accepted_fields_keep_their_types(app):
     base = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
     for field, value in (("metadata", "x"), ("metadata", {"k": {"deep": 1}}), ("user", 5), ("service_tier", 5),
-                         ("parallel_tool_calls", "yes")):
+                         ("service_tier", "ultra"), ("parallel_tool_calls", "yes")):  # "ultra": OpenAI's enum has none
         error(post(app, CHAT, {**base, field: value}), 400, param=field)
     error(post(app, CHAT, {**base, "stream_options": {"include_usage": True}}), 400, param="stream_options")
     error(post(app, "/infer", {"payload": "Hi", "max_tokens": 3}), 400, param="max_tokens")
@@ -163,7 +163,9 @@ def test_unimplemented_chat_features_are_refused_by_name(app, field, value):
 
 @pytest.mark.parametrize("field,value", [("tool_choice", "none"), ("response_format", {"type": "text"}),
                                          ("store", False), ("modalities", ["text"]), ("metadata", {"k": "v"}),
-                                         ("service_tier", "auto"), ("parallel_tool_calls", True), ("logit_bias", {})])
+                                         ("service_tier", "auto"), ("service_tier", "priority"),
+                                         ("verbosity", "medium"),  # OpenAI's default (it was refused on chat)
+                                         ("parallel_tool_calls", True), ("logit_bias", {})])
 def test_defaults_of_unimplemented_features_are_served(app, field, value):
     ok(post(app, CHAT, {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, field: value}))
     app.wait_idle()
@@ -189,6 +191,15 @@ def test_trailing_assistant_message_is_continued(app, chat, tokenizer):
           400, param="continue_final_message")
     error(post(app, CHAT, {"messages": PREFILL[:1], "continue_final_message": True}), 400,
           param="continue_final_message")
+    # Found by a hostile helper: a format holds the continuation alone, so prefix and answer were no
+    # document together ('{"a":1,' + '{"a":2,"b":"123"}'). Refused, as with tools; a new turn is served.
+    fmt = {"response_format": {"type": "json_object"}, "max_tokens": 4}
+    for continued_too in ({}, {"continue_final_message": True}):
+        err = error(post(app, CHAT, {"messages": PREFILL, **fmt, **continued_too}), 400, param="continue_final_message")
+        assert "add_generation_prompt" in err["message"], err
+    error(post(app, CHAT, {"messages": PREFILL, "max_tokens": 4, "structured_outputs": {"regex": "[a-z]+"}}), 400,
+          param="continue_final_message")
+    ok(post(app, CHAT, {"messages": PREFILL, **fmt, "add_generation_prompt": True}))
     app.wait_idle()
 
 

@@ -259,6 +259,8 @@ def test_get_input_items_delete(server):
     assert [i["role"] for i in items["data"]] == ["user", "assistant"] and items["has_more"]
     rest = json.loads(call(server, "GET", f"/v1/responses/{r['id']}/input_items?order=asc&after={items['last_id']}")[2])
     assert [i["content"][0]["text"] for i in rest["data"]] == ["Bye"] and not rest["has_more"]
+    # a decimal digit of another script is no limit (int() read "٣" as 3; a hostile helper's finding)
+    error(call(server, "GET", f"/v1/responses/{r['id']}/input_items?limit=%D9%A3"), 400, "limit")
     assert call(server, "DELETE", f"/v1/responses/{r['id']}")[0] == 200
     error(call(server, "GET", f"/v1/responses/{r['id']}"), 404, "response_id")
     error(call(server, "DELETE", f"/v1/responses/{r['id']}"), 404, "response_id")

@@ -223,3 +223,21 @@ def test_a_responses_body_becomes_the_chat_body_it_means():
     with pytest.raises(Exception, match="background"):
         parse({"input": "x", "previous_response_id": "resp_1", "background": True}, lambda rid: asked.append(rid))
     assert asked == ["resp_1"]
+
+
+@pytest.mark.parametrize("body,param", [
+    # Found by a hostile helper: input_items pages by item id, so a repeated id made the SDK's
+    # pager loop forever (every page "after" the first of them); OpenAI refuses a duplicate too.
+    ({"input": [{"id": "dup", "type": "message", "role": "user", "content": "a"},
+                {"type": "message", "role": "user", "content": "b"},
+                {"id": "dup", "type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"}]}, "input[2].id"),
+    # stream_options without a stream, refused as chat's and legacy's routes refuse it
+    ({"input": "x", "stream_options": {"include_obfuscation": False}}, "stream_options"),
+])
+def test_a_responses_body_refused_before_the_store_is_asked(body, param):
+    from engine.errors import InvalidRequest
+    from server.responses.request import parse
+
+    with pytest.raises(InvalidRequest) as e:
+        parse(body, lambda rid: pytest.fail("the store was asked"))
+    assert e.value.param == param, e.value

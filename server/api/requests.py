@@ -85,12 +85,15 @@ _DEFAULT_ONLY = {
     "prediction": ([], "predicted outputs are not supported"),
     "web_search_options": ([], "web search is not supported"),
     "reasoning_effort": ([], "reasoning_effort is not supported: the model does not reason"),
-    "verbosity": ([], "verbosity is not supported"),
+    "verbosity": (["medium"], "verbosity other than medium (the default) is not supported"),
     "moderation": ([], "moderation is not supported"),
     "suffix": ([""], "suffix is not supported"),
     "best_of": ([0, 1], "best_of is not supported (only 1)"),
 }
 
+
+#: OpenAI's ``service_tier`` values: any is accepted, none changes how this server runs a request.
+SERVICE_TIERS = ("auto", "default", "flex", "scale", "priority")
 
 # Accepted fields with no effect here still get OpenAI's types, so a client's mistake is seen.
 _INFORMATIONAL = {"user": str, "safety_identifier": str, "service_tier": str, "prompt_cache_key": str,
@@ -111,6 +114,8 @@ def check_fields(body: dict, fields: set[str]) -> None:
         value = body.get(name)
         if value is not None and not isinstance(value, kind):
             raise InvalidRequest(f"{name} must be a {kind.__name__.replace('str', 'string')}", name)
+    if body.get("service_tier") not in (None, *SERVICE_TIERS):
+        raise InvalidRequest(f"service_tier must be one of {', '.join(SERVICE_TIERS)}", "service_tier")
     metadata = body.get("metadata")
     if metadata is not None and not (isinstance(metadata, dict) and len(metadata) <= 16 and all(
             isinstance(k, str) and len(k) <= 64 and isinstance(v, str) and len(v) <= 512

@@ -338,9 +338,14 @@ class Generator:
         template (``render``: :meth:`ChatTemplate.encode`'s options), with the request's tools
         (a template that takes ``tools`` gets them; otherwise the generic format's system
         message describes them; ``tool_choice: "none"`` gives none). ``submit``: ``tenant``,
-        ``watch_socket``. Raises as :class:`Generation` and :meth:`Generation.submit`."""
+        ``watch_socket``. Raises as :class:`Generation` and :meth:`Generation.submit`, and
+        :class:`InvalidRequest` for a structured output on a continued final message."""
         render = render or {}
         self._check_logit_bias(req)
+        if req.grammar_param is not None and render.get("continue_final_message"):
+            # the grammar would hold the continuation alone, not the message it continues
+            raise InvalidRequest(f"continue_final_message cannot be combined with {req.grammar_param} (send "
+                                 "add_generation_prompt: true for a new assistant turn)", "continue_final_message")
         offered = req.tools.tools if req.tools is not None and req.tools.choice != NONE else ()
         tenant = submit.get("tenant", DEFAULT_TENANT)
         content = None  # the JSON format an answer that is not a call must follow

@@ -176,7 +176,7 @@ class InputItems:
     def on_get(self, req: falcon.Request, resp: falcon.Response, response_id: str) -> None:
         _no_query(req, ("limit", "order", "after"))
         limit = req.get_param("limit") or "20"
-        if not (limit.isdecimal() and 1 <= int(limit) <= 100):
+        if not (limit.isascii() and limit.isdecimal() and 1 <= int(limit) <= 100):  # not "٣"
             raise InvalidRequest("limit must be an integer from 1 to 100", "limit")
         order = req.get_param("order") or "desc"
         if order not in ("asc", "desc"):

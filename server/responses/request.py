@@ -135,6 +135,8 @@ def parse(body: dict, load_previous: Callable[[str], dict]) -> ResponsesRequest:
         if not isinstance(options, dict) or set(options) - {"include_obfuscation"} or not isinstance(
                 options.get("include_obfuscation", False), bool):
             raise InvalidRequest("stream_options may only hold include_obfuscation (a boolean)", "stream_options")
+        if not body.get("stream"):  # as chat's and legacy's
+            raise InvalidRequest("stream_options is only allowed when stream is true", "stream_options")
     tools = _tools(body.get("tools"))
     if tools:
         chat["tools"] = tools
@@ -159,7 +161,7 @@ def _input(raw) -> tuple[list[dict], list[dict], list[Origin]]:
         raise InvalidRequest("input must be a string or a non-empty array of input items", "input")
     if len(raw) > MAX_INPUT_ITEMS:
         raise InvalidRequest(f"input holds {len(raw)} items, more than {MAX_INPUT_ITEMS}", "input")
-    items, messages, origins = [], [], []
+    items, messages, origins, ids = [], [], [], set()
     for i, item in enumerate(raw):
         where = f"input[{i}]"
         if not isinstance(item, dict):
@@ -191,6 +193,9 @@ def _input(raw) -> tuple[list[dict], list[dict], list[Origin]]:
         else:
             raise InvalidRequest(f"{where}.type {ujson.dumps(kind)} is not supported: input items may be messages, "
                                  "function_call and function_call_output", f"{where}.type")
+        if items[-1]["id"] in ids:  # GET .../input_items pages by id (OpenAI refuses the same)
+            raise InvalidRequest(f"Duplicate item found with id {items[-1]['id']}", f"{where}.id")
+        ids.add(items[-1]["id"])
     return items, messages, origins
 
 

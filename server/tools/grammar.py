@@ -129,7 +129,9 @@ def tool_grammar(fmt: ToolFormat, request: ToolRequest, specials: dict[str, int]
 
 def check_parameters(request: ToolRequest, checker: Callable[[str], str] | None = None) -> None:
     """Refuse, by name, the first function the model may call whose ``parameters`` llguidance
-    cannot compile, or that no call could satisfy (no instance at all): each function's
+    cannot compile, or that leave a call no first character (no instance at all, as
+    ``{"$ref": "#"}``; one whose every instance is infinite further in, as a required property
+    of its own type, is found only at the token that reaches it: ``constraint_failed``): each function's
     arguments alone, taken by ``checker`` (a memo of :func:`engine.llama.grammar.check` with
     ``text_only``, that check itself by default: arguments hold no special token). Run before
     the whole grammar is checked, whose message would name only ``tools`` and quote its Lark.
