@@ -221,3 +221,21 @@ def test_over_grpc(srv):
     assert ("param", "response_format.json_schema.schema") in tuple(e.value.trailing_metadata())
     channel.close()
     srv.wait_idle()
+
+
+def test_an_object_that_names_its_keys_takes_no_others(srv):
+    """Found by a helper with instructor, pydantic-ai, smolagents and llm: a class's schema says
+    nothing of other keys, JSON Schema leaves them open, and the model added them until its limit
+    (``{"pt":[1,2],"f":[1,2,3,...`` ended by ``length``). Such an object now takes none (as
+    llama.cpp's and xgrammar's converters read it), and the document ends; one that says
+    ``additionalProperties: true`` still may."""
+    pair = {"properties": {"pt": {"maxItems": 2, "minItems": 2, "type": "array",
+                                  "prefixItems": [{"type": "integer"}, {"type": "integer"}]}},
+            "required": ["pt"], "type": "object"}
+    body = chat_body("Make up an example.", max_tokens=100, temperature=0,
+                     response_format={"type": "json_schema", "json_schema": {"name": "WithTuple", "schema": pair}})
+    status, reply = post(srv, CHAT, body)
+    assert status == 200, reply
+    choice = reply["choices"][0]
+    assert choice["finish_reason"] == "stop" and set(json.loads(choice["message"]["content"])) == {"pt"}, choice
+    jsonschema.validate(json.loads(choice["message"]["content"]), {**pair, "additionalProperties": False})

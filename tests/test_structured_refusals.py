@@ -195,3 +195,50 @@ def test_a_tool_no_call_could_satisfy_is_refused_up_front_by_name(app, submits, 
         err = error(post(app, "/v1/responses", {**responses, "stream": stream}), 400, param="tools[0].parameters")
         assert message in err["message"], err
     assert submits == []
+
+
+def test_objects_that_name_their_keys_take_no_others():
+    """engine.llama.grammar.closed_objects: what llama.cpp's and xgrammar's converters do with an
+    object that says nothing of other keys (pydantic's schemas), and no more: explicit
+    ``additionalProperties`` and maps stay open, data (``const``, ``enum``) is not read as schema,
+    a schema composing objects is kept as given, and the input is not changed."""
+    import copy
+
+    from engine.llama.grammar import closed_objects
+    item = {"type": "object", "properties": {"sku": {"type": "integer"}}}
+    schema = {"type": "object", "properties": {"items": {"type": "array", "items": item},
+                                               "tags": {"type": "object", "additionalProperties": {"type": "string"}},
+                                               "free": {"type": "object", "properties": {}, "additionalProperties": True},
+                                               "c": {"const": {"properties": {}}}, "e": {"enum": [{"properties": {}}]}},
+              "$defs": {"P": {"patternProperties": {"^x": {}}}}}
+    given = copy.deepcopy(schema)
+    closed = closed_objects(schema)
+    assert schema == given
+    assert closed["additionalProperties"] is False and closed["properties"]["items"]["items"]["additionalProperties"] is False
+    assert closed["properties"]["tags"]["additionalProperties"] == {"type": "string"}  # a map stays a map
+    assert closed["properties"]["free"]["additionalProperties"] is True
+    assert closed["properties"]["c"] == given["properties"]["c"] and closed["properties"]["e"] == given["properties"]["e"]
+    assert closed["$defs"]["P"]["additionalProperties"] is False
+    for composed in ({"allOf": [item, {"properties": {"n": {}}}]},
+                     {"$ref": "#/$defs/I", "properties": {"n": {}}, "$defs": {"I": item}},
+                     {**schema, "anyOf": [{"required": ["items"]}]}):
+        assert closed_objects(composed) == composed
+
+
+@pytest.mark.parametrize("schema", [
+    {"type": "object", "additionalProperties": {"type": "integer"}, "minProperties": 2},
+    {"type": "object", "properties": {"m": {"patternProperties": {"^k": {"type": "integer"}}, "minProperties": 3}}}])
+def test_a_count_of_keys_that_repeated_keys_could_meet_is_refused(app, submits, schema):
+    """Found by a hostile helper: llguidance keeps only the keys of ``properties`` unique, so
+    ``{"x":1,"x":2}`` ended with ``stop`` under ``minProperties: 2`` (one key to any JSON parser).
+    Refused by name, in a format and in a tool's parameters; counts that cannot be faked are served."""
+    body = {"messages": [{"role": "user", "content": "JSON please"}], "max_tokens": 4}
+    err = error(post(app, CHAT, {**body, "response_format": schema_format(schema)}), 400,
+                param="response_format.json_schema.schema")
+    assert "minProperties" in err["message"], err
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {"a": schema}}}}
+    error(post(app, CHAT, {**body, "tools": [tool]}), 400, param="tools[0].function.parameters")
+    assert submits == []
+    fine = {"type": "object", "additionalProperties": {"type": "integer"}, "minProperties": 1, "maxProperties": 2}
+    assert post(app, CHAT, {**body, "response_format": schema_format(fine)}).status == 200
+    app.wait_idle()

@@ -89,6 +89,76 @@ def json_schema_of(grammar: str) -> dict | None:
     return schema if isinstance(schema, dict) and not grammars[0].get("lark_grammar") else None
 
 
+#: JSON Schema (2020-12) keywords whose value is a schema, a list of schemas, or an object of
+#: schemas; any other keyword's value is data (``const``, ``enum``, ``default``...) or a number.
+_SCHEMA = ("additionalProperties", "items", "not", "contains", "propertyNames", "if", "then", "else",
+           "unevaluatedItems", "unevaluatedProperties")
+_SCHEMA_LISTS = ("prefixItems", "anyOf", "oneOf", "allOf")
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+
+
+def closed_objects(schema: dict) -> dict:
+    """``schema`` with every object schema that names its keys (``properties`` or
+    ``patternProperties``) and says nothing of other keys (no ``additionalProperties`` or
+    ``unevaluatedProperties``) closed to them (``additionalProperties: false``): how llama.cpp's
+    converter (``json-schema-to-grammar``) and xgrammar's strict mode, vLLM's default, read such a
+    schema, and what clients that write schemas from classes (pydantic: instructor,
+    pydantic-ai...) mean; a small model given open objects adds keys until its token limit.
+    ``additionalProperties: true`` (or a schema) keeps an object open. A schema that composes
+    objects anywhere (``allOf``, or ``properties`` beside ``anyOf``, ``oneOf`` or ``$ref``) is
+    kept as given: llguidance intersects the parts, and a part closed to another's keys would
+    refuse them. Returns a new schema; ``schema`` is not changed.
+
+    Raises:
+        ValueError: ``minProperties`` above 1 where keys may come from ``additionalProperties`` or
+            ``patternProperties``: llguidance keeps only the keys of ``properties`` unique, so a
+            document could meet the count with one key repeated (a hostile helper's finding).
+    """
+    def composes(node) -> bool:
+        if not isinstance(node, dict):
+            return False
+        names_keys = "properties" in node or "patternProperties" in node
+        return "allOf" in node or (names_keys and any(k in node for k in ("anyOf", "oneOf", "$ref"))) or \
+            any(composes(n) for _, _, n in _subschemas(node))
+    close = not composes(schema)
+
+    def walk(node, path: str):
+        if not isinstance(node, dict):
+            return node  # true, false
+        out = dict(node)
+        for key, name, sub in _subschemas(node):
+            walked = walk(sub, f"{path}/{key}" + (f"/{name}" if name is not None else ""))
+            if name is None:
+                out[key] = walked
+            else:
+                out[key] = out[key].copy() if out[key] is node[key] else out[key]
+                out[key][name] = walked
+        if close and ("properties" in node or "patternProperties" in node) and \
+                "additionalProperties" not in node and "unevaluatedProperties" not in node:
+            out["additionalProperties"] = False
+        open_keys = out.get("additionalProperties", True) is not False or "patternProperties" in node
+        least = node.get("minProperties")
+        if open_keys and isinstance(least, (int, float)) and not isinstance(least, bool) and least > 1:
+            raise ValueError(f"minProperties above 1 at {path or '/'} cannot be enforced: keys beyond "
+                             "properties (additionalProperties, patternProperties) are not kept unique, so a "
+                             "repeated key could meet the count")
+        return out
+    return walk(schema, "")
+
+
+def _subschemas(node: dict):
+    """``(keyword, index or name or None, subschema)`` for each schema directly inside ``node``."""
+    for key in _SCHEMA:
+        if key in node:
+            yield key, None, node[key]
+    for key in _SCHEMA_LISTS:
+        if isinstance(node.get(key), list):
+            yield from ((key, i, n) for i, n in enumerate(node[key]))
+    for key in _SCHEMA_MAPS:
+        if isinstance(node.get(key), dict):
+            yield from ((key, k, n) for k, n in node[key].items())
+
+
 def tokenizer_from_vocab(vocab, n_vocab: int, eos: list[int]) -> llguidance.LLTokenizer:
     """llguidance's tokenizer over a llama.cpp vocabulary, as ``llguidance.llamacpp.
     lltokenizer_from_vocab`` builds it (each token's bytes; control tokens, and user-defined

@@ -14,7 +14,9 @@ Shapes taken (every other shape is a 400 naming the field):
 
 JSON is constrained compact (no whitespace between tokens: ``whitespace_flexible`` false), so a
 small model cannot spend its tokens on blank space. A schema is enforced exactly whatever
-``strict`` says: a keyword llguidance cannot enforce is refused, never skipped.
+``strict`` says: a keyword llguidance cannot enforce is refused, never skipped; an object that
+names its keys and says nothing of others takes no others, as llama.cpp and xgrammar read it
+(:func:`engine.llama.grammar.closed_objects`).
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ import re
 import llguidance
 
 from engine.errors import InvalidRequest
+from engine.llama.grammar import closed_objects
 from server.api import json_text
 
 #: llguidance's JSON-schema options: compact JSON (``,`` and ``:`` with no spaces around).
@@ -127,13 +130,15 @@ def _structured_outputs(so) -> tuple[str, str]:
 
 
 def _json(schema, param: str) -> str:
-    """The grammar of a JSON schema. A schema's ``x-guidance`` options are llguidance's own
-    (whitespace, separators) and are honoured, except ``lenient``: a keyword the library
-    cannot enforce is always refused, never skipped."""
+    """The grammar of a JSON schema, its objects that name their keys closed to others
+    (:func:`engine.llama.grammar.closed_objects`). A schema's ``x-guidance`` options are
+    llguidance's own (whitespace, separators) and are honoured, except ``lenient``: a keyword the
+    library cannot enforce is always refused, never skipped."""
     if not isinstance(schema, dict):
         raise InvalidRequest(f"{param} must be a JSON Schema (an object)", param)
     try:
-        return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS, overrides=_EXACT)
+        return llguidance.LLMatcher.grammar_from_json_schema(closed_objects(schema), defaults=JSON_OPTIONS,
+                                                             overrides=_EXACT)
     except ValueError as e:
         raise InvalidRequest(f"{param} cannot be enforced: {e}", param) from None
 

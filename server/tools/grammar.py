@@ -33,7 +33,7 @@ from typing import Callable
 import llguidance
 
 from engine.errors import InvalidRequest
-from engine.llama.grammar import check
+from engine.llama.grammar import check, closed_objects
 from server.tools.formats import ToolFormat
 from server.tools.spec import AUTO, ToolRequest
 
@@ -49,10 +49,12 @@ def _arguments_schema(parameters: dict) -> dict:
     ``$ref``, ``anyOf`` or ``allOf`` would otherwise let the model write ``null`` or ``[]``
     there; llguidance intersects the two, and one that allows no object does not compile. A root
     without a ``type`` that refers to itself (``"$ref": "#"``) stays as given: the added type would
-    narrow every such reference too (a helper's finding), so there the root is not held to an object."""
+    narrow every such reference too (a helper's finding), so there the root is not held to an object.
+    Objects that name their keys take no others (:func:`engine.llama.grammar.closed_objects`,
+    whose ``ValueError`` this raises)."""
     own = parameters if "type" in parameters or '"$ref": "#"' in json.dumps(parameters) else \
         {**parameters, "type": "object"}
-    return {**own, "x-guidance": COMPACT}
+    return {**closed_objects(own), "x-guidance": COMPACT}
 
 
 def _calls(fmt: ToolFormat, request: ToolRequest) -> str:
@@ -141,8 +143,12 @@ def check_parameters(request: ToolRequest, checker: Callable[[str], str] | None 
     """
     for i, tool in enumerate(request.tools):
         if tool in request.callable():
-            grammar = llguidance.grammar_from("json_schema", _arguments_schema(tool.parameters))
-            error = checker(grammar) if checker is not None else check(grammar, text_only=True)
+            param = f"tools[{i}].function.parameters"
+            try:
+                grammar = llguidance.grammar_from("json_schema", _arguments_schema(tool.parameters))
+            except ValueError as e:
+                error = str(e)
+            else:
+                error = checker(grammar) if checker is not None else check(grammar, text_only=True)
             if error:
-                param = f"tools[{i}].function.parameters"
                 raise InvalidRequest(f"{param} cannot be enforced: {error}", param)
