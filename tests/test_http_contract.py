@@ -13,6 +13,7 @@ from __future__ import annotations
 import codecs
 import http.client
 import json
+import re
 import socket
 import urllib.parse
 
@@ -308,6 +309,32 @@ def test_06_stream_framing(app, path):
     assert finals == [len(chunks) - 1], finals  # null until the final chunk, set on it
     assert chunks[-1]["choices"][0]["finish_reason"] in ("stop", "length")
     assert len({c["id"] for c in chunks}) == 1
+
+
+def test_07_stream_options_include_obfuscation(app):
+    """OpenAI's stream obfuscation: asked for, every chunk carries an ``obfuscation`` member of
+    random letters and digits that makes its JSON a multiple of 32 bytes, and nothing else
+    changes; not asked for (this server's default), none. It was accepted and ignored."""
+    from server.http.json import OBFUSCATION_BLOCK
+    body = {"messages": [{"role": "user", "content": "Tell me about Paris, ça va?"}], "temperature": 0,
+            "max_tokens": 16, "stream": True, "stream_options": {"include_usage": True}}
+    plain = post(app, CHAT, body)
+    padded = post(app, CHAT, {**body, "stream_options": {"include_usage": True, "include_obfuscation": True}})
+    lines = [line[6:] for line in padded.body.decode().split("\n") if line.startswith("data: {")]
+    assert lines and all(len(line.encode()) % OBFUSCATION_BLOCK == 0 for line in lines), lines
+    chunks = stream_chunks(padded.events())
+    assert all(re.fullmatch("[A-Za-z0-9]*", c.pop("obfuscation")) for c in chunks)
+    assert [c["choices"] for c in chunks] == [c["choices"] for c in stream_chunks(plain.events())]
+    assert not any("obfuscation" in c for c in stream_chunks(plain.events()))
+    for route, start in (("/v1/completions", {"prompt": "Paris is"}), ("/v1/responses", {"input": "Paris is"})):
+        stream = {**start, "max_tokens" if route != "/v1/responses" else "max_output_tokens": 6, "stream": True,
+                  "stream_options": {"include_obfuscation": True}}
+        text = post(app, route, stream).body.decode()
+        data = [line[6:] for line in text.split("\n") if line.startswith("data: {")]
+        padded = [d for d in data if route != "/v1/responses" or re.match(r'\{"type":"[a-z_.]+\.delta"', d)]
+        assert padded and all('"obfuscation":"' in d and len(d.encode()) % OBFUSCATION_BLOCK == 0 for d in padded)
+        assert not any('"obfuscation"' in d for d in data if d not in padded)  # Responses: delta events only
+    app.wait_idle()
 
 
 def test_07_stream_options_include_usage(app):

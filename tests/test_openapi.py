@@ -267,6 +267,9 @@ def test_answers_conform_in_process(app):
             (COMPLETIONS, {"prompt": ["Hi", "Yo"], "max_tokens": 3, "logprobs": 2}),
             (COMPLETIONS, {"prompt": [1, 2], "max_tokens": 3, "logprobs": 1, "stream": True,
                            "stream_options": {"include_usage": True}}),
+            (CHAT, {"messages": hi, "max_tokens": 3, "stream": True, "stream_options": {"include_obfuscation": True}}),
+            (COMPLETIONS, {"prompt": "Hi", "max_tokens": 3, "stream": True,
+                           "stream_options": {"include_obfuscation": True, "include_usage": True}}),
             (COMPLETIONS, {"max_tokens": 0, "priority": "high", "deadline_ms": 5000}),
             (COMPLETIONS, {"prompt": [[1, 2, 3]], "max_tokens": 1, "echo": True, "logprobs": 1}),
             (COMPLETIONS, {"prompt": "Hi", "max_tokens": 2, "echo": True, "logprobs": 1, "stream": True}),
@@ -297,6 +300,8 @@ def test_answers_conform_in_process(app):
     ask = {"input": [{"role": "user", "content": "Hi"}], "max_output_tokens": 3, "metadata": {"a": "b"}}
     stored = conforms("/v1/responses", "post", reply := post(app, "/v1/responses", ask), 200) and reply.json()
     conforms("/v1/responses", "post", post(app, "/v1/responses", {**ask, "stream": True}), 200)
+    conforms("/v1/responses", "post", post(app, "/v1/responses", {**ask, "stream": True, "stream_options": {
+        "include_obfuscation": True}}), 200)
     conforms("/v1/responses", "post", post(app, "/v1/responses", {**ask, "background": True}), 400)
     conforms("/v1/responses", "post", post(app, "/v1/responses", {**ask, "previous_response_id": "resp_x"}), 404)
     one, items = f"/v1/responses/{stored['id']}", "/v1/responses/{response_id}/input_items"

@@ -160,7 +160,7 @@ def parse_generation(body: dict, *, chat: bool) -> GenerationRequest:
             raise InvalidRequest(f"Unrecognized stream option: {unknown[0]}", f"stream_options.{unknown[0]}")
         if not r.stream:
             raise InvalidRequest("stream_options is only allowed when stream is true", "stream_options")
-        boolean(options, "include_obfuscation")  # nothing to obfuscate; still a boolean
+        r.obfuscate = boolean(options, "include_obfuscation")
         r.include_usage = boolean(options, "include_usage")
     r.tools = parse_tools(body) if chat else None
     r.echo = not chat and boolean(body, "echo")

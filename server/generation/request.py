@@ -19,7 +19,8 @@ class GenerationRequest:
         max_tokens: as asked; 0 generates nothing (each choice ends at once with ``length``).
         max_tokens_param: the request field ``max_new_tokens`` came from (named in errors).
         stop: stop strings (text, applied here). n: choices, each its own sequence.
-        stream, include_usage: the response's shape (read by the protocol, not here).
+        stream, include_usage, obfuscate: the response's shape (read by the protocol, not here;
+            ``obfuscate``: ``stream_options.include_obfuscation``, padded chunks).
         priority, deadline_ms: admission class and deadline (None = none).
         grammar_param: the request field ``sampling.grammar`` came from (named in errors), or None.
         tools: the request's tools and tool choice (None: no tools; chat only).
@@ -34,6 +35,7 @@ class GenerationRequest:
     n: int = 1
     stream: bool = False
     include_usage: bool = False
+    obfuscate: bool = False
     priority: Priority = Priority.NORMAL
     deadline_ms: float | None = None
     grammar_param: str | None = None

@@ -56,23 +56,25 @@ class _Completions:
     def sse_events(self, gen: Generation, greq: GenerationRequest, meta: dict) -> Iterator[bytes]:
         """The SSE body. The status line and headers go out at once (an empty first chunk makes
         gunicorn send them), and an SSE comment every ``--sse-keepalive-s`` while nothing is due
-        (queued, or a long prefill), so proxies do not cut a silent stream."""
+        (queued, or a long prefill), so proxies do not cut a silent stream. With
+        ``stream_options.include_obfuscation``, every chunk is padded (``server.http.json.obfuscated``)."""
         chunk = {**meta, "object": self.object_name + ".chunk" if self.chat else self.object_name}
         if greq.include_usage and self.chat:
             chunk["usage"] = None  # chat chunks carry a null usage; the legacy schema has no null
         yield b""
         try:
             state: dict = {}  # per-choice state a route keeps across chunks (text offsets)
+            pad = greq.obfuscate
             if self.chat:
                 for i in range(gen.n_choices):
-                    yield sse({**chunk, "choices": [self.chunk_choice(Delta(i), greq, state, first=True)]})
+                    yield sse({**chunk, "choices": [self.chunk_choice(Delta(i), greq, state, first=True)]}, pad)
             for d in gen.deltas(keepalive_s=self.config.sse_keepalive_s or None):
                 if d is None:
                     yield b": keep-alive\n\n"
                     continue
-                yield sse({**chunk, "choices": [self.chunk_choice(d, greq, state)]})
+                yield sse({**chunk, "choices": [self.chunk_choice(d, greq, state)]}, pad)
             if greq.include_usage:
-                yield sse({**chunk, "choices": [], "usage": gen.usage().openai()})
+                yield sse({**chunk, "choices": [], "usage": gen.usage().openai()}, pad)
         except ClientDisconnected:
             return
         except Exception as e:  # noqa: BLE001 - headers are sent: the error becomes an event

@@ -22,7 +22,7 @@ from server.config import ServerConfig
 from server.errors import http_error
 from server.generation.pipeline import Generation, Generator
 from server.http.body import read_json
-from server.http.json import dumps
+from server.http.json import dumps, obfuscated
 from server.responses.output import ResponseBuilder
 from server.responses.errors import responses_message, responses_param
 from server.responses.request import ResponsesRequest, new_id, parse
@@ -32,9 +32,13 @@ log = logging.getLogger("responses")
 STORED_HEADER = "x-response-stored"
 
 
-def event(e: dict) -> bytes:
-    """One server-sent event as OpenAI sends Responses events: its type, then its JSON."""
-    return f"event: {e['type']}\ndata: {dumps(e)}\n\n".encode("utf-8")
+def event(e: dict, obfuscate: bool = False) -> bytes:
+    """One server-sent event as OpenAI sends Responses events: its type, then its JSON; a delta
+    event padded by :func:`server.http.json.obfuscated` when ``obfuscate``."""
+    text = dumps(e)
+    if obfuscate and e["type"].endswith(".delta"):
+        text = obfuscated(text)
+    return f"event: {e['type']}\ndata: {text}\n\n".encode("utf-8")
 
 
 class Responses:
@@ -107,7 +111,7 @@ class Responses:
                     continue
                 finish = d.finish_reason or finish
                 for e in builder.feed(d):
-                    yield event(e)
+                    yield event(e, rr.obfuscate)
             events = builder.finish(finish, gen.usage())
             if store_for is not None:
                 self._store(store_for, builder, rr)  # before the last event: a client may continue at once

@@ -77,6 +77,8 @@ class ResponsesRequest:
     echo: dict = field(default_factory=dict)
     #: Where each of ``chat["messages"]`` came from (to name a refusal's field).
     origins: list[Origin] = field(default_factory=list)
+    #: ``stream_options.include_obfuscation``: delta events padded (``server.http.json.obfuscated``).
+    obfuscate: bool = False
 
 
 def _same(a, b) -> bool:
@@ -149,7 +151,7 @@ def parse(body: dict, load_previous: Callable[[str], dict]) -> ResponsesRequest:
                             stream=body.get("stream") is True, previous_response_id=body.get("previous_response_id"),
                             echo={"instructions": instructions, "tools": body.get("tools") or [],
                                   "tool_choice": body.get("tool_choice") or "auto", "text": body.get("text")},
-                            origins=origins)
+                            origins=origins, obfuscate=bool((options or {}).get("include_obfuscation")))
 
 
 # -- input -------------------------------------------------------------------------------------------
