@@ -233,6 +233,7 @@ def test_a_responses_body_becomes_the_chat_body_it_means():
                 {"id": "dup", "type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"}]}, "input[2].id"),
     # stream_options without a stream, refused as chat's and legacy's routes refuse it
     ({"input": "x", "stream_options": {"include_obfuscation": False}}, "stream_options"),
+    ({"input": "x", "tool_choice": {"type": "function"}}, "tool_choice"),  # its message quoted chat's shape
 ])
 def test_a_responses_body_refused_before_the_store_is_asked(body, param):
     from engine.errors import InvalidRequest
@@ -240,4 +241,4 @@ def test_a_responses_body_refused_before_the_store_is_asked(body, param):
 
     with pytest.raises(InvalidRequest) as e:
         parse(body, lambda rid: pytest.fail("the store was asked"))
-    assert e.value.param == param, e.value
+    assert e.value.param == param and '"function": {' not in e.value.message, e.value

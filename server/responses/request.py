@@ -293,7 +293,8 @@ def _tools(raw) -> list[dict]:
 def _tool_choice(raw):
     if isinstance(raw, str):
         return raw
-    if isinstance(raw, dict) and raw.get("type") == "function" and set(raw) <= {"type", "name"}:
+    if isinstance(raw, dict) and raw.get("type") == "function" and set(raw) == {"type", "name"} and \
+            isinstance(raw["name"], str):  # else chat's check would quote chat's shape
         return {"type": "function", "function": {"name": raw.get("name")}}
     raise InvalidRequest('tool_choice must be none, auto, required or {"type": "function", "name": ...}',
                          "tool_choice")
