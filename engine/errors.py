@@ -63,6 +63,16 @@ class Saturated(EngineError):
         self.retry_after = retry_after
 
 
+class ChecksBusy(Saturated):
+    """Every grammar checker of this front end stayed busy for a whole check's time (other
+    requests' costly schemas): the server's state, not the client's grammar, so a 503 with
+    ``retry_after`` (seconds) and no verdict kept (engine/llama/grammar_checker.py)."""
+
+    def __init__(self, retry_after: int = 1):
+        EngineError.__init__(self, "every grammar checker is busy with other requests' schemas; retry")
+        self.retry_after = retry_after
+
+
 class EngineUnavailable(EngineError):
     """The engine is loading, died, or is shutting down. ``retry_after`` is seconds."""
 

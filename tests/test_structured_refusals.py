@@ -221,8 +221,29 @@ def test_objects_that_name_their_keys_take_no_others():
     assert closed["$defs"]["P"]["additionalProperties"] is False
     for composed in ({"allOf": [item, {"properties": {"n": {}}}]},
                      {"$ref": "#/$defs/I", "properties": {"n": {}}, "$defs": {"I": item}},
-                     {**schema, "anyOf": [{"required": ["items"]}]}):
+                     {**schema, "anyOf": [{"required": ["items"]}]},
+                     # found by a hostile helper: a required key beside a union or a reference
+                     {"type": "object", "required": ["a"], "anyOf": [{"properties": {"b": {}}}]},
+                     {"$ref": "#/$defs/I", "required": ["y"], "$defs": {"I": item}}):
         assert closed_objects(composed) == composed
+    # a required key that properties do not give is one of the keys (it was refused as unsatisfiable)
+    assert closed_objects({**item, "required": ["sku", "b"]})["properties"] == {"sku": {"type": "integer"}, "b": True}
+    assert closed_objects({"type": "array", "items": [item]})["items"][0]["additionalProperties"] is False  # draft 4
+
+
+@pytest.mark.parametrize("schema", [
+    {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a", "b"]},
+    {"type": "object", "required": ["a"], "anyOf": [{"properties": {"b": {"type": "integer"}}},
+                                                    {"properties": {"c": {"type": "integer"}}}]},
+    {"$defs": {"A": {"type": "object", "properties": {"x": {}}}}, "$ref": "#/$defs/A", "required": ["y"]}])
+def test_schemas_closing_must_not_make_unsatisfiable_are_served(app, schema):
+    """A hostile helper's finding: closing objects refused these (a required key it had closed
+    out) with "required property ... is unsatisfiable"; served before and again."""
+    body = {"messages": [{"role": "user", "content": "JSON please"}], "max_tokens": 4}
+    assert post(app, CHAT, {**body, "response_format": schema_format(schema)}).status == 200
+    tool = {"type": "function", "function": {"name": "f", "parameters": schema}}
+    assert post(app, CHAT, {**body, "tools": [tool]}).status == 200
+    app.wait_idle()
 
 
 @pytest.mark.parametrize("schema", [
@@ -242,3 +263,39 @@ def test_a_count_of_keys_that_repeated_keys_could_meet_is_refused(app, submits, 
     fine = {"type": "object", "additionalProperties": {"type": "integer"}, "minProperties": 1, "maxProperties": 2}
     assert post(app, CHAT, {**body, "response_format": schema_format(fine)}).status == 200
     app.wait_idle()
+
+
+def test_costly_checks_do_not_hold_the_others_past_a_checks_time():
+    """Found by a hostile helper: ten costly schemas at once queued behind one checker process,
+    refused 5, 10, ... 30 s later, and a trivial new schema sent beside them waited 30 s. Checks
+    now run in up to ``children`` processes, and one that finds them all busy for a check's time
+    is a 503 (``ChecksBusy``: the server's state, not the client's schema), never a longer wait."""
+    import threading
+
+    import llguidance
+
+    from engine.errors import ChecksBusy
+    from engine.llama.grammar_checker import TOO_SLOW, GrammarChecker
+    slow = llguidance.LLMatcher.grammar_from_json_schema(
+        {"type": "string", "allOf": [{"pattern": f"^(.*a.*b.*c.*{i}.*)$"} for i in range(30)]})
+    quick = llguidance.LLMatcher.grammar_from_json_schema({"type": "integer"})
+    for children in (1, 2):  # a shorter wait than a check's time: all children are busy throughout
+        checker = GrammarChecker(timeout_s=2.5, children=children, wait_s=0.5)
+        assert checker.check(quick) == ""  # a child started and idle
+        verdicts = []
+        busy = [threading.Thread(target=lambda: verdicts.append(checker.check(slow))) for _ in range(children)]
+        for t in busy:
+            t.start()
+        time.sleep(0.3)
+        start = time.monotonic()
+        with pytest.raises(ChecksBusy):
+            checker.check(quick)
+        assert time.monotonic() - start < 2
+        for t in busy:
+            t.join()
+        assert verdicts == [TOO_SLOW.format(2.5)] * children
+        assert checker.check(quick) == ""  # a new child after the killed ones
+    checker = GrammarChecker(timeout_s=1.5, children=2)
+    threading.Thread(target=checker.check, args=(slow,)).start()
+    time.sleep(0.3)
+    assert checker.check(quick) == ""  # the other child serves it meanwhile

@@ -91,8 +91,8 @@ def json_schema_of(grammar: str) -> dict | None:
 
 #: JSON Schema (2020-12) keywords whose value is a schema, a list of schemas, or an object of
 #: schemas; any other keyword's value is data (``const``, ``enum``, ``default``...) or a number.
-_SCHEMA = ("additionalProperties", "items", "not", "contains", "propertyNames", "if", "then", "else",
-           "unevaluatedItems", "unevaluatedProperties")
+_SCHEMA = ("additionalProperties", "items", "additionalItems", "not", "contains", "propertyNames", "if", "then",
+           "else", "unevaluatedItems", "unevaluatedProperties")
 _SCHEMA_LISTS = ("prefixItems", "anyOf", "oneOf", "allOf")
 _SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
 
@@ -104,10 +104,13 @@ def closed_objects(schema: dict) -> dict:
     converter (``json-schema-to-grammar``) and xgrammar's strict mode, vLLM's default, read such a
     schema, and what clients that write schemas from classes (pydantic: instructor,
     pydantic-ai...) mean; a small model given open objects adds keys until its token limit.
-    ``additionalProperties: true`` (or a schema) keeps an object open. A schema that composes
-    objects anywhere (``allOf``, or ``properties`` beside ``anyOf``, ``oneOf`` or ``$ref``) is
-    kept as given: llguidance intersects the parts, and a part closed to another's keys would
-    refuse them. Returns a new schema; ``schema`` is not changed.
+    ``additionalProperties: true`` (or a schema) keeps an object open. A name in ``required``
+    that ``properties`` does not give is one of the object's keys (added as ``true``; an object
+    with ``patternProperties`` and such a name is left open). A schema that composes objects
+    anywhere (``allOf``, or ``properties``, ``patternProperties`` or ``required`` beside
+    ``anyOf``, ``oneOf`` or ``$ref``) is kept as given: llguidance intersects the parts, and a
+    part closed to another's keys would refuse them (helpers' findings). Returns a new schema;
+    ``schema`` is not changed.
 
     Raises:
         ValueError: ``minProperties`` above 1 where keys may come from ``additionalProperties`` or
@@ -117,8 +120,8 @@ def closed_objects(schema: dict) -> dict:
     def composes(node) -> bool:
         if not isinstance(node, dict):
             return False
-        names_keys = "properties" in node or "patternProperties" in node
-        return "allOf" in node or (names_keys and any(k in node for k in ("anyOf", "oneOf", "$ref"))) or \
+        keys = any(k in node for k in ("properties", "patternProperties", "required"))
+        return "allOf" in node or (keys and any(k in node for k in ("anyOf", "oneOf", "$ref"))) or \
             any(composes(n) for _, _, n in _subschemas(node))
     close = not composes(schema)
 
@@ -133,15 +136,19 @@ def closed_objects(schema: dict) -> dict:
             else:
                 out[key] = out[key].copy() if out[key] is node[key] else out[key]
                 out[key][name] = walked
-        if close and ("properties" in node or "patternProperties" in node) and \
-                "additionalProperties" not in node and "unevaluatedProperties" not in node:
+        declared = node.get("properties") if isinstance(node.get("properties"), dict) else {}
+        undeclared = [k for k in node.get("required") or () if isinstance(k, str) and k not in declared]
+        if close and ("properties" in node or "patternProperties" in node) and "additionalProperties" not in node \
+                and "unevaluatedProperties" not in node and not (undeclared and "patternProperties" in node):
             out["additionalProperties"] = False
+            if undeclared:
+                out["properties"] = {**out.get("properties", {}), **dict.fromkeys(undeclared, True)}
         open_keys = out.get("additionalProperties", True) is not False or "patternProperties" in node
         least = node.get("minProperties")
         if open_keys and isinstance(least, (int, float)) and not isinstance(least, bool) and least > 1:
-            raise ValueError(f"minProperties above 1 at {path or '/'} cannot be enforced: keys beyond "
-                             "properties (additionalProperties, patternProperties) are not kept unique, so a "
-                             "repeated key could meet the count")
+            raise ValueError(f"minProperties above 1 (at {path or '/'}) needs keys kept unique, and the keys "
+                             "beyond properties (additionalProperties, patternProperties) are not: a repeated key "
+                             "could meet the count")
         return out
     return walk(schema, "")
 
@@ -149,7 +156,9 @@ def closed_objects(schema: dict) -> dict:
 def _subschemas(node: dict):
     """``(keyword, index or name or None, subschema)`` for each schema directly inside ``node``."""
     for key in _SCHEMA:
-        if key in node:
+        if isinstance(node.get(key), list) and key == "items":  # draft 4's tuple form
+            yield from ((key, i, n) for i, n in enumerate(node[key]))
+        elif key in node:
             yield key, None, node[key]
     for key in _SCHEMA_LISTS:
         if isinstance(node.get(key), list):

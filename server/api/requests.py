@@ -33,12 +33,14 @@ def sampling_field(body: dict, name: str, field_name: str | None = None):
     return number(body, name, **SamplingParams.bounds(field_name or name))
 
 
-def boolean(body: dict, name: str, default: bool = False) -> bool:
+def boolean(body: dict, name: str, default: bool = False, where: str = "") -> bool:
+    """``body[name]`` (absent or null: ``default``); ``where``: the path of ``body`` in the
+    request (``stream_options.``), for the refusal's ``param``."""
     value = body.get(name)
     if value is None:
         return default
     if not isinstance(value, bool):
-        raise InvalidRequest(f"{name} must be a boolean, got {ujson.dumps(value)}", name)
+        raise InvalidRequest(f"{where}{name} must be a boolean, got {ujson.dumps(value)}", f"{where}{name}")
     return value
 
 
@@ -160,8 +162,8 @@ def parse_generation(body: dict, *, chat: bool) -> GenerationRequest:
             raise InvalidRequest(f"Unrecognized stream option: {unknown[0]}", f"stream_options.{unknown[0]}")
         if not r.stream:
             raise InvalidRequest("stream_options is only allowed when stream is true", "stream_options")
-        r.obfuscate = boolean(options, "include_obfuscation")
-        r.include_usage = boolean(options, "include_usage")
+        r.obfuscate = boolean(options, "include_obfuscation", where="stream_options.")
+        r.include_usage = boolean(options, "include_usage", where="stream_options.")
     r.tools = parse_tools(body) if chat else None
     r.echo = not chat and boolean(body, "echo")
     r.priority = Priority.parse(body.get("priority"))

@@ -134,8 +134,8 @@ def parse(body: dict, load_previous: Callable[[str], dict]) -> ResponsesRequest:
         chat["max_tokens"] = body["max_output_tokens"]
     options = body.get("stream_options")
     if options is not None:
-        if not isinstance(options, dict) or set(options) - {"include_obfuscation"} or not isinstance(
-                options.get("include_obfuscation", False), bool):
+        if not isinstance(options, dict) or set(options) - {"include_obfuscation"} or \
+                type(options.get("include_obfuscation")) not in (type(None), bool):  # null is absent, as on chat
             raise InvalidRequest("stream_options may only hold include_obfuscation (a boolean)", "stream_options")
         if not body.get("stream"):  # as chat's and legacy's
             raise InvalidRequest("stream_options is only allowed when stream is true", "stream_options")
