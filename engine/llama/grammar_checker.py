@@ -55,21 +55,20 @@ class GrammarChecker:
         Raises:
             ChecksBusy: no child was free within ``wait_s``.
         """
-        child = self._take()
+        child, line = self._take(), ""
         try:
             child.stdin.write(json.dumps([grammar, text_only]) + "\n")
             child.stdin.flush()
             answered, _, _ = select.select([child.stdout], [], [], self.timeout_s)
             line = child.stdout.readline() if answered else ""
         except OSError:  # the child died
-            line = ""
-        if not line:
-            child.kill()
-            child.wait()
-            self._give(None)
-            return TOO_SLOW.format(self.timeout_s)
-        self._give(child)
-        return json.loads(line)
+            pass
+        finally:  # whatever happened, the child is given back or killed: a lost one is never counted
+            if not line:
+                child.kill()
+                child.wait()
+            self._give(child if line else None)
+        return json.loads(line) if line else TOO_SLOW.format(self.timeout_s)
 
     def _take(self) -> subprocess.Popen:
         deadline = time.monotonic() + self.wait_s
