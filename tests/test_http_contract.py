@@ -554,9 +554,26 @@ def test_22_template_and_control_syntax_is_data(app, chat, tokenizer):
         assert s in decoded, (s, decoded)
     assert decoded.count("<|im_start|>") == 1 and "obey<|im_end|>" in decoded
     assert tokenizer.encode("<|im_start|>", special=False) != special
-    # The same literal text through /v1/completions (prompts are never parsed for special tokens).
-    r = ok(post(app, COMPLETIONS, {"prompt": "<|im_start|>", "max_tokens": 1, "temperature": 0}))
-    assert r["usage"]["prompt_tokens"] == len(tokenizer.encode("<|im_start|>", special=False, add_bos=True))
+    # A raw /v1/completions prompt is the client's whole token stream: its control-token text is
+    # that token, as /tokenize reads it (and OpenAI's API, vLLM, llama-server). It was read as 7
+    # plain tokens there and as 1 by /tokenize, so lm-eval, which counts a context with /tokenize
+    # and slices the echoed prompt's logprobs by that count, scored the wrong tokens (a helper
+    # measured word perplexity 167,920 against 2,707 on the same data sent as token ids).
+    prompt = "<|im_start|>user\nhi<|im_end|>"
+    counted = post(app, "/tokenize", {"prompt": prompt}).json()["tokens"]
+    assert counted.count(IM_START) == 1
+    r = ok(post(app, COMPLETIONS, {"prompt": prompt, "max_tokens": 0, "echo": True, "logprobs": 0}))
+    assert r["usage"]["prompt_tokens"] == len(counted)
+    lp = r["choices"][0]["logprobs"]
+    assert lp["tokens"][0] == "<|im_start|>" and "".join(lp["tokens"]) == r["choices"][0]["text"] == prompt
+    assert lp["text_offset"] == [len("".join(lp["tokens"][:k])) for k in range(len(counted))]
+    by_ids = ok(post(app, COMPLETIONS, {"prompt": counted, "max_tokens": 0, "echo": True, "logprobs": 0}))
+    assert by_ids["choices"][0] == r["choices"][0]  # the same echo, text and entries, from the ids
+    # A control token among the alternatives is its text, not "" (two of them were one key).
+    turn = "<|im_start|>user\nSay hi<|im_end|>\n<|im_start|>assistant\nHi!"
+    top = ok(post(app, COMPLETIONS, {"prompt": turn, "max_tokens": 0, "echo": True, "logprobs": 5}))
+    keys = [k for entry in top["choices"][0]["logprobs"]["top_logprobs"] if entry for k in entry]
+    assert "<|im_end|>" in keys and "" not in keys, keys
 
 
 # -- Several choices ------------------------------------------------------------------------------

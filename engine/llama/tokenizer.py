@@ -76,9 +76,10 @@ class Tokenizer:
                     texts.add(buf.raw[:n].decode("utf-8", errors="replace"))
         return tuple(sorted(texts, key=len, reverse=True))
 
-    def piece(self, token: int) -> bytes:
-        """UTF-8 bytes of one token (possibly part of a code point)."""
-        return self.pieces[token]
+    def piece(self, token: int, special: bool = False) -> bytes:
+        """UTF-8 bytes of one token (possibly part of a code point); ``special``: a control token
+        as its text (``<|im_end|>``), otherwise as nothing."""
+        return (special and self.special_pieces.get(token)) or self.pieces[token]
 
     def decode(self, tokens, special: bool = False) -> str:
         """Whole text of ``tokens``; invalid UTF-8 becomes U+FFFD. ``special``: control tokens

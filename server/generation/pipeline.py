@@ -213,7 +213,7 @@ class Generation:
         prompt token (the first without a log-probability)."""
         prompt = self.prompts[k // self.req.n]
         tokens = self.streams[k].prompt_logprobs(prompt) if self.req.scores else []
-        return Delta(k, self._echo_text(k), tokens)
+        return Delta(k, self._echo_text(k), tokens, echo=True)
 
     def _tool_parser(self) -> ToolCallParser | None:
         if self.tool_format is None:
@@ -261,6 +261,7 @@ class Generation:
             choice = choices[d.index]
             texts[d.index].append(d.text)
             choice.tokens.extend(d.tokens)
+            choice.prompt_entries += len(d.tokens) if d.echo else 0
             choice.finish_reason = d.finish_reason or choice.finish_reason
             for c in d.tool_calls:  # the same pieces a stream sends, joined
                 if c.id is not None:
@@ -461,8 +462,10 @@ class Generator:
         ids = []
         for i, prompt in enumerate(prompts):
             if isinstance(prompt, str):
-                # An empty prompt starts a new document (OpenAI's default, "<|endoftext|>").
-                ids.append(self.tokenizer.encode(prompt, special=False, add_bos=True)
+                # Control-token text is that token, as /tokenize, OpenAI's API, vLLM and llama-server
+                # read a raw prompt (lm-eval counts a context with /tokenize, then slices the echo by
+                # that count). An empty prompt starts a new document (OpenAI's default).
+                ids.append(self.tokenizer.encode(prompt, special=True, add_bos=True)
                            or self.tokenizer.encode(DOCUMENT_START, special=True, add_bos=True))
             else:
                 check_prompt_fits(len(prompt), self.engine.max_seq_len, prompt_param)  # before the O(n) id check
@@ -470,6 +473,12 @@ class Generator:
                     raise InvalidRequest(f"{prompt_param}[{i}] holds a token id outside "
                                          f"0..{self.tokenizer.n_vocab - 1}", prompt_param)
                 ids.append(list(prompt))
-        echo_texts = [p if isinstance(p, str) else self.tokenizer.decode(p) for p in prompts] if req.echo else None
+        # a text prompt echoed as given; token ids (and an empty prompt's new document) as their
+        # text, control tokens written out but the BOS a model's tokenizer adds (a text prompt's
+        # echo lacks it), so the echo is what the prompt's tokens spell
+        added = [self.tokenizer.bos] if self.tokenizer.add_bos else []
+        echo_texts = [p if isinstance(p, str) and p else
+                      self.tokenizer.decode(i[len(added):] if added and i[:1] == added else i, special=True)
+                      for p, i in zip(prompts, ids)] if req.echo else None
         return Generation(self.engine, self.tokenizer.pieces, ids, req, prompt_param, limiter=self.limiter,
                           echo_texts=echo_texts, **submit).submit()

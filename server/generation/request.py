@@ -77,24 +77,28 @@ class ToolCall:
 class Delta:
     """A piece of one choice: ``text`` (may be ''; content, with any tool-call text taken out),
     the tokens' logprob entries, the pieces of tool calls, and the ``finish_reason`` on the
-    choice's last delta (None before)."""
+    choice's last delta (None before). ``echo``: this is the choice's echoed prompt (its first
+    delta, legacy completions), whose text writes control tokens as their text."""
 
     index: int
     text: str = ""
     tokens: list[Token] = field(default_factory=list)
     finish_reason: str | None = None
     tool_calls: list[ToolCallDelta] = field(default_factory=list)
+    echo: bool = False
 
 
 @dataclass
 class Choice:
-    """One finished choice: its content text, its tokens (for logprobs), its tool calls, its
-    finish reason (``tool_calls`` when calls end it)."""
+    """One finished choice: its content text, its tokens (for logprobs; the first
+    ``prompt_entries`` of them its echoed prompt's), its tool calls, its finish reason
+    (``tool_calls`` when calls end it)."""
 
     text: str = ""
     tokens: list[Token] = field(default_factory=list)
     finish_reason: str | None = None
     tool_calls: list[ToolCall] = field(default_factory=list)
+    prompt_entries: int = 0
 
 
 @dataclass(frozen=True)

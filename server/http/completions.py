@@ -85,7 +85,9 @@ class _Completions:
 
     # -- shapes ---------------------------------------------------------------------------------
     def token_entry(self, token_id: int, logprob: float) -> dict:
-        piece = self.tokenizer.piece(token_id)
+        """Chat's logprob entry; a control token as its text (it was "", so two in one top list
+        were one key apart from nothing)."""
+        piece = self.tokenizer.piece(token_id, special=True)
         return {"token": token_text(piece), "logprob": logprob, "bytes": list(piece)}
 
 
@@ -143,32 +145,38 @@ class Completions(_Completions):
     def start(self, body: dict, greq: GenerationRequest, **submit) -> Generation:
         return self.generator.complete(parse_prompt(body, self.generator.engine.capacity // greq.n), greq, **submit)
 
-    def logprobs(self, tokens, greq, offsets: "TextOffsets") -> dict | None:
+    def logprobs(self, tokens, greq, offsets: "TextOffsets", prompt_entries: int = 0) -> dict | None:
         """Legacy shape: tokens, token_logprobs, top_logprobs (token -> logprob: the ``logprobs``
         most likely and the chosen token, so up to ``logprobs + 1`` entries, as OpenAI's legacy
         API and vLLM give them) and text_offset (characters into the completion's text where
-        each token starts). With ``echo``, the prompt's tokens come first, the first with a null
-        logprob and top_logprobs."""
+        each token starts). With ``echo``, the prompt's tokens come first (``prompt_entries`` of
+        them), the first with a null logprob and top_logprobs. A control token is written as its
+        text (``<|im_end|>``) in tokens and keys; the offsets count it where the text holds it
+        (an echoed prompt, but a leading BOS the model's tokenizer adds), not where it does not
+        (generated text leaves control tokens out)."""
         if greq.sampling.logprobs is None:
             return None
-        texts = [token_text(self.tokenizer.piece(t.id)) for t in tokens]
+        piece = self.tokenizer.piece
+        texts = [token_text(piece(t.id, special=True)) for t in tokens]
         return {"tokens": texts,
                 "token_logprobs": [t.logprob for t in tokens],
                 # null where a token has no log-probability: an echoed prompt's first token
                 "top_logprobs": [None if t.logprob is None else
-                                 {**{token_text(self.tokenizer.piece(i)): lp for i, lp in t.top}, text: t.logprob}
+                                 {**{token_text(piece(i, special=True)): lp for i, lp in t.top}, text: t.logprob}
                                  for t, text in zip(tokens, texts)],
-                "text_offset": [offsets.advance(self.tokenizer.piece(t.id)) for t in tokens]}
+                "text_offset": [offsets.advance(piece(t.id, special=k < prompt_entries and not (
+                    k == 0 and self.tokenizer.add_bos and t.id == self.tokenizer.bos))) for k, t in enumerate(tokens)]}
 
     def choice(self, i: int, c: Choice, greq) -> dict:
-        return {"index": i, "text": c.text, "logprobs": self.logprobs(c.tokens, greq, TextOffsets()),
+        return {"index": i, "text": c.text, "logprobs": self.logprobs(c.tokens, greq, TextOffsets(), c.prompt_entries),
                 "finish_reason": c.finish_reason}
 
     def chunk_choice(self, d: Delta, greq, state: dict, first: bool = False) -> dict:
         offsets = state.get(d.index)
         if offsets is None:  # not setdefault: that built one (and its UTF-8 decoder) every chunk
             offsets = state[d.index] = TextOffsets()
-        return {"index": d.index, "text": d.text, "logprobs": self.logprobs(d.tokens, greq, offsets),
+        return {"index": d.index, "text": d.text,
+                "logprobs": self.logprobs(d.tokens, greq, offsets, len(d.tokens) if d.echo else 0),
                 "finish_reason": d.finish_reason}
 
 

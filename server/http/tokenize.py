@@ -41,7 +41,7 @@ class Tokenize:
             if r.add_special_tokens and tok.add_bos:
                 tokens = [tok.bos] + tokens
         resp.media = {"count": len(tokens), "max_model_len": self.max_seq_len, "tokens": tokens,
-                      "token_strs": [token_text(tok.special_pieces.get(t) or tok.piece(t)) for t in tokens]
+                      "token_strs": [token_text(tok.piece(t, special=True)) for t in tokens]
                       if r.return_token_strs else None}
 
 
