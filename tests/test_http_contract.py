@@ -249,6 +249,19 @@ def test_03_stop_string_inside_one_token(app):
     assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
 
 
+def test_03_more_stop_strings_than_openais_four(app):
+    """A helper's finding: lm-eval's completions client sends a task's ``until`` strings and the
+    end-of-text string, five for a task of four, and a 400 (OpenAI's limit of 4) ended the whole
+    evaluation. Up to 32 are taken (vLLM takes any number), the last as binding as the first."""
+    text, _, _ = greedy(app, GREETING_PROMPT, 16)
+    word = next(w for w in text.split() if len(w) > 3 and w.isalpha())
+    stops = ["\nQuestion:", "</s>", "zzz", "<|im_end|>", word]
+    body = {"messages": [{"role": "user", "content": GREETING_PROMPT}], "temperature": 0, "max_tokens": 16}
+    full, _ = equal_streamed(app, CHAT, {**body, "stop": stops})
+    assert content(full) == text[:text.find(word)] and full["choices"][0]["finish_reason"] == "stop"
+    error(post(app, CHAT, {**body, "stop": ["x"] * 33}), 400, param="stop")
+
+
 def test_04_stop_string_spanning_tokens_streamed(app):
     text, tokens, _ = greedy(app, GREETING_PROMPT, 16)
     spans = token_spans(tokens)

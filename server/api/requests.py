@@ -17,7 +17,9 @@ from server.generation.request import GenerationRequest
 CHAT_ROLES = ("system", "developer", "user", "assistant")
 ROLES = (*CHAT_ROLES, "tool")  # a tool message must answer an earlier call
 MAX_N = 128  # OpenAI's bound; what fits is bounded by the server's capacity (a 400 beyond it)
-MAX_STOPS = 4
+#: OpenAI takes 4 stop strings and vLLM any number; lm-eval's completions client sends a task's
+#: ``until`` strings and the end-of-text string (5 for a task of 4: refused, the whole run ended).
+MAX_STOPS = 32
 
 
 def number(body: dict, name: str, *, default=None, **bounds):
