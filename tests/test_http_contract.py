@@ -540,6 +540,12 @@ def test_20_developer_message_and_unknown_role(app, chat, hi):
     narrator = [{"role": "user", "content": "Hi"}, {"role": "narrator", "content": "It was night."}]
     err = error(ask(app, messages=narrator, max_tokens=4), 400, param="messages[1].role")
     assert "narrator" in err["message"]
+    # An answer replayed as OpenAI's own answers come (a helper's finding: [] was refused, null not)
+    replayed = {"role": "assistant", "content": "Ahoy!", "refusal": None, "annotations": [], "audio": None}
+    ok(ask(app, messages=[as_system[1], replayed, {"role": "user", "content": "Again"}], max_tokens=2))
+    cited = {**replayed, "annotations": [{"type": "url_citation"}]}
+    error(ask(app, messages=[as_system[1], cited, {"role": "user", "content": "Again"}], max_tokens=2), 400,
+          param="messages[1].annotations")
 
 
 def test_21_empty_messages_and_empty_content(app):

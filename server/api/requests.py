@@ -249,7 +249,9 @@ def parse_messages(body: dict, max_messages: int) -> list[dict]:
             raise InvalidRequest(f"{where}.role must be one of {', '.join(ROLES)}, got {ujson.dumps(role)}",
                                  f"{where}.role")
         for key in sorted(set(m) - {"role", "content", "name", "tool_calls", "tool_call_id", *CLIENT_METADATA}):
-            if m[key] is not None:  # function_call, refusal, audio: not implemented
+            # function_call, refusal, audio: not implemented; an answer's empty annotations, as
+            # OpenAI's own answers carry them, replayed into the next turn (a helper's finding)
+            if m[key] is not None and not (key == "annotations" and m[key] == [] and role == "assistant"):
                 raise InvalidRequest(f"{where}.{key} is not supported by this server", f"{where}.{key}")
         tool_fields = message_tool_fields(m, where, role, call_ids)
         content = _content(m.get("content"), f"{where}.content", role, "tool_calls" in tool_fields)
