@@ -109,8 +109,8 @@ class EngineClient:
         try:
             lease = self.t.mailboxes.lease(tenant, max_concurrent)
         except TenantBusy:
-            raise RateLimited(f"the tenant already has {max_concurrent} sequences in flight, its limit",
-                              1.0, kind="concurrency") from None
+            raise RateLimited(f"the tenant's sequences in flight are at its limit of {max_concurrent} (each of a "
+                              "request's n choices is one)", 1.0, kind="concurrency") from None
         if lease is None:
             raise Saturated(retry_after=1)
         self.t.mailboxes.submit(lease, len(request.prompt),

@@ -334,10 +334,14 @@ class EngineCore:
 
         Returns:
             the sequences that finished (a stop or end-of-generation token, a complete grammar,
-            their length, or a failed grammar: an error, its token unpublished), for :meth:`retire`.
+            their length, a failed grammar: an error, its token unpublished, or a deadline that
+            passed while the step computed: nothing published after it), for :meth:`retire`.
         """
         published, finished = [], []
         for seq, row in rows:
+            if seq.request.deadline and now >= seq.request.deadline:  # a 1 ms deadline got a token
+                finished.append((seq, Finish.DEADLINE, ErrorCode.NONE))
+                continue
             tok = seq.sampler.sample(self.model.ctx, row)
             sampling, k, constraint = seq.request.sampling, seq.n_generated, seq.sampler.constraint
             if k == 0:

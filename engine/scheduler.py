@@ -2,8 +2,10 @@
 (docs/architecture.md, "Engine step"). :meth:`Scheduler.schedule` returns the step as a
 :class:`engine.step_plan.StepPlan`.
 
-Order in ``continuous``: priority class (``high`` > ``normal`` > ``low``), then earliest
-deadline, then tenant fair share, then arrival. Fair share follows the Virtual Token Counter of
+Order in ``continuous``: priority class (``high`` > ``normal`` > ``low``), then tenant fair
+share, then earliest deadline, then arrival: a deadline orders its own tenant's requests, never
+another tenant's (it ordered them before fair share, so a tenant that put a far deadline on every
+request starved the others of its class: a hostile helper's finding). Fair share follows the Virtual Token Counter of
 Sheng et al., "Fairness in Serving Large Language Models" (OSDI 2024): each tenant's counter
 grows by the tokens it is served divided by its weight, the tenant with the smallest counter
 goes first, and a tenant that becomes backlogged is lifted to the smallest counter among the
@@ -91,7 +93,7 @@ class Scheduler:
         """Sort key of a waiting sequence (``ranks`` from :meth:`class_ranks`): smaller is
         admitted first."""
         r = seq.request
-        return (ranks[r.priority], not seq.preemptions, r.deadline or math.inf, self.counters.get(r.tenant, 0.0),
+        return (ranks[r.priority], not seq.preemptions, self.counters.get(r.tenant, 0.0), r.deadline or math.inf,
                 seq.order)
 
     @property

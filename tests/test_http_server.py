@@ -440,6 +440,18 @@ def test_infer_deadline_expires_while_queued(single):
     single.wait_idle()
 
 
+def test_a_deadline_that_passes_during_the_first_step_gets_no_token(single):
+    """A hostile helper's finding: ``deadline_ms`` 1 to 5 returned one token with ``finish_reason:
+    "deadline"`` (the deadline was checked before a step, and the step that prefilled the prompt
+    published a token made after it). Nothing is published past a deadline."""
+    single.wait_idle()
+    for ms in (1, 5):
+        status, _, r = post(single, "/infer", {"payload": "Write a long story about the sea.", "max_new_tokens": 20,
+                                               "deadline_ms": ms})
+        assert status == 200 and r["finish_reason"] == "deadline" and r["tokens"] == 0, (ms, r)
+    single.wait_idle()
+
+
 @pytest.mark.parametrize("priority", ["urgent", 1, "", ["high"]])
 def test_infer_bad_priority(server, priority):
     status, headers, r = post(server, "/infer", {"payload": "Hi", "max_new_tokens": 2, "priority": priority})

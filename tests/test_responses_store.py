@@ -132,6 +132,10 @@ def test_redis_store_bounds_under_10000_responses_in_the_tenants_hash_tag():
         store.delete("a", "resp_0")
         with pytest.raises(ResponseNotFound):
             store.get("a", "resp_0")
+        # deleting what a tenant with nothing stored never had made a key with no expiry (a helper's finding)
+        with pytest.raises(ResponseNotFound):
+            store.delete("c", "resp_missing")
+        assert all(0 < r.pttl(k) <= 3600_000 for k in r.scan_iter("responses:*"))
 
 
 @needs_redis

@@ -132,12 +132,31 @@ def test_an_idle_tenant_cannot_bank_credit():
     assert sched.counters[2] == sched.counters[1] == 10_000
 
 
-def test_priority_beats_deadline_beats_fair_share_beats_arrival():
+def test_priority_beats_fair_share_beats_deadline_beats_arrival():
     sched = Scheduler(max_slots=4, policy="continuous", aging_s=1e9)
     for s in (make(tenant=1, priority=LOW), make(tenant=2), make(tenant=3, deadline=50.0),
               make(tenant=4, priority=HIGH)):
         sched.add(s)
-    assert admitted_tenants(sched) == [4, 3, 2, 1]
+    assert admitted_tenants(sched) == [4, 3, 2, 1]  # equal counters: the deadline breaks the tie
+
+
+def test_a_deadline_does_not_overtake_another_tenants_fair_share():
+    """Found by a hostile helper: deadlines came before fair share, so a flooding tenant that set
+    ``deadline_ms: 1e9`` on every request (free, and any gRPC timeout sets one) was admitted
+    ahead of a light tenant for as long as it flooded (the light one waited 120 s). A deadline
+    now orders only its tenant's own requests."""
+    sched = Scheduler(max_slots=1, policy="continuous", aging_s=1e9)
+    for i in range(3):
+        sched.add(make(tenant=1, deadline=1e9, arrival=float(i)))
+    sched.add(make(tenant=2, arrival=9.0))  # no deadline; lifted to the flood's counter (VTC)
+    (first,) = sched.admit(10.0)  # a tie on the counters: the deadline breaks it
+    sched.charge(first, 60)  # the flooding tenant was served
+    sched.release(first)
+    assert admitted_tenants(sched, now=11.0) == [2]  # it was the flood again, and again
+    own = Scheduler(max_slots=1, policy="continuous", aging_s=1e9)  # within a tenant: earliest deadline first
+    for seq in (make(tenant=1, arrival=0.0), make(tenant=1, deadline=5.0, arrival=1.0)):
+        own.add(seq)
+    assert [s.request.deadline for s in own.admit(2.0)] == [5.0]
 
 
 def test_waiting_ages_a_low_request_up_to_high():

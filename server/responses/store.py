@@ -240,7 +240,10 @@ return doc
 # KEYS: entry, lru, sizes, total. ARGV: id. 1 when it was there.
 _DELETE = """
 local gone = redis.call('DEL', KEYS[1])
-redis.call('DECRBY', KEYS[4], tonumber(redis.call('HGET', KEYS[3], ARGV[1]) or '0'))
+local size = redis.call('HGET', KEYS[3], ARGV[1])
+if size then  -- a DECRBY of nothing made a total key with no expiry (a hostile helper's finding)
+  redis.call('DECRBY', KEYS[4], tonumber(size))
+end
 redis.call('ZREM', KEYS[2], ARGV[1])
 redis.call('HDEL', KEYS[3], ARGV[1])
 return gone
