@@ -89,7 +89,17 @@ class Detokenizer:
     def flush(self) -> str:
         """End of generation: whatever text is held. Bytes of a code point that generation cut
         short (``max_tokens`` inside a multi-byte character) are dropped, not sent as U+FFFD,
-        as vLLM's detokenizer does."""
-        out = self._stops.flush()
+        as vLLM's detokenizer does; held bytes that no further byte could have completed (a
+        surrogate's ``ED A1``, which Python's incremental decoder holds for a third byte) are
+        invalid, U+FFFD each, as the whole text's decode writes them (found by the fuzz test)."""
+        if self.stopped:
+            return ""
+        held = self._utf8.getstate()[0]
         self._utf8.reset()
-        return out
+        try:
+            held.decode("utf-8")
+            invalid = ""
+        except UnicodeDecodeError as e:
+            cut_short = e.start == 0 and e.end == len(held) and e.reason == "unexpected end of data"
+            invalid = "" if cut_short else held.decode("utf-8", errors="replace")
+        return self._stops.push(invalid) + self._stops.flush()
