@@ -132,10 +132,18 @@ def _duration(seconds: float) -> str:
 
 def rate_limit_headers(ex: RateLimited) -> dict:
     """``Retry-After`` (whole seconds, rounded up), ``retry-after-ms`` (which OpenAI's SDK reads
-    first) and, per limited bucket, ``x-ratelimit-{limit,remaining,reset}-{requests,tokens}``."""
+    first) and the buckets' :func:`bucket_headers`."""
     retry = min(ex.retry_after_s, 10**9)  # finite whatever the bucket's parameters
-    headers = {"Retry-After": str(max(1, math.ceil(retry))), "retry-after-ms": str(max(1, math.ceil(retry * 1000)))}
-    for kind, (limit, remaining, reset) in ex.buckets.items():
+    return {"Retry-After": str(max(1, math.ceil(retry))), "retry-after-ms": str(max(1, math.ceil(retry * 1000))),
+            **bucket_headers(ex.buckets)}
+
+
+def bucket_headers(buckets: dict) -> dict:
+    """Per limited bucket (``{"requests" | "tokens": (limit, remaining, reset seconds)}``),
+    ``x-ratelimit-{limit,remaining,reset}-{requests,tokens}``, as OpenAI sends them on every
+    answer (on a 429, and on an admitted request with the buckets as it found them)."""
+    headers = {}
+    for kind, (limit, remaining, reset) in buckets.items():
         headers[f"x-ratelimit-limit-{kind}"] = str(int(limit))
         headers[f"x-ratelimit-remaining-{kind}"] = str(int(remaining))
         headers[f"x-ratelimit-reset-{kind}"] = _duration(reset)

@@ -84,6 +84,9 @@ class Generation:
         self.req, self.pieces, self.watch_socket = req, pieces, watch_socket
         self.tenant, self.limiter = tenant, limiter
         self.echo_texts = echo_texts
+        #: The tenant's buckets at admission, ``{"requests" | "tokens": (limit, remaining, reset
+        #: seconds)}`` (empty: no limits), for the answer's ``x-ratelimit-*`` headers.
+        self.rate_buckets: dict = {}
         # What reaches the engine: a scoring request when the prompt's logprobs are asked (it
         # may generate nothing), otherwise nothing at all for max_tokens 0.
         self.kind = RequestKind.SCORE if req.scores else RequestKind.GENERATE
@@ -122,7 +125,7 @@ class Generation:
             for prompt in self.prompts:
                 self.engine.check(prompt, sampling, self.kind)
             if limiter is not None:
-                limiter.admit(tenant, cost)
+                self.rate_buckets = limiter.admit(tenant, cost).buckets
                 admitted = True
             share = tenant.share(req.priority)
             for prompt in self.prompts if self.submits else ():

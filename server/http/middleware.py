@@ -23,9 +23,11 @@ class VaryOrigin:
 
 
 class Observe:
-    """Falcon middleware: every response carries ``X-Request-ID`` (the client's, or a new one);
-    every POST to a generation route (a resource with ``observed = True``) is finished in
-    :class:`Telemetry` once its answer is complete: at once, or when a stream's body closes."""
+    """Falcon middleware: every response carries ``X-Request-ID`` (the client's, or a new one),
+    and an admitted generation's answer its tenant's ``x-ratelimit-*`` headers as admission
+    found the buckets (``errors.bucket_headers``; a 429 has them from its error); every POST to a
+    generation route (a resource with ``observed = True``) is finished in :class:`Telemetry` once
+    its answer is complete: at once, or when a stream's body closes."""
 
     def __init__(self, telemetry: Telemetry):
         self.telemetry = telemetry
@@ -42,6 +44,8 @@ class Observe:
         if record is None:
             return
         resp.set_header("X-Request-ID", record.request_id)
+        if record.generation is not None:
+            resp.set_headers(errors.bucket_headers(record.generation.rate_buckets))
         if record.route is None:
             return
         record.tenant = req.context.get("tenant") or record.tenant
