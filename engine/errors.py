@@ -58,8 +58,10 @@ class EngineError(RuntimeError):
 class Saturated(EngineError):
     """Every mailbox is leased: the server is full. ``retry_after`` is seconds (int >= 1)."""
 
+    message = "server saturated: every request slot and queue place is in use"
+
     def __init__(self, retry_after: int = 1):
-        super().__init__("server saturated: every request slot and queue place is in use")
+        super().__init__(self.message)
         self.retry_after = retry_after
 
 
@@ -68,9 +70,7 @@ class ChecksBusy(Saturated):
     requests' costly schemas): the server's state, not the client's grammar, so a 503 with
     ``retry_after`` (seconds) and no verdict kept (engine/llama/grammar_checker.py)."""
 
-    def __init__(self, retry_after: int = 1):
-        EngineError.__init__(self, "every grammar checker is busy with other requests' schemas; retry")
-        self.retry_after = retry_after
+    message = "every grammar checker is busy with other requests' schemas; retry"
 
 
 class EngineUnavailable(EngineError):

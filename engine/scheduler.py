@@ -4,13 +4,14 @@
 
 Order in ``continuous``: priority class (``high`` > ``normal`` > ``low``), then tenant fair
 share, then earliest deadline, then arrival: a deadline orders its own tenant's requests, never
-another tenant's (it ordered them before fair share, so a tenant that put a far deadline on every
-request starved the others of its class: a hostile helper's finding). Fair share follows the Virtual Token Counter of
-Sheng et al., "Fairness in Serving Large Language Models" (OSDI 2024): each tenant's counter
-grows by the tokens it is served divided by its weight, the tenant with the smallest counter
-goes first, and a tenant that becomes backlogged is lifted to the smallest counter among the
-backlogged so it cannot bank credit while idle. Starvation is impossible because waiting ages a
-class: every ``aging_s`` seconds its oldest sequence waits, the class climbs one rank.
+another tenant's (it ordered them before fair share, so a tenant that put a far deadline on
+every request starved the others of its class: a hostile helper's finding). Fair share follows
+the Virtual Token Counter of Sheng et al., "Fairness in Serving Large Language Models" (OSDI
+2024): each tenant's counter grows by the tokens it is served divided by its weight, the tenant
+with the smallest counter goes first, and a tenant that becomes backlogged is lifted to the
+smallest counter among the backlogged so it cannot bank credit while idle. Starvation is
+impossible because waiting ages a class: every ``aging_s`` seconds its oldest sequence waits,
+the class climbs one rank.
 
 KV cells: the running sequences together hold at most ``kv_tokens`` cells (a prefilling one is
 counted for its whole prefill from admission on). A waiting sequence is admitted only when a slot

@@ -206,18 +206,20 @@ def test_objects_that_name_their_keys_take_no_others():
 
     from engine.llama.grammar import closed_objects
     item = {"type": "object", "properties": {"sku": {"type": "integer"}}}
-    schema = {"type": "object", "properties": {"items": {"type": "array", "items": item},
-                                               "tags": {"type": "object", "additionalProperties": {"type": "string"}},
-                                               "free": {"type": "object", "properties": {}, "additionalProperties": True},
-                                               "c": {"const": {"properties": {}}}, "e": {"enum": [{"properties": {}}]}},
+    schema = {"type": "object",
+              "properties": {"items": {"type": "array", "items": item},
+                             "tags": {"type": "object", "additionalProperties": {"type": "string"}},
+                             "free": {"type": "object", "properties": {}, "additionalProperties": True},
+                             "c": {"const": {"properties": {}}}, "e": {"enum": [{"properties": {}}]}},
               "$defs": {"P": {"patternProperties": {"^x": {}}}}}
     given = copy.deepcopy(schema)
     closed = closed_objects(schema)
     assert schema == given
-    assert closed["additionalProperties"] is False and closed["properties"]["items"]["items"]["additionalProperties"] is False
+    assert closed["additionalProperties"] is False
+    assert closed["properties"]["items"]["items"]["additionalProperties"] is False
     assert closed["properties"]["tags"]["additionalProperties"] == {"type": "string"}  # a map stays a map
     assert closed["properties"]["free"]["additionalProperties"] is True
-    assert closed["properties"]["c"] == given["properties"]["c"] and closed["properties"]["e"] == given["properties"]["e"]
+    assert [closed["properties"][k] for k in "ce"] == [given["properties"][k] for k in "ce"]
     assert closed["$defs"]["P"]["additionalProperties"] is False
     for composed in ({"allOf": [item, {"properties": {"n": {}}}]},
                      {"$ref": "#/$defs/I", "properties": {"n": {}}, "$defs": {"I": item}},
@@ -257,7 +259,8 @@ def test_a_count_of_keys_that_repeated_keys_could_meet_is_refused(app, submits, 
     err = error(post(app, CHAT, {**body, "response_format": schema_format(schema)}), 400,
                 param="response_format.json_schema.schema")
     assert "minProperties" in err["message"], err
-    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {"a": schema}}}}
+    tool = {"type": "function",
+            "function": {"name": "f", "parameters": {"type": "object", "properties": {"a": schema}}}}
     error(post(app, CHAT, {**body, "tools": [tool]}), 400, param="tools[0].function.parameters")
     assert submits == []
     fine = {"type": "object", "additionalProperties": {"type": "integer"}, "minProperties": 1, "maxProperties": 2}

@@ -110,13 +110,23 @@ def closed_objects(schema: dict) -> dict:
     anywhere (``allOf``, or ``properties``, ``patternProperties`` or ``required`` beside
     ``anyOf``, ``oneOf`` or ``$ref``) is kept as given: llguidance intersects the parts, and a
     part closed to another's keys would refuse them (helpers' findings). Returns a new schema;
-    ``schema`` is not changed.
+    ``schema`` is not changed. Memoized by the schema's JSON text (the last 256): a request's
+    check and its grammar, and a client's next request with the same schema or tools, walk it
+    once (a 46 KB schema takes 11 ms); the result is shared, so it is never to be changed.
 
     Raises:
         ValueError: ``minProperties`` above 1 where keys may come from ``additionalProperties`` or
             ``patternProperties``: llguidance keeps only the keys of ``properties`` unique, so a
             document could meet the count with one key repeated (a hostile helper's finding).
     """
+    return _closed_objects(json.dumps(schema))
+
+
+@functools.lru_cache(maxsize=256)
+def _closed_objects(text: str) -> dict:
+    """:func:`closed_objects` of the schema whose JSON text is ``text``."""
+    schema = json.loads(text)
+
     def composes(node) -> bool:
         if not isinstance(node, dict):
             return False

@@ -63,7 +63,8 @@ def _calls(fmt: ToolFormat, request: ToolRequest) -> str:
     rules, names = [], []
     for i, tool in enumerate(request.callable()):
         opening = json.dumps(f'{{"name": {json.dumps(tool.name)}, "{fmt.args_keys[0]}": ')
-        rules.append(f'call_{i}: {opening} arguments_{i} "}}"\narguments_{i}: %json {json.dumps(_arguments_schema(tool.parameters))}\n')
+        arguments = json.dumps(_arguments_schema(tool.parameters))
+        rules.append(f'call_{i}: {opening} arguments_{i} "}}"\narguments_{i}: %json {arguments}\n')
         names.append(f"call_{i}")
     return f"call: {' | '.join(names)}\n" + "".join(rules)
 
