@@ -113,12 +113,12 @@ def constraint_alone(tokens: int = 200) -> dict:
     from engine.config import default_model_path
     from engine.llama.grammar import Grammars
     from engine.llama.tokenizer import Tokenizer
-    from server.api.structured import parse_structured
+    from server.structured.parse import parse_structured
 
     tok = Tokenizer(default_model_path())
     eog = frozenset(t for t in range(tok.n_vocab) if llama_cpp.llama_vocab_is_eog(tok.vocab, t))
     grammars = Grammars(tok.vocab, eog, tok.n_vocab)
-    grammar, _ = parse_structured({"response_format": fmt(PEOPLE)})
+    grammar = parse_structured({"response_format": fmt(PEOPLE)}).grammar()
     t0 = time.perf_counter()
     future = grammars.compile(0, grammar)
     future.result()

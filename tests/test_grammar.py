@@ -12,7 +12,7 @@ import pytest
 
 from engine.config import EngineConfig
 from engine.errors import ConstraintFailed, InvalidRequest
-from engine.llama.grammar import check
+from server.structured.check import check
 from engine.request import SamplingParams
 from tests.conftest import inproc_engine
 
@@ -95,7 +95,8 @@ def test_an_uncompilable_grammar_in_a_record_is_refused_by_the_engine(engine, to
 def test_compiled_grammars_are_cached_per_tenant_and_bounded(tokenizer):
     import llama_cpp
 
-    from engine.llama.grammar import CheckedGrammars, Grammars
+    from engine.llama.grammar import Grammars
+    from server.structured.check import CheckedGrammars
 
     eog = frozenset(t for t in range(tokenizer.n_vocab) if llama_cpp.llama_vocab_is_eog(tokenizer.vocab, t))
     grammars = Grammars(tokenizer.vocab, eog, tokenizer.n_vocab, capacity=2)

@@ -150,7 +150,7 @@ def test_a_grammar_with_no_instance_is_refused_up_front(app, submits, fields, pa
 def test_a_schema_too_costly_to_check_is_refused_in_bounded_time(app, submits):
     """Found by a hostile helper: a string schema whose ``allOf`` holds 30 ``pattern``s (under
     2 KiB) made llguidance's check intersect their regexes for minutes and gigabytes, in the
-    request's thread. The check runs in a child process (engine/llama/grammar_checker.py) and a
+    request's thread. The check runs in a child process (server/structured/check.py) and a
     check over its 5 s is a 400 naming the field; the next request is served."""
     slow = {"type": "string", "allOf": [{"pattern": f"^(.*a.*b.*c.*{i}.*)$"} for i in range(30)]}
     body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
@@ -198,13 +198,13 @@ def test_a_tool_no_call_could_satisfy_is_refused_up_front_by_name(app, submits, 
 
 
 def test_objects_that_name_their_keys_take_no_others():
-    """engine.llama.grammar.closed_objects: what llama.cpp's and xgrammar's converters do with an
+    """server.structured.schema.closed_objects: what llama.cpp's and xgrammar's converters do with an
     object that says nothing of other keys (pydantic's schemas), and no more: explicit
     ``additionalProperties`` and maps stay open, data (``const``, ``enum``) is not read as schema,
     a schema composing objects is kept as given, and the input is not changed."""
     import copy
 
-    from engine.llama.grammar import closed_objects
+    from server.structured.schema import closed_objects
     item = {"type": "object", "properties": {"sku": {"type": "integer"}}}
     schema = {"type": "object",
               "properties": {"items": {"type": "array", "items": item},
@@ -277,8 +277,7 @@ def test_costly_checks_do_not_hold_the_others_past_a_checks_time():
 
     import llguidance
 
-    from engine.errors import ChecksBusy
-    from engine.llama.grammar_checker import TOO_SLOW, GrammarChecker
+    from server.structured.check import TOO_SLOW, ChecksBusy, GrammarChecker
     slow = llguidance.LLMatcher.grammar_from_json_schema(
         {"type": "string", "allOf": [{"pattern": f"^(.*a.*b.*c.*{i}.*)$"} for i in range(30)]})
     quick = llguidance.LLMatcher.grammar_from_json_schema({"type": "integer"})

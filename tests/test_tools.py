@@ -4,7 +4,6 @@ rendered with tools against Hugging Face's reference rendering (the templates of
 and whole."""
 from __future__ import annotations
 
-import dataclasses
 import datetime
 import json
 import pathlib
@@ -149,10 +148,10 @@ RECORDED = [
 ]
 
 
-def read(fmt, text: str, step: int, max_calls=None):
+def read(fmt, text: str, step: int, max_calls=None, json_answer=False):
     """Feed ``text`` ``step`` characters at a time; returns the joined content, the calls as
     a client joins streamed deltas, and the deltas."""
-    parser = ToolCallParser(fmt, max_calls)
+    parser = ToolCallParser(fmt, max_calls, json_answer=json_answer)
     content, calls, deltas = "", [], []
     pieces = [text[i:i + step] for i in range(0, len(text), step)] + [""]
     for k, piece in enumerate(pieces):
@@ -378,7 +377,7 @@ def test_with_a_json_format_the_answer_is_a_document_or_calls(tokenizer, ll_toke
     grammar = tool_grammar(fmt, ToolRequest((W, T), "auto"), content=ANSWER)
     assert walk(ll_tokenizer, grammar, tokenizer.encode(text)) is accepted
     if accepted:
-        got, calls, _ = read(dataclasses.replace(fmt, json_answer=True), text, 3)
+        got, calls, _ = read(fmt, text, 3, json_answer=True)
         assert got == content and bool(calls) == (content == "")
 
 
@@ -405,7 +404,7 @@ def test_a_format_or_parameters_mean_beside_tools_what_they_mean_alone(tokenizer
     grammar = tool_grammar(formats.HERMES, ToolRequest((W,), "auto"), content=compact)
     assert walk(ll_tokenizer, grammar, tokenizer.encode(good))
     assert not walk(ll_tokenizer, grammar, tokenizer.encode(bad))
-    assert read(dataclasses.replace(formats.GENERIC, json_answer=True), '{"response": ' + good + "}", 2)[0] == good
+    assert read(formats.GENERIC, '{"response": ' + good + "}", 2, json_answer=True)[0] == good
     if schema.get("type") == "object":  # the same schema as a function's parameters
         tool = Tool("f", "", schema)
         grammar = tool_grammar(formats.HERMES, ToolRequest((tool,), "required"))
@@ -445,13 +444,15 @@ def test_parameters_llguidance_cannot_enforce_are_refused_by_name(parameters, re
     """With the library's message about the schema, not about the Lark grammar it sits in (the
     message quoted the whole grammar), and a schema with no instance is refused here too (it
     compiled, and failed the request only at the first token it left no way on for)."""
-    from server.tools.grammar import check_parameters
+    from server.structured.check import check_schemas
+    from server.tools.grammar import checked_arguments
     from server.tools.spec import ToolRequest
     with pytest.raises(InvalidRequest) as e:
-        check_parameters(ToolRequest((W, Tool("bad", "", parameters)), "required"))
+        checked_arguments(ToolRequest((W, Tool("bad", "", parameters)), "required"), None, check_schemas)
     assert e.value.param == "tools[1].function.parameters" and reason in e.value.message, e.value.message
     assert "%llguidance" not in e.value.message and "%json" not in e.value.message
-    check_parameters(ToolRequest((W, Tool("bad", "", parameters)), NAMED, W.name))  # not callable: not checked
+    # not callable: not checked
+    checked_arguments(ToolRequest((W, Tool("bad", "", parameters)), NAMED, W.name), None, check_schemas)
 
 
 @pytest.mark.parametrize("parameters", [{"$ref": "#/$defs/x", "$defs": {"x": {"const": None}}},
@@ -459,10 +460,11 @@ def test_parameters_llguidance_cannot_enforce_are_refused_by_name(parameters, re
 def test_parameters_that_allow_no_object_are_refused_by_name(parameters):
     """Found by a hostile helper: a root with no ``type`` of its own that reaches another type
     let the model write ``"arguments": null`` (or ``[]``, ``"f"``), which no parser reads as a call."""
-    from server.tools.grammar import check_parameters
+    from server.structured.check import check_schemas
+    from server.tools.grammar import checked_arguments
     from server.tools.spec import ToolRequest
     with pytest.raises(InvalidRequest) as e:
-        check_parameters(ToolRequest((Tool("f", "", parameters),), "required"))
+        checked_arguments(ToolRequest((Tool("f", "", parameters),), "required"), None, check_schemas)
     assert e.value.param == "tools[0].function.parameters"
 
 

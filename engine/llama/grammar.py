@@ -1,24 +1,22 @@
-"""Grammar constraints with llguidance: what a constrained sequence may generate next.
+"""Grammar constraints with llguidance, the engine's side: what a constrained sequence may
+generate next.
 
 A constraint is an llguidance grammar (its JSON form: ``{"grammars": [...]}`` holding Lark, a
-JSON schema or a regex; made by ``llguidance.grammar_from`` or ``LLMatcher.grammar_from_*``),
-carried on the request as ``SamplingParams.grammar``. The front end checks it with
-:func:`check` (no tokenizer needed) and refuses a bad one; the engine compiles it into an
-``LLMatcher`` over the model's vocabulary (:class:`Grammars`, on a thread of its own and cached
-per tenant), and each sequence walks its own copy (:class:`GrammarConstraint`), which
+JSON schema or a regex), carried on the request as ``SamplingParams.grammar``; the front end
+writes and checks it (``server/structured/``). The engine compiles it into an ``LLMatcher``
+over the model's vocabulary (:class:`Grammars`, on a thread of its own and cached per tenant),
+and each sequence walks its own copy (:class:`GrammarConstraint`), which
 ``engine/llama/sampler.py`` consults as llama.cpp's ``common_sampler`` consults its grammar:
 the chain's token first, the allowed tokens only when it is refused.
 
 Limits (docs/api.md "Structured outputs"): the grammar must fit the request's variable section
 (``--max-request-extras-bytes``, 32 KiB by default), and compiling it is bounded by
-:data:`LIMITS` (llguidance's fuel and size limits; a grammar over them is refused by
-:func:`check` with the library's message). Compiling never runs on the step loop's thread.
+:data:`LIMITS` (llguidance's fuel and size limits, the same in the front end's check). Compiling
+never runs on the step loop's thread.
 """
 from __future__ import annotations
 
 import ctypes
-import functools
-import json
 import threading
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -26,8 +24,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import llama_cpp
 import llguidance
 import numpy as np
-
-from engine.llama.grammar_checker import GrammarChecker
 
 #: llguidance's parser limits, the same in the front end's check and the engine's compile.
 #: ``initial_lexer_fuel`` bounds the lexer's construction (about 50k units a millisecond, so at
@@ -46,136 +42,6 @@ SPARSE_WORDS = 128
 
 def limits() -> llguidance.LLParserLimits:
     return llguidance.LLParserLimits(**LIMITS)
-
-
-def check(grammar: str, text_only: bool = False) -> str:
-    """Whether llguidance can compile ``grammar`` within :data:`LIMITS`: "" if so, else the
-    library's message (a bad schema, regex or Lark, an unimplemented JSON-schema keyword, a
-    grammar over the limits).
-
-    ``text_only``: the grammar names no special token (a client's structured output), so it is
-    also taken one step over bytes (llguidance's byte tokenizer): one with no first step, as a
-    schema or regex with no instance at all (``{"$ref": "#"}``, ``[^\\s\\S]``), is refused here,
-    naming the client's field, rather than by the engine's first mask."""
-    try:
-        error = llguidance.LLMatcher.validate_grammar(grammar, None, limits=limits())
-        if error or not text_only:
-            return error
-        matcher = llguidance.LLMatcher(_byte_tokenizer(), grammar, log_level=0, limits=limits())
-        if matcher.is_error():  # it names what bytes cannot stand for (a special token): the engine decides
-            return ""
-        matcher.compute_logit_bias()
-        return "no text is an instance of it" if matcher.is_error() else ""
-    except (ValueError, TypeError) as e:  # not a grammar at all (a corrupt record)
-        return str(e) or "invalid grammar"
-
-
-@functools.cache
-def _byte_tokenizer() -> llguidance.LLTokenizer:
-    return llguidance.LLTokenizer("byte")
-
-
-def json_schema_of(grammar: str) -> dict | None:
-    """The JSON schema (with its ``x-guidance`` options) of a grammar that is one JSON schema
-    alone (llguidance's JSON form, as ``LLMatcher.grammar_from_json_schema`` writes it), else
-    None (a regex, a choice, Lark, several grammars)."""
-    try:
-        grammars = json.loads(grammar).get("grammars")
-    except (ValueError, AttributeError):
-        return None
-    if not isinstance(grammars, list) or len(grammars) != 1 or not isinstance(grammars[0], dict):
-        return None
-    schema = grammars[0].get("json_schema")
-    return schema if isinstance(schema, dict) and not grammars[0].get("lark_grammar") else None
-
-
-#: JSON Schema (2020-12) keywords whose value is a schema, a list of schemas, or an object of
-#: schemas; any other keyword's value is data (``const``, ``enum``, ``default``...) or a number.
-_SCHEMA = ("additionalProperties", "items", "additionalItems", "not", "contains", "propertyNames", "if", "then",
-           "else", "unevaluatedItems", "unevaluatedProperties")
-_SCHEMA_LISTS = ("prefixItems", "anyOf", "oneOf", "allOf")
-_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
-
-
-def closed_objects(schema: dict) -> dict:
-    """``schema`` with every object schema that names its keys (``properties`` or
-    ``patternProperties``) and says nothing of other keys (no ``additionalProperties`` or
-    ``unevaluatedProperties``) closed to them (``additionalProperties: false``): how llama.cpp's
-    converter (``json-schema-to-grammar``) and xgrammar's strict mode, vLLM's default, read such a
-    schema, and what clients that write schemas from classes (pydantic: instructor,
-    pydantic-ai...) mean; a small model given open objects adds keys until its token limit.
-    ``additionalProperties: true`` (or a schema) keeps an object open. A name in ``required``
-    that ``properties`` does not give is one of the object's keys (added as ``true``; an object
-    with ``patternProperties`` and such a name is left open). A schema that composes objects
-    anywhere (``allOf``, or ``properties``, ``patternProperties`` or ``required`` beside
-    ``anyOf``, ``oneOf`` or ``$ref``) is kept as given: llguidance intersects the parts, and a
-    part closed to another's keys would refuse them (helpers' findings). Returns a new schema;
-    ``schema`` is not changed. Memoized by the schema's JSON text (the last 256): a request's
-    check and its grammar, and a client's next request with the same schema or tools, walk it
-    once (a 46 KB schema takes 11 ms); the result is shared, so it is never to be changed.
-
-    Raises:
-        ValueError: ``minProperties`` above 1 where keys may come from ``additionalProperties`` or
-            ``patternProperties``: llguidance keeps only the keys of ``properties`` unique, so a
-            document could meet the count with one key repeated (a hostile helper's finding).
-    """
-    return _closed_objects(json.dumps(schema))
-
-
-@functools.lru_cache(maxsize=256)
-def _closed_objects(text: str) -> dict:
-    """:func:`closed_objects` of the schema whose JSON text is ``text``."""
-    schema = json.loads(text)
-
-    def composes(node) -> bool:
-        if not isinstance(node, dict):
-            return False
-        keys = any(k in node for k in ("properties", "patternProperties", "required"))
-        return "allOf" in node or (keys and any(k in node for k in ("anyOf", "oneOf", "$ref"))) or \
-            any(composes(n) for _, _, n in _subschemas(node))
-    close = not composes(schema)
-
-    def walk(node, path: str):
-        if not isinstance(node, dict):
-            return node  # true, false
-        out = dict(node)
-        for key, name, sub in _subschemas(node):
-            walked = walk(sub, f"{path}/{key}" + (f"/{name}" if name is not None else ""))
-            if name is None:
-                out[key] = walked
-            else:
-                out[key] = out[key].copy() if out[key] is node[key] else out[key]
-                out[key][name] = walked
-        declared = node.get("properties") if isinstance(node.get("properties"), dict) else {}
-        undeclared = [k for k in node.get("required") or () if isinstance(k, str) and k not in declared]
-        if close and ("properties" in node or "patternProperties" in node) and "additionalProperties" not in node \
-                and "unevaluatedProperties" not in node and not (undeclared and "patternProperties" in node):
-            out["additionalProperties"] = False
-            if undeclared:
-                out["properties"] = {**out.get("properties", {}), **dict.fromkeys(undeclared, True)}
-        open_keys = out.get("additionalProperties", True) is not False or "patternProperties" in node
-        least = node.get("minProperties")
-        if open_keys and isinstance(least, (int, float)) and not isinstance(least, bool) and least > 1:
-            raise ValueError(f"minProperties above 1 (at {path or '/'}) needs keys kept unique, and the keys "
-                             "beyond properties (additionalProperties, patternProperties) are not: a repeated key "
-                             "could meet the count")
-        return out
-    return walk(schema, "")
-
-
-def _subschemas(node: dict):
-    """``(keyword, index or name or None, subschema)`` for each schema directly inside ``node``."""
-    for key in _SCHEMA:
-        if isinstance(node.get(key), list) and key == "items":  # draft 4's tuple form
-            yield from ((key, i, n) for i, n in enumerate(node[key]))
-        elif key in node:
-            yield key, None, node[key]
-    for key in _SCHEMA_LISTS:
-        if isinstance(node.get(key), list):
-            yield from ((key, i, n) for i, n in enumerate(node[key]))
-    for key in _SCHEMA_MAPS:
-        if isinstance(node.get(key), dict):
-            yield from ((key, k, n) for k, n in node[key].items())
 
 
 def tokenizer_from_vocab(vocab, n_vocab: int, eos: list[int]) -> llguidance.LLTokenizer:
@@ -204,34 +70,6 @@ def tokenizer_from_vocab(vocab, n_vocab: int, eos: list[int]) -> llguidance.LLTo
     tokenize = ctypes.cast(llama_cpp.llama_cpp._lib.llama_tokenize, ctypes.c_void_p).value
     return llguidance.LLTokenizer.from_llamacpp(tokens=tokens, vocab_ptr=vocab, tokenize_fptr=tokenize,
                                                 eos_token=eos, slices=None)
-
-
-class CheckedGrammars:
-    """A front end's memo of :func:`check`, run by a
-    :class:`engine.llama.grammar_checker.GrammarChecker` (in a child process, bounded in time): the
-    last ``capacity`` verdicts, per (tenant, grammar), so a tenant's repeated schema costs a
-    dictionary lookup (and no tenant learns from a response's time which grammars another used).
-    Thread-safe."""
-
-    def __init__(self, capacity: int = 256):
-        self.capacity, self.checker = capacity, GrammarChecker()
-        self._verdicts: OrderedDict[tuple[int, str, bool], str] = OrderedDict()
-        self._lock = threading.Lock()
-
-    def check(self, tenant: int, grammar: str, text_only: bool = False) -> str:
-        """:func:`check`'s answer for ``tenant``'s ``grammar``."""
-        key = (tenant, grammar, text_only)
-        with self._lock:
-            verdict = self._verdicts.get(key)
-            if verdict is not None:
-                self._verdicts.move_to_end(key)
-                return verdict
-        verdict = self.checker.check(grammar, text_only)  # outside the lock: cached checks do not wait
-        with self._lock:
-            self._verdicts[key] = verdict
-            while len(self._verdicts) > self.capacity:
-                self._verdicts.popitem(last=False)
-        return verdict
 
 
 class GrammarConstraint:
@@ -307,7 +145,7 @@ class Grammars:
     def compile(self, tenant: int, grammar: str) -> Future:
         """A future of the compiled template for ``tenant``'s ``grammar`` (a cached one when
         there is one). Its ``LLMatcher`` may be in error (``get_error()``) if the grammar does
-        not compile; the front end's :func:`check` makes that rare."""
+        not compile; the front end's check (``server.structured.check``) makes that rare."""
         key = (tenant, grammar)
         with self._lock:
             future = self._cache.get(key)

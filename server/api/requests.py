@@ -10,9 +10,9 @@ import ujson
 from engine.errors import InvalidRequest, ModelNotFound
 from engine.request import (DEADLINE_MS_BOUNDS, INT32_MAX, LOGIT_BIAS_BOUNDS, Priority, SamplingParams, check_number,
                             reduce_seed, shown)
-from server.api.structured import parse_structured
 from server.api.tools import message_tool_fields, parse_tools
 from server.generation.request import GenerationRequest
+from server.structured.parse import parse_structured
 
 CHAT_ROLES = ("system", "developer", "user", "assistant")
 ROLES = (*CHAT_ROLES, "tool")  # a tool message must answer an earlier call
@@ -147,11 +147,11 @@ def parse_generation(body: dict, *, chat: bool) -> GenerationRequest:
     # OpenAI's document bounds seed at ±9223372036854776000 (2**63 as a float); any integer is
     # reduced to a reproducible llama.cpp seed anyway.
     seed = number(body, "seed", lo=-2**64, hi=2**64, integer=True)
-    grammar, r.grammar_param = parse_structured(body)
+    r.constraint = parse_structured(body)
     r.sampling = SamplingParams(
         max_new_tokens=max_tokens or None, seed=None if seed is None else reduce_seed(seed),
         ignore_eos=boolean(body, "ignore_eos"), logprobs=_logprobs(body, chat), logit_bias=_logit_bias(body),
-        grammar=grammar, **{k: v for k, v in kwargs.items() if v is not None})
+        **{k: v for k, v in kwargs.items() if v is not None})
     r.stop = _stops(body.get("stop"))
     r.n = number(body, "n", lo=1, hi=MAX_N, integer=True, default=1)
     r.stream = boolean(body, "stream")

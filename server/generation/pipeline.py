@@ -10,14 +10,14 @@ protocols in one place (``server/errors.py``).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import time
-from typing import Iterator
+from typing import Callable, Iterator
 
 from engine.client import EngineClient
 from engine.errors import ConstraintFailed, InvalidRequest, PromptTooLong
-from engine.llama.grammar import CheckedGrammars, json_schema_of
-from engine.request import RequestKind, check_prompt_fits, reduce_seed
+from engine.request import RequestKind, SamplingParams, check_prompt_fits, reduce_seed
 from engine.stream import Stream, Timings, follow
 from engine.llama.tokenizer import Tokenizer
 from server.generation.request import Choice, Delta, GenerationRequest, ToolCall, Usage
@@ -25,10 +25,11 @@ from server.tenancy.ratelimit import RateLimiter
 from server.tenancy.tenants import DEFAULT_TENANT, Tenant
 from server.text.chat_template import ChatTemplate
 from server.text.detokenizer import Detokenizer, StopStrings
-from server.tools.formats import ToolFormat, detect, generic_indentation, generic_messages
-from server.tools.grammar import check_parameters, tool_grammar
+from server.structured.check import CheckedGrammars
+from server.tools.formats import detect
+from server.tools.grammar import checked_arguments, tool_grammar
 from server.tools.parser import ToolCallParser
-from server.tools.spec import NAMED, NONE, REQUIRED, Tool
+from server.tools.spec import NONE, Tool, ToolRequest
 
 #: The text of OpenAI's default prompt: the document separator, a new document's start.
 DOCUMENT_START = "<|endoftext|>"
@@ -66,9 +67,11 @@ class Generation:
         prompts: token ids of each prompt. prompt_param: the request field they came from.
         tenant: who asks. limiter: its rate limits (None: none).
         watch_socket: the client connection; when it closes, every choice is cancelled.
-        tool_format: read each choice's text for tool calls in this format (None: no tools, or
-            ``tool_choice: "none"``); ``req.tools.parallel`` False reads one call at most, and
-            the choice ends (``tool_calls``) once it is complete.
+        sampling: the engine's settings, the final grammar included (None: ``req.sampling``).
+        grammar_param: the field a grammar failure names (``tools`` when it holds tools).
+        new_tool_parser: a fresh :class:`server.tools.parser.ToolCallParser` for one choice's
+            text (None: no tools, or ``tool_choice: "none"``); one that reads one call at most
+            ends the choice (``tool_calls``) once it is complete.
         echo_texts: with ``req.echo``, each prompt's text, which starts each of its choices.
     Raises:
         InvalidRequest: more choices than the capacity or the tenant's ``max_concurrent``.
@@ -76,10 +79,12 @@ class Generation:
 
     def __init__(self, engine: EngineClient, pieces: list[bytes], prompts: list[list[int]],
                  req: GenerationRequest, prompt_param: str, tenant: Tenant = DEFAULT_TENANT,
-                 limiter: RateLimiter | None = None, watch_socket=None, tool_format: ToolFormat | None = None,
+                 limiter: RateLimiter | None = None, watch_socket=None, sampling: SamplingParams | None = None,
+                 grammar_param: str | None = None, new_tool_parser: Callable[[], ToolCallParser] | None = None,
                  echo_texts: list[str] | None = None):
         self.n_choices = check_choices(engine, len(prompts), req.n, tenant)
-        self.tool_format = tool_format
+        self.sampling = req.sampling if sampling is None else sampling
+        self.grammar_param, self.new_tool_parser = grammar_param, new_tool_parser
         self.engine, self.prompts, self.prompt_param = engine, prompts, prompt_param
         self.req, self.pieces, self.watch_socket = req, pieces, watch_socket
         self.tenant, self.limiter = tenant, limiter
@@ -118,8 +123,8 @@ class Generation:
         req, tenant, limiter = self.req, self.tenant, self.limiter
         cost = req.n * self.prompt_tokens if self.submits else 0  # prefill the engine will do
         # a scoring request that generates nothing is the one kind with max_new_tokens 0
-        sampling = dataclasses.replace(req.sampling, max_new_tokens=0) if req.max_tokens == 0 and req.scores \
-            else req.sampling
+        sampling = dataclasses.replace(self.sampling, max_new_tokens=0) if req.max_tokens == 0 and req.scores \
+            else self.sampling
         admitted = False
         try:
             for prompt in self.prompts:
@@ -145,7 +150,7 @@ class Generation:
             elif isinstance(e, InvalidRequest) and e.param == "prompt":
                 e.param = self.prompt_param
             elif isinstance(e, InvalidRequest) and e.param == "grammar":
-                e.param = req.grammar_param
+                e.param = self.grammar_param
             raise
         return self
 
@@ -202,7 +207,7 @@ class Generation:
                         yield self._finish(k, detoks[k].flush(), parser, self.streams[k].finish_reason, stops[k])
         except BaseException as e:  # GeneratorExit too: the reader stopped (a stream's client left)
             if isinstance(e, ConstraintFailed):
-                e.param = self.req.grammar_param
+                e.param = self.grammar_param
             self.error = e
             raise
         finally:
@@ -219,11 +224,7 @@ class Generation:
         return Delta(k, self._echo_text(k), tokens, echo=True)
 
     def _tool_parser(self) -> ToolCallParser | None:
-        if self.tool_format is None:
-            return None
-        tools = self.req.tools
-        return ToolCallParser(self.tool_format, None if tools.parallel else 1,
-                              calls_only=tools.choice in (REQUIRED, NAMED))
+        return self.new_tool_parser() if self.new_tool_parser is not None else None
 
     def _finish(self, k: int, text: str, parser: ToolCallParser | None, reason: str,
                 stops: StopStrings | None = None) -> Delta:
@@ -343,46 +344,39 @@ class Generator:
         (a template that takes ``tools`` gets them; otherwise the generic format's system
         message describes them; ``tool_choice: "none"`` gives none). ``submit``: ``tenant``,
         ``watch_socket``. Raises as :class:`Generation` and :meth:`Generation.submit`, and
-        :class:`InvalidRequest` for a structured output on a continued final message."""
+        :class:`InvalidRequest` for a structured output on a continued final message, or one
+        that tools cannot be combined with."""
         render = render or {}
         self._check_logit_bias(req)
-        if req.grammar_param is not None and render.get("continue_final_message"):
+        constraint = req.constraint
+        if constraint is not None and render.get("continue_final_message"):
             # the grammar would hold the continuation alone, not the message it continues
-            raise InvalidRequest(f"continue_final_message cannot be combined with {req.grammar_param} (send "
+            raise InvalidRequest(f"continue_final_message cannot be combined with {constraint.param} (send "
                                  "add_generation_prompt: true for a new assistant turn)", "continue_final_message")
-        offered = req.tools.tools if req.tools is not None and req.tools.choice != NONE else ()
+        tools = req.tools if req.tools is not None and req.tools.choice != NONE else None
         tenant = submit.get("tenant", DEFAULT_TENANT)
-        content = None  # the JSON format an answer that is not a call must follow
-        if offered:
-            if req.sampling.grammar is not None:
-                content = json_schema_of(req.sampling.grammar)
-                if content is None:  # a regex, a choice, Lark: it leaves no place for a call
-                    raise InvalidRequest(f"tools can be combined with a JSON format only, not with "
-                                         f"{req.grammar_param}", req.grammar_param)
-                self._check_grammar(req, tenant)  # the format alone first: its faults name its field
-            # then each function's, by name (the whole grammar's message would name only tools)
-            check_parameters(req.tools, lambda g: self.grammars.check(tenant.index, g, text_only=True))
-            try:
-                grammar = tool_grammar(self.tool_format, req.tools, self.tool_specials, content)
-            except ValueError as e:  # this model's tool format cannot hold a JSON answer
-                raise InvalidRequest(f"tools cannot be combined with {req.grammar_param} here: {e}",
-                                     req.grammar_param) from None
-            req.sampling = dataclasses.replace(req.sampling, grammar=grammar)
-            req.grammar_param = "tools"
-        self._check_grammar(req, tenant)
-        ids = self.prompt_ids(messages, offered, render, json_answer=content is not None, prompt_param=prompt_param)
-        tool_format = dataclasses.replace(self.tool_format, json_answer=content is not None) if offered else None
+        if tools is None:
+            sampling, grammar_param = self._constrained(req, tenant)
+        else:
+            sampling, grammar_param = self._with_tools(req, tools, tenant)
+        json_answer = tools is not None and constraint is not None  # an answer is a document of the format
+        offered = tools.tools if tools is not None else ()
+        ids = self.prompt_ids(messages, offered, render, json_answer=json_answer, prompt_param=prompt_param)
+        new_tool_parser = None if tools is None else functools.partial(
+            ToolCallParser, self.tool_format, None if tools.parallel else 1, tools.calls_only, json_answer)
         return Generation(self.engine, self.tool_pieces if offered else self.tokenizer.pieces, [ids], req,
-                          prompt_param, limiter=self.limiter, tool_format=tool_format, **submit).submit()
+                          prompt_param, limiter=self.limiter, sampling=sampling, grammar_param=grammar_param,
+                          new_tool_parser=new_tool_parser, **submit).submit()
 
     def prompt_ids(self, messages: list[dict], offered: tuple[Tool, ...] = (), render: dict | None = None,
                    json_answer: bool = False, prompt_param: str = "messages") -> list[int]:
         """The prompt tokens of ``messages`` (``server.api.requests.parse_messages``'s) with the
-        tools ``offered``: a template that takes ``tools`` gets them and renders the history's
-        calls itself; any other renders :func:`server.tools.formats.generic_messages` (calls and
-        results as text). The one rendering of a chat, for generation and ``POST /tokenize``
-        alike. ``render``: :meth:`ChatTemplate.encode`'s options; ``json_answer``: an answer
-        that is not a call follows a JSON format.
+        tools ``offered``, as the template's tool format renders them
+        (:meth:`server.tools.formats.ToolFormat.prompt_messages`: a template that takes
+        ``tools`` gets them and renders the history's calls itself; the generic format's
+        messages otherwise, calls and results as text). The one rendering of a chat, for
+        generation and ``POST /tokenize`` alike. ``render``: :meth:`ChatTemplate.encode`'s
+        options; ``json_answer``: an answer that is not a call follows a JSON format.
 
         Raises:
             InvalidRequest: ``continue_final_message`` with tools offered (a call's grammar
@@ -397,12 +391,12 @@ class Generator:
         if offered and render.get("continue_final_message"):
             raise InvalidRequest("continue_final_message cannot be combined with tools (use tool_choice: none)",
                                  "continue_final_message")
+        fmt = self.tool_format
         texts = [m["content"] or "" for m in messages] + [json.dumps(t.parameters, ensure_ascii=False) for t in offered]
-        indentation = generic_indentation(offered) if offered and not self.tool_format.native else 0
-        self._fits_at_all(texts, prompt_param, len(messages) * self.template.tokens_per_message, indentation)
-        if self.tool_format.native:
-            return self.template.encode(messages, tools=[t.openai() for t in offered] or None, **render)
-        return self.template.encode(generic_messages(messages, offered, json_answer=json_answer), **render)
+        self._fits_at_all(texts, prompt_param, len(messages) * self.template.tokens_per_message,
+                          fmt.prompt_chars(offered) if offered else 0)
+        return self.template.encode(fmt.prompt_messages(messages, offered, json_answer),
+                                    tools=fmt.template_tools(offered), **render)
 
     def _check_logit_bias(self, req: GenerationRequest) -> None:
         """Every token ``logit_bias`` names is in the vocabulary.
@@ -415,25 +409,71 @@ class Generator:
             raise InvalidRequest(f"logit_bias names token id {outside[0]}, outside the vocabulary "
                                  f"(0..{self.tokenizer.n_vocab - 1})", "logit_bias")
 
-    def _check_grammar(self, req: GenerationRequest, tenant: Tenant) -> None:
-        """The request's grammar fits the record's variable section, then compiles within
-        llguidance's limits (``engine.llama.grammar.check``, memoized per tenant), so the engine
-        never sees one that does not.
+    def _constrained(self, req: GenerationRequest, tenant: Tenant) -> tuple[SamplingParams, str | None]:
+        """The request's sampling with the grammar of its structured output alone, and the
+        field that grammar's failures name (None: unconstrained). The grammar fits the
+        record's variable section and compiles within llguidance's limits
+        (``server.structured.check``, memoized per tenant), so the engine never sees one that
+        does not.
 
         Raises:
-            InvalidRequest: naming ``req.grammar_param``, with the library's message.
+            InvalidRequest: naming the constraint's field, with the library's message.
         """
-        grammar = req.sampling.grammar
-        if grammar is None:
-            return
-        try:
-            req.sampling.check_extras(self.engine.max_extras_bytes)
-        except InvalidRequest as e:
-            e.param = req.grammar_param
-            raise
-        error = self.grammars.check(tenant.index, grammar, text_only=req.grammar_param != "tools")
+        constraint = req.constraint
+        if constraint is None:
+            return req.sampling, None
+        sampling = self._fitting(req, constraint.grammar(), constraint.param)
+        error = self.grammars.check(tenant.index, sampling.grammar, text_only=True)
         if error:
-            raise InvalidRequest(f"{req.grammar_param} cannot be enforced: {error}", req.grammar_param)
+            raise InvalidRequest(f"{constraint.param} cannot be enforced: {error}", constraint.param)
+        return sampling, constraint.param
+
+    def _with_tools(self, req: GenerationRequest, tools: ToolRequest, tenant: Tenant) -> tuple[SamplingParams, str]:
+        """The request's sampling with the grammar of a tool-calling answer
+        (``server/tools/grammar.py``), its JSON format inlined where an answer is not a call;
+        its failures name ``tools``. The format's and each callable function's schema are
+        checked together, each fault named by its own field (``server.tools.grammar.
+        checked_arguments``); the grammar, written from them, is not checked again.
+
+        Raises:
+            InvalidRequest: a format that is not JSON (no place for a call beside it), a format
+                this model's tool syntax cannot hold beside calls, a schema that cannot be
+                enforced (naming its field), a grammar over the variable section.
+        """
+        constraint = req.constraint
+        if constraint is not None and constraint.schema is None:  # a regex, a choice, Lark
+            raise InvalidRequest(f"tools can be combined with a JSON format only, not with {constraint.param}",
+                                 constraint.param)
+        arguments = checked_arguments(tools, constraint, lambda schemas: self.grammars.check_schemas(tenant.index,
+                                                                                                     schemas))
+        content = constraint.schema if constraint is not None else None
+        try:
+            grammar = tool_grammar(self.tool_format, tools, self.tool_specials, content, arguments)
+        except ValueError as e:  # this model's tool format cannot hold a JSON answer
+            raise InvalidRequest(f"tools cannot be combined with {constraint.param} here: {e}",
+                                 constraint.param) from None
+        return self._fitting(req, grammar, "tools"), "tools"
+
+    def _fitting(self, req: GenerationRequest, grammar: str, param: str) -> SamplingParams:
+        """``req.sampling`` with ``grammar``, which fits the record's variable section.
+
+        Raises:
+            InvalidRequest: naming ``param``; with tools, the format's own field when the
+                format alone would not fit either.
+        """
+        sampling = dataclasses.replace(req.sampling, grammar=grammar)
+        try:
+            sampling.check_extras(self.engine.max_extras_bytes)
+        except InvalidRequest as e:
+            constraint = req.constraint
+            if param == "tools" and constraint is not None:
+                try:
+                    dataclasses.replace(req.sampling, grammar=constraint.grammar()).check_extras(
+                        self.engine.max_extras_bytes)
+                except InvalidRequest:
+                    param = constraint.param
+            raise InvalidRequest(e.message, param) from None
+        return sampling
 
     def _fits_at_all(self, texts: list[str], prompt_param: str, template_tokens: int = 0, chars: int = 0) -> None:
         """Refuse, before rendering or tokenizing, text that cannot fit one sequence: a token holds
@@ -448,9 +488,7 @@ class Generator:
         """
         at_least = template_tokens + -(-(chars + sum(len(t) for t in texts)) // self.tokenizer.max_piece_bytes)
         if at_least > self.engine.max_seq_len - 1:
-            e = PromptTooLong(at_least, self.engine.max_seq_len, at_least=True)
-            e.param = prompt_param
-            raise e
+            raise PromptTooLong(at_least, self.engine.max_seq_len, at_least=True, param=prompt_param)
 
     def complete(self, prompts: list[str | list[int]], req: GenerationRequest, prompt_param: str = "prompt",
                  **submit) -> Generation:
@@ -460,7 +498,7 @@ class Generator:
         for a token id outside the vocabulary."""
         check_choices(self.engine, len(prompts), req.n, submit.get("tenant", DEFAULT_TENANT))  # before tokenizing
         self._check_logit_bias(req)
-        self._check_grammar(req, submit.get("tenant", DEFAULT_TENANT))
+        sampling, grammar_param = self._constrained(req, submit.get("tenant", DEFAULT_TENANT))
         self._fits_at_all([p for p in prompts if isinstance(p, str)], prompt_param)
         ids = []
         for i, prompt in enumerate(prompts):
@@ -484,4 +522,4 @@ class Generator:
                       self.tokenizer.decode(i[len(added):] if added and i[:1] == added else i, special=True)
                       for p, i in zip(prompts, ids)] if req.echo else None
         return Generation(self.engine, self.tokenizer.pieces, ids, req, prompt_param, limiter=self.limiter,
-                          echo_texts=echo_texts, **submit).submit()
+                          sampling=sampling, grammar_param=grammar_param, echo_texts=echo_texts, **submit).submit()

@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 
 from engine.request import Priority, SamplingParams
 from engine.stream import Token
+from server.structured.constraint import OutputConstraint
+from server.tools.parser import ToolCallDelta
 from server.tools.spec import ToolRequest
 
 
@@ -22,7 +24,9 @@ class GenerationRequest:
         stream, include_usage, obfuscate: the response's shape (read by the protocol, not here;
             ``obfuscate``: ``stream_options.include_obfuscation``, padded chunks).
         priority, deadline_ms: admission class and deadline (None = none).
-        grammar_param: the request field ``sampling.grammar`` came from (named in errors), or None.
+        constraint: the structured output the answer must follow (None: none), carrying the
+            field it came from; the generator writes its grammar (``sampling.grammar`` is None
+            as parsed).
         tools: the request's tools and tool choice (None: no tools; chat only).
         echo: each choice starts with its prompt (legacy completions); with logprobs, the
             prompt is scored too (the engine's scoring kind), its entries first.
@@ -38,7 +42,7 @@ class GenerationRequest:
     obfuscate: bool = False
     priority: Priority = Priority.NORMAL
     deadline_ms: float | None = None
-    grammar_param: str | None = None
+    constraint: OutputConstraint | None = None
     tools: ToolRequest | None = None
     echo: bool = False
 
@@ -46,18 +50,6 @@ class GenerationRequest:
     def scores(self) -> bool:
         """The prompt's log-probabilities are asked for (``echo`` with ``logprobs``)."""
         return self.echo and self.sampling.logprobs is not None
-
-
-@dataclass
-class ToolCallDelta:
-    """A piece of one tool call of a choice (OpenAI's ``delta.tool_calls[]``): ``index`` counts
-    the choice's calls from 0; the first piece of a call carries its ``id`` and ``name``, later
-    ones only text of its ``arguments`` (raw JSON text as the model wrote it)."""
-
-    index: int
-    id: str | None = None
-    name: str | None = None
-    arguments: str = ""
 
 
 @dataclass

@@ -17,7 +17,6 @@ from server.generation.pipeline import Generation, Generator
 from server.generation.request import Choice, Delta, GenerationRequest, ToolCallDelta
 from server.http.body import read_json
 from server.http.json import dumps, sse
-from server.tools.spec import NAMED, REQUIRED
 
 
 class _Completions:
@@ -127,7 +126,7 @@ class ChatCompletions(_Completions):
 
 def calls_only(greq: GenerationRequest) -> bool:
     """Whether the answer can only be tool calls (``tool_choice`` required or a named function)."""
-    return greq.tools is not None and greq.tools.choice in (REQUIRED, NAMED)
+    return greq.tools is not None and greq.tools.calls_only
 
 
 def tool_call_delta(c: ToolCallDelta) -> dict:

@@ -1,13 +1,15 @@
-"""How a chat template's model writes tool calls: one :class:`ToolFormat` per syntax, picked
-from the template's source (:func:`detect`), as vLLM's ``--tool-call-parser`` and llama.cpp's
-``common_chat_templates_apply_jinja`` pick theirs.
+"""How a chat template's model writes tool calls: one class per syntax, each holding its
+markers, its prompt side, its parser and its grammar together (as llama.cpp's
+``common/chat.cpp`` keeps each format's prompt, grammar and parser, and vLLM's ``ToolParser``),
+picked from the template's source (:func:`detect`), as vLLM's ``--tool-call-parser`` and
+llama.cpp's ``common_chat_templates_apply_jinja`` pick theirs.
 
 | format | templates | a call in the model's text |
 |---|---|---|
-| ``hermes`` | Qwen2.5, Hermes 2 Pro / 3 (``<tool_call>`` in the source) | ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>``, repeated; text may precede |
-| ``mistral`` | Mistral Nemo and others with ``[TOOL_CALLS]`` | ``[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]`` after optional text |
-| ``llama3_json`` | Llama 3.1 / 3.2 / 3.3 (JSON tool calling) | the whole answer ``{"name": ..., "parameters": {...}}``, optionally after ``<|python_tag|>``; calls separated by ``;`` |
-| ``generic`` | every template that does not render ``tools`` (the bundled SmolLM2's, SmolLM3's) | the whole answer ``{"tool_calls": [{"name": ..., "arguments": {...}}]}``, or ``{"response": "text"}`` |
+| :class:`Hermes` | Qwen2.5, Hermes 2 Pro / 3 (``<tool_call>`` in the source) | ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>``, repeated; text may precede |
+| :class:`Mistral` | Mistral Nemo and others with ``[TOOL_CALLS]`` | ``[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]`` after optional text |
+| :class:`Llama3Json` | Llama 3.1 / 3.2 / 3.3 (JSON tool calling) | the whole answer ``{"name": ..., "parameters": {...}}``, optionally after ``<|python_tag|>``; calls separated by ``; `` |
+| :class:`Generic` | every template that does not render ``tools`` (the bundled SmolLM2's, SmolLM3's) | the whole answer ``{"tool_calls": [{"name": ..., "arguments": {...}}]}``, or ``{"response": "text"}`` |
 
 The generic format is llama.cpp's former "generic" handler (``common_chat_params_init_generic``,
 with minja's polyfills for templates without tool support): the tools and the envelope are
@@ -15,16 +17,21 @@ described in a system message (:data:`GENERIC_INSTRUCTIONS`), an earlier assista
 become its text as the envelope, and a tool result a user message
 ``{"tool_response": {"tool_call_id", "name", "content"}}``. Everything it adds is message text,
 so it is data to the tokenizer as any message text is.
+
+Each format's ``grammar`` writes the Lark rule ``start`` of an answer (the module docstring of
+``server/tools/grammar.py`` says what each ``tool_choice`` admits); ``call`` is the shared rule of
+one call, written by ``server/tools/grammar.py``.
 """
 from __future__ import annotations
 
 import json
 import secrets
 import string
-from dataclasses import dataclass
+from typing import Callable
 
+from server.tools.grammar import COMPACT
 from server.tools.parser import CallView, ParseError, held_back, scan_call, skip_ws, string_end, value_end
-from server.tools.spec import Tool
+from server.tools.spec import Tool, ToolRequest
 
 GENERIC_INSTRUCTIONS = (
     "You can call the following tools (JSON Schema of each one's arguments under \"parameters\"):\n{tools}\n\n"
@@ -35,29 +42,28 @@ GENERIC_INSTRUCTIONS = (
 GENERIC_ANSWERS = {False: '\"<your answer>\"', True: "<your answer, as a JSON document of the requested format>"}
 
 
-@dataclass(frozen=True)
 class ToolFormat:
-    """One tool-call syntax.
+    """One tool-call syntax (a subclass per format; one instance each, below).
 
     Attributes:
-        name: as in the table above. native: the template renders ``tools`` itself (otherwise
-            the generic prompt does). markers: texts that open a call section in free text.
+        name: as in vLLM's ``--tool-call-parser``. native: the template renders ``tools`` itself
+            (otherwise the generic prompt does). markers: texts that open a call section in free text.
         literals: every fixed text of its call syntax that a model's vocabulary may hold as one
             special token (markers and closing tags).
-        args_keys: the call object's key for its arguments. id_length: a call id's length when
-            the template demands one (Mistral's 9 alphanumerics), else 0 (``call_`` + 24 hex).
-        json_answer: a request's JSON format holds the answers that are not calls, so an answer
-            is read as JSON text (the generic envelope's ``response`` kept as written, a string
-            with its quotes); ``dataclasses.replace`` sets it per request.
+        args_keys: the call object's key for its arguments (the first is the one the grammar
+            writes). id_length: a call id's length when the template demands one (Mistral's 9
+            alphanumerics), else 0 (``call_`` + 24 hex).
     """
 
-    name: str
-    native: bool
+    name: str = ""
+    native: bool = True
     markers: tuple[str, ...] = ()
     literals: tuple[str, ...] = ()
     args_keys: tuple[str, ...] = ("arguments",)
     id_length: int = 0
-    json_answer: bool = False
+
+    def __repr__(self) -> str:
+        return f"<tool format {self.name}>"
 
     def new_id(self) -> str:
         """A fresh call id in the form the template accepts back in the next turn."""
@@ -65,18 +71,239 @@ class ToolFormat:
             return "".join(secrets.choice(string.ascii_letters + string.digits) for _ in range(self.id_length))
         return f"call_{secrets.token_hex(12)}"
 
-    def parse(self, text: str, final: bool) -> tuple[str, list[CallView]]:
+    # -- the prompt ----------------------------------------------------------------------------
+    def prompt_messages(self, messages: list[dict], tools: tuple[Tool, ...], json_answer: bool) -> list[dict]:
+        """``messages`` as the template is given them (a native template renders calls itself)."""
+        return messages
+
+    def template_tools(self, tools: tuple[Tool, ...]) -> list[dict] | None:
+        """The template's ``tools`` (None: none)."""
+        return [t.openai() for t in tools] or None
+
+    def prompt_chars(self, tools: tuple[Tool, ...]) -> int:
+        """Characters the prompt adds around the tools' parameters at least (beyond their JSON text)."""
+        return 0
+
+    # -- the parser ----------------------------------------------------------------------------
+    def parse(self, text: str, final: bool, json_answer: bool = False) -> tuple[str, list[CallView]]:
         """What ``text`` (a choice's whole text so far) holds: its content and its calls.
         Content only grows from one call to the next with a longer text (see
-        ``server/tools/parser.py``)."""
-        return _PARSERS[self.name](self, text, final)
+        ``server/tools/parser.py``). ``json_answer``: the request's JSON format holds the
+        answers that are not calls, so an answer is read as JSON text."""
+        raise NotImplementedError
+
+    # -- the grammar ---------------------------------------------------------------------------
+    def grammar(self, request: ToolRequest, lit: Callable[[str], str], head: Callable[[str], str],
+                document: str | None) -> str:
+        """The Lark rule ``start`` of an answer to ``request`` (and the rules it needs but
+        ``call``). ``lit(text)``: a fixed text (its special token's ``<[id]>`` where it is one);
+        ``head(marker)``: the rules ``head`` (free text up to ``marker``, it included) and
+        ``TEXT``; ``document``: the JSON format's ``%json`` an answer that is not a call follows
+        (None: free text).
+
+        Raises:
+            ValueError: ``document`` with a format whose calls and answers could not be told apart.
+        """
+        raise NotImplementedError
+
+    def _calls_after(self, text: str, i: int, sep: str, close: str | None) -> tuple[list[CallView], int | None]:
+        """Call objects from ``text[i]`` on, separated by ``sep`` (whitespace around it
+        skipped), up to ``close`` (None: the text's end); returns them and the index past
+        ``close`` (None while not reached)."""
+        calls: list[CallView] = []
+        while True:
+            view, end = scan_call(text, i, self.args_keys)
+            if end is None:
+                if view.name is not None or view.arguments:
+                    calls.append(view)
+                return calls, None
+            calls.append(view)
+            i = skip_ws(text, end)
+            if text.startswith(sep, i):
+                i += len(sep)
+                continue
+            if close is None or text.startswith(close, i):
+                return calls, (i + len(close or ""))
+            if i == len(text) or close.startswith(text[i:]):
+                return calls, None
+            raise ParseError(f"expected {sep!r} or {close!r} at {i}")
 
 
-HERMES = ToolFormat("hermes", True, ("<tool_call>",), ("<tool_call>", "</tool_call>"))
-MISTRAL = ToolFormat("mistral", True, ("[TOOL_CALLS]",), ("[TOOL_CALLS]",), id_length=9)
-LLAMA3_JSON = ToolFormat("llama3_json", True, ("<|python_tag|>",), ("<|python_tag|>",),
-                         args_keys=("parameters", "arguments"))
-GENERIC = ToolFormat("generic", False)
+class Hermes(ToolFormat):
+    name, markers, literals = "hermes", ("<tool_call>",), ("<tool_call>", "</tool_call>")
+    OPEN, CLOSE = "<tool_call>", "</tool_call>"
+
+    def parse(self, text: str, final: bool, json_answer: bool = False) -> tuple[str, list[CallView]]:
+        content, calls, pos = [], [], 0
+        while True:
+            k = text.find(self.OPEN, pos)
+            tail = text[pos:] if k < 0 else text[pos:k]
+            if calls:
+                tail = tail.lstrip()  # the newlines between calls are not content
+            if k < 0:
+                content.append(tail if final else held_back(tail, self.markers))
+                return "".join(content), calls
+            content.append(tail.rstrip())
+            try:
+                view, end = scan_call(text, k + len(self.OPEN))
+            except ParseError:
+                if calls:
+                    return "".join(content), calls  # text past a malformed call is dropped
+                return (text if final else held_back(text, self.markers)), []
+            calls.append(view)
+            if end is None:
+                return "".join(content), calls
+            after = skip_ws(text, end)
+            if text.startswith(self.CLOSE, after):
+                pos = after + len(self.CLOSE)
+            elif after == len(text) or self.CLOSE.startswith(text[after:]):
+                return "".join(content), calls
+            else:
+                pos = after  # no closing tag: what follows is read as it comes
+
+    def grammar(self, request, lit, head, document):
+        repeat = ' ("\\n" tool_call)*' if request.parallel else ""
+        closed = f'tool_call: {lit(self.OPEN)} "\\n" call "\\n" {lit(self.CLOSE)}\n'
+        if request.calls_only:
+            return f"start: tool_call{repeat}\n" + closed
+        if document:  # the document, or the calls straight away
+            return f"start: document | tool_call{repeat}\ndocument: {document}\n" + closed
+        # text, then calls each opened by the marker (lazy: the text ends at the marker)
+        return (f"start: opened{'*' if request.parallel else '?'} TEXT\n"
+                f'opened: head "\\n" call "\\n" {lit(self.CLOSE)}\n' + head(self.OPEN))
+
+
+class Mistral(ToolFormat):
+    name, markers, literals, id_length = "mistral", ("[TOOL_CALLS]",), ("[TOOL_CALLS]",), 9
+    MARKER, SEPARATOR = "[TOOL_CALLS]", ", "
+
+    def parse(self, text: str, final: bool, json_answer: bool = False) -> tuple[str, list[CallView]]:
+        k = text.find(self.MARKER)
+        if k < 0:
+            return (text if final else held_back(text, self.markers)), []
+        i = skip_ws(text, k + len(self.MARKER))
+        content = text[:k].rstrip()
+        if i == len(text):
+            return content, []
+        try:
+            if text[i] != "[":
+                raise ParseError("expected '['")
+            calls, _ = self._calls_after(text, i + 1, self.SEPARATOR.strip(), "]")
+        except ParseError:
+            return (text if final else held_back(text, self.markers)), []
+        return content, calls
+
+    def grammar(self, request, lit, head, document):
+        repeat = f" ({json.dumps(self.SEPARATOR)} call)*" if request.parallel else ""
+        if request.calls_only:
+            return f'start: {lit(self.MARKER)} "[" call{repeat} "]"\n'
+        if document:
+            return f'start: document | {lit(self.MARKER)} "[" call{repeat} "]"\ndocument: {document}\n'
+        return f'start: TEXT | head "[" call{repeat} "]"\n' + head(self.MARKER)
+
+
+class Llama3Json(ToolFormat):
+    """Llama 3's JSON tool calling. Its templates render one call per turn; several are written
+    separated by :attr:`SEPARATOR` (vLLM's ``llama3_json`` parser reads them so), which the
+    grammar writes and the parser reads with any whitespace around its ``;``."""
+
+    name, markers, literals = "llama3_json", ("<|python_tag|>",), ("<|python_tag|>",)
+    args_keys = ("parameters", "arguments")
+    TAG, SEPARATOR = "<|python_tag|>", "; "
+
+    def parse(self, text: str, final: bool, json_answer: bool = False) -> tuple[str, list[CallView]]:
+        i = skip_ws(text, 0)
+        if text.startswith(self.TAG, i):
+            i = skip_ws(text, i + len(self.TAG))
+        if not final and self.TAG.startswith(text[i:]):
+            return "", []  # nothing yet, or the tag's start: undecided
+        if text[i:i + 1] != "{":
+            return text, []  # a call is the whole answer (vLLM's llama3_json): this one is text
+        try:
+            calls, _ = self._calls_after(text, i, self.SEPARATOR.strip(), None)
+        except ParseError:
+            return text, []  # JSON that is no call
+        return "", calls
+
+    def grammar(self, request, lit, head, document):
+        if document is not None and not request.calls_only:
+            raise ValueError("Llama 3's tool calls are a bare JSON object, as a JSON answer would be")
+        repeat = f" ({json.dumps(self.SEPARATOR)} call)*" if request.parallel else ""
+        if request.calls_only:
+            return f"start: call{repeat}\n"
+        return f"start: calls | TEXT\ncalls: call{repeat}\nTEXT: /([^{{ \\n](.|\\n)*)?/\n"
+
+
+class Generic(ToolFormat):
+    """The envelope ``{"tool_calls": [...]}`` or ``{"response": ...}``. Its grammar holds every
+    answer to it, so a start of it that ``max_tokens`` cut (``{"tool``) is no content; text that
+    is not the envelope (a model unconstrained) is content."""
+
+    name, native = "generic", False
+    #: The envelope's keys (llama.cpp's former generic handler).
+    KEYS = ("response", "tool_calls", "tool_call")
+    SEPARATOR = ", "
+
+    def prompt_messages(self, messages, tools, json_answer):
+        return generic_messages(messages, tools, json_answer)
+
+    def template_tools(self, tools):
+        return None
+
+    def prompt_chars(self, tools):
+        return generic_indentation(tools)
+
+    def parse(self, text: str, final: bool, json_answer: bool = False) -> tuple[str, list[CallView]]:
+        i = skip_ws(text, 0)
+        if i == len(text):
+            return (text if final else ""), []
+        if text[i] != "{":
+            return text, []  # the model answered in plain text
+        try:
+            j = skip_ws(text, i + 1)
+            if j == len(text):
+                return "", []
+            end = string_end(text, j) if text[j] == '"' else -1
+            if end == -1:
+                raise ParseError("expected a key")
+            if end is None:
+                if not any(k.startswith(text[j + 1:]) for k in self.KEYS):
+                    raise ParseError("unknown key")
+                return "", []
+            key = json.loads(text[j:end])
+            if key not in self.KEYS:
+                raise ParseError(f"unknown key {key!r}")
+            j = skip_ws(text, end)
+            if j < len(text) and text[j] != ":":
+                raise ParseError("expected ':'")
+            j = skip_ws(text, j + 1)
+            if j >= len(text):
+                return "", []
+            if key == "response":  # a string, or a document of the request's JSON format
+                return (_json_value_prefix(text, j) if json_answer else _json_string_prefix(text, j, final)), []
+            if key == "tool_calls" and text[j] == "[":
+                calls, _ = self._calls_after(text, j + 1, self.SEPARATOR.strip(), "]")
+                return "", calls
+            if key == "tool_call":
+                view, _ = scan_call(text, j)
+                return "", [view]
+            raise ParseError(f"unknown key {key!r}")
+        except ParseError:
+            return (text if final or value_end(text, i) is not None else ""), []
+
+    def grammar(self, request, lit, head, document):
+        repeat = f" ({json.dumps(self.SEPARATOR)} call)*" if request.parallel else ""
+        calls = f'"{{\\"tool_calls\\": [" call{repeat} "]}}"'
+        if request.calls_only:
+            return f"start: {calls}\n"
+        # or the answer: a JSON string, or a document of the format
+        return (f'start: {calls} | "{{\\"response\\": " answer "}}"\n'
+                f'answer: {document or "%json " + json.dumps(TEXT_ANSWER)}\n')
+
+
+#: The generic envelope's text answer: a JSON string, written as ``json.dumps`` writes it.
+TEXT_ANSWER = {"type": "string", "x-guidance": COMPACT}
+HERMES, MISTRAL, LLAMA3_JSON, GENERIC = Hermes(), Mistral(), Llama3Json(), Generic()
 
 
 def detect(source: str, takes_tools: bool) -> ToolFormat:
@@ -91,136 +318,6 @@ def detect(source: str, takes_tools: bool) -> ToolFormat:
         if "<|python_tag|>" in source or '"parameters": dictionary of argument name' in source:
             return LLAMA3_JSON
     return GENERIC
-
-
-def _calls_after(fmt: ToolFormat, text: str, i: int, sep: str, close: str | None) -> tuple[list[CallView], int | None]:
-    """Call objects from ``text[i]`` on, separated by ``sep``, up to ``close`` (None: the text's
-    end); returns them and the index past ``close`` (None while not reached)."""
-    calls: list[CallView] = []
-    while True:
-        view, end = scan_call(text, i, fmt.args_keys)
-        if end is None:
-            if view.name is not None or view.arguments:
-                calls.append(view)
-            return calls, None
-        calls.append(view)
-        i = skip_ws(text, end)
-        if text.startswith(sep, i):
-            i += len(sep)
-            continue
-        if close is None or text.startswith(close, i):
-            return calls, (i + len(close or ""))
-        if i == len(text) or close.startswith(text[i:]):
-            return calls, None
-        raise ParseError(f"expected {sep!r} or {close!r} at {i}")
-
-
-def _hermes(fmt: ToolFormat, text: str, final: bool) -> tuple[str, list[CallView]]:
-    open_, close = "<tool_call>", "</tool_call>"
-    content, calls, pos = [], [], 0
-    while True:
-        k = text.find(open_, pos)
-        tail = text[pos:] if k < 0 else text[pos:k]
-        if calls:
-            tail = tail.lstrip()  # the newlines between calls are not content
-        if k < 0:
-            content.append(tail if final else held_back(tail, fmt.markers))
-            return "".join(content), calls
-        content.append(tail.rstrip())
-        try:
-            view, end = scan_call(text, k + len(open_))
-        except ParseError:
-            if calls:
-                return "".join(content), calls  # text past a malformed call is dropped
-            return (text if final else held_back(text, fmt.markers)), []
-        calls.append(view)
-        if end is None:
-            return "".join(content), calls
-        after = skip_ws(text, end)
-        if text.startswith(close, after):
-            pos = after + len(close)
-        elif after == len(text) or close.startswith(text[after:]):
-            return "".join(content), calls
-        else:
-            pos = after  # no closing tag: what follows is read as it comes
-
-
-def _mistral(fmt: ToolFormat, text: str, final: bool) -> tuple[str, list[CallView]]:
-    k = text.find("[TOOL_CALLS]")
-    if k < 0:
-        return (text if final else held_back(text, fmt.markers)), []
-    i = skip_ws(text, k + len("[TOOL_CALLS]"))
-    content = text[:k].rstrip()
-    if i == len(text):
-        return content, []
-    try:
-        if text[i] != "[":
-            raise ParseError("expected '['")
-        calls, _ = _calls_after(fmt, text, i + 1, ",", "]")
-    except ParseError:
-        return (text if final else held_back(text, fmt.markers)), []
-    return content, calls
-
-
-def _llama3(fmt: ToolFormat, text: str, final: bool) -> tuple[str, list[CallView]]:
-    i = skip_ws(text, 0)
-    if text.startswith("<|python_tag|>", i):
-        i = skip_ws(text, i + len("<|python_tag|>"))
-    if not final and "<|python_tag|>".startswith(text[i:]):
-        return "", []  # nothing yet, or the tag's start: undecided
-    if text[i:i + 1] != "{":
-        return text, []  # a call is the whole answer (vLLM's llama3_json): this one is text
-    try:
-        calls, _ = _calls_after(fmt, text, i, ";", None)
-    except ParseError:
-        return text, []  # JSON that is no call
-    return "", calls
-
-
-#: The generic envelope's keys (llama.cpp's former generic handler).
-_GENERIC_KEYS = ("response", "tool_calls", "tool_call")
-
-
-def _generic(fmt: ToolFormat, text: str, final: bool) -> tuple[str, list[CallView]]:
-    """The envelope ``{"tool_calls": [...]}`` or ``{"response": ...}``. Its grammar holds every
-    answer to it, so a start of it that ``max_tokens`` cut (``{"tool``) is no content; text that
-    is not the envelope (a model unconstrained) is content."""
-    i = skip_ws(text, 0)
-    if i == len(text):
-        return (text if final else ""), []
-    if text[i] != "{":
-        return text, []  # the model answered in plain text
-    try:
-        j = skip_ws(text, i + 1)
-        if j == len(text):
-            return "", []
-        end = string_end(text, j) if text[j] == '"' else -1
-        if end == -1:
-            raise ParseError("expected a key")
-        if end is None:
-            if not any(k.startswith(text[j + 1:]) for k in _GENERIC_KEYS):
-                raise ParseError("unknown key")
-            return "", []
-        key = json.loads(text[j:end])
-        if key not in _GENERIC_KEYS:
-            raise ParseError(f"unknown key {key!r}")
-        j = skip_ws(text, end)
-        if j < len(text) and text[j] != ":":
-            raise ParseError("expected ':'")
-        j = skip_ws(text, j + 1)
-        if j >= len(text):
-            return "", []
-        if key == "response":  # a string, or a document of the request's JSON format
-            return (_json_value_prefix(text, j) if fmt.json_answer else _json_string_prefix(text, j, final)), []
-        if key == "tool_calls" and text[j] == "[":
-            calls, _ = _calls_after(fmt, text, j + 1, ",", "]")
-            return "", calls
-        if key == "tool_call":
-            view, _ = scan_call(text, j)
-            return "", [view]
-        raise ParseError(f"unknown key {key!r}")
-    except ParseError:
-        return (text if final or value_end(text, i) is not None else ""), []
 
 
 def _json_string_prefix(text: str, i: int, final: bool) -> str:
@@ -246,8 +343,6 @@ def _json_value_prefix(text: str, i: int) -> str:
     end = value_end(text, i)
     return text[i:end] if end is not None else text[i:]
 
-
-_PARSERS = {"hermes": _hermes, "mistral": _mistral, "llama3_json": _llama3, "generic": _generic}
 
 
 # -- the generic format's prompt -------------------------------------------------------------------

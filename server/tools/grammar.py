@@ -6,11 +6,15 @@ A call is the text ``{"name": "<name>", "arguments": <JSON of the function's par
 ``parameters`` for Llama 3), one Lark rule per callable function: the fixed text as literals,
 the arguments a ``%json`` of the function's ``parameters`` as given (and of an object), so its
 ``$ref``s resolve in it alone and no two functions' definitions meet (nothing is rewritten: a
-``$ref`` inside a ``const`` stays data). JSON is written with the separators ``json.dumps`` uses (what the
-templates show the model). Per ``tool_choice``:
+``$ref`` inside a ``const`` stays data). JSON is written with the separators ``json.dumps`` uses
+(what the templates show the model).
 
-- ``required`` / a named function: the answer is the format's call section and nothing else,
-  one or more calls (exactly one when ``parallel_tool_calls`` is false);
+Each format writes its own rule ``start`` (``server/tools/formats.py``); this module writes the
+rest. Per ``tool_choice``:
+
+- ``required`` / a named function (:attr:`server.tools.spec.ToolRequest.calls_only`): the
+  answer is the format's call section and nothing else, one or more calls (exactly one when
+  ``parallel_tool_calls`` is false);
 - ``auto``: free text, and once the format's marker appears (``<tool_call>``,
   ``[TOOL_CALLS]``) the call grammar: a lazy lexeme, as in the "Tool
   calling" section of llguidance's syntax guide and llama.cpp's grammar triggers. Llama 3's calls are the whole answer, so its
@@ -28,20 +32,23 @@ with calls, so the format has nothing to hold there.
 from __future__ import annotations
 
 import json
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import llguidance
 
 from engine.errors import InvalidRequest
-from engine.llama.grammar import check, closed_objects
-from server.tools.formats import ToolFormat
-from server.tools.spec import AUTO, ToolRequest
+from server.structured.constraint import OutputConstraint
+from server.structured.schema import closed_objects
+from server.tools.spec import Tool, ToolRequest
+
+if TYPE_CHECKING:  # the formats call this module's helpers
+    from server.tools.formats import ToolFormat
 
 #: Separators as json.dumps writes them, no other whitespace: what the templates show.
 COMPACT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
-def _arguments_schema(parameters: dict) -> dict:
+def arguments_schema(parameters: dict) -> dict:
     """A function's arguments' schema (with ``x-guidance``'s :data:`COMPACT`): its ``parameters``
     as their own ``%json`` root, and an object
     (OpenAI: ``arguments`` is a JSON object) whatever else the schema says. The request's check
@@ -49,28 +56,27 @@ def _arguments_schema(parameters: dict) -> dict:
     ``$ref``, ``anyOf`` or ``allOf`` would otherwise let the model write ``null`` or ``[]``
     there; llguidance intersects the two, and one that allows no object does not compile. A root
     without a ``type`` that refers to itself (``"$ref": "#"``) stays as given: the added type would
-    narrow every such reference too (a helper's finding), so there the root is not held to an object.
-    Objects that name their keys take no others (:func:`engine.llama.grammar.closed_objects`,
+    narrow every such reference too, so there the root is not held to an object.
+    Objects that name their keys take no others (:func:`server.structured.schema.closed_objects`,
     whose ``ValueError`` this raises)."""
     own = parameters if "type" in parameters or '"$ref": "#"' in json.dumps(parameters) else \
         {**parameters, "type": "object"}
     return {**closed_objects(own), "x-guidance": COMPACT}
 
 
-def _calls(fmt: ToolFormat, request: ToolRequest) -> str:
-    """The Lark rules ``call`` (one call of any function the request lets the model call) and
-    one ``call_<i>`` / ``arguments_<i>`` pair per function."""
+def _calls(fmt: ToolFormat, tools: tuple[Tool, ...], arguments: list[dict]) -> str:
+    """The Lark rules ``call`` (one call of any of ``tools``, whose arguments' schemas are
+    ``arguments``) and one ``call_<i>`` / ``arguments_<i>`` pair per function."""
     rules, names = [], []
-    for i, tool in enumerate(request.callable()):
+    for i, (tool, schema) in enumerate(zip(tools, arguments)):
         opening = json.dumps(f'{{"name": {json.dumps(tool.name)}, "{fmt.args_keys[0]}": ')
-        arguments = json.dumps(_arguments_schema(tool.parameters))
-        rules.append(f'call_{i}: {opening} arguments_{i} "}}"\narguments_{i}: %json {arguments}\n')
+        rules.append(f'call_{i}: {opening} arguments_{i} "}}"\narguments_{i}: %json {json.dumps(schema)}\n')
         names.append(f"call_{i}")
     return f"call: {' | '.join(names)}\n" + "".join(rules)
 
 
 def tool_grammar(fmt: ToolFormat, request: ToolRequest, specials: dict[str, int] | None = None,
-                 content: dict | None = None) -> str:
+                 content: dict | None = None, arguments: list[dict] | None = None) -> str:
     """The llguidance grammar (its JSON form) for ``request`` in format ``fmt``.
 
     Args:
@@ -80,18 +86,17 @@ def tool_grammar(fmt: ToolFormat, request: ToolRequest, specials: dict[str, int]
             text never holds a special token, so such a trigger needs no lazy lexeme.
         content: the JSON schema (with its ``x-guidance`` options) an answer that is not a call
             must follow (None: free text); see the module's docstring.
+        arguments: :func:`arguments_schema` of each callable function, when the caller has them
+            already (its check); made here otherwise.
 
-    Checks nothing (:func:`check_parameters` names a function that cannot be enforced; the
-    caller checks the whole).
+    Checks nothing (:func:`checked_arguments` checks the schemas it holds).
 
     Raises:
         ValueError: ``content`` with a format whose calls and answers could not be told apart
-            (Llama 3's: both are a JSON object).
+            (Llama 3's: both are a JSON object); a function's parameters :func:`arguments_schema`
+            refuses.
     """
-    required = request.choice != AUTO
     specials = specials or {}
-    if content is not None and fmt.name == "llama3_json" and not required:
-        raise ValueError("Llama 3's tool calls are a bare JSON object, as a JSON answer would be")
     document = f"%json {json.dumps(content)}" if content is not None else None
 
     def lit(text: str) -> str:
@@ -100,56 +105,41 @@ def tool_grammar(fmt: ToolFormat, request: ToolRequest, specials: dict[str, int]
     def head(marker: str) -> str:  # free text up to the marker, the marker included
         return (f"head: TEXT {lit(marker)}\n" if marker in specials else
                 f"head[lazy]: TEXT {lit(marker)}\n") + "TEXT: /(.|\\n)*/\n"
-    if fmt.name == "generic":
-        calls = '"{\\"tool_calls\\": [" call' + (' (", " call)*' if request.parallel else "") + ' "]}"'
-        lark = f"start: {calls}\n"
-        if not required:  # or the answer: a JSON string, or a document of the format
-            lark = (f'start: {calls} | "{{\\"response\\": " answer "}}"\n'
-                    f'answer: {document or "%json " + json.dumps({"type": "string", "x-guidance": COMPACT})}\n')
-    elif fmt.name == "hermes":
-        repeat = ' ("\\n" tool_call)*' if request.parallel else ""
-        closed = f'tool_call: {lit("<tool_call>")} "\\n" call "\\n" {lit("</tool_call>")}\n'
-        if required:
-            lark = f"start: tool_call{repeat}\n" + closed
-        elif document:  # the document, or the calls straight away
-            lark = f"start: document | tool_call{repeat}\ndocument: {document}\n" + closed
-        else:  # text, then calls each opened by the marker (lazy: the text ends at the marker)
-            lark = (f"start: opened{'*' if request.parallel else '?'} TEXT\n"
-                    f'opened: head "\\n" call "\\n" {lit("</tool_call>")}\n' + head("<tool_call>"))
-    elif fmt.name == "mistral":
-        repeat = ' (", " call)*' if request.parallel else ""
-        calls = f'{lit("[TOOL_CALLS]")} "[" call{repeat} "]"'
-        lark = (f"start: {calls}\n" if required else
-                f"start: document | {calls}\ndocument: {document}\n" if document else
-                f'start: TEXT | head "[" call{repeat} "]"\n' + head("[TOOL_CALLS]"))
-    elif fmt.name == "llama3_json":
-        repeat = ' ("; " call)*' if request.parallel else ""
-        lark = f"start: call{repeat}\n" if required else f"start: calls | TEXT\ncalls: call{repeat}\nTEXT: /([^{{ \\n](.|\\n)*)?/\n"
-    else:
-        raise ValueError(f"no grammar for format {fmt.name}")
-    return llguidance.grammar_from("lark", f"%llguidance {{}}\n{lark}{_calls(fmt, request)}")
+    start = fmt.grammar(request, lit, head, document)
+    tools = request.callable()
+    if arguments is None:
+        arguments = [arguments_schema(t.parameters) for t in tools]
+    return llguidance.grammar_from("lark", f"%llguidance {{}}\n{start}{_calls(fmt, tools, arguments)}")
 
 
-def check_parameters(request: ToolRequest, checker: Callable[[str], str] | None = None) -> None:
-    """Refuse, by name, the first function the model may call whose ``parameters`` llguidance
-    cannot compile, or that leave a call no first character (no instance at all, as
-    ``{"$ref": "#"}``; one whose every instance is infinite further in, as a required property
-    of its own type, is found only at the token that reaches it: ``constraint_failed``): each function's
-    arguments alone, taken by ``checker`` (a memo of :func:`engine.llama.grammar.check` with
-    ``text_only``, that check itself by default: arguments hold no special token). Run before
-    the whole grammar is checked, whose message would name only ``tools`` and quote its Lark.
+def checked_arguments(request: ToolRequest, content: OutputConstraint | None,
+                      check_schemas: Callable[[list[dict]], tuple[int, str]]) -> list[dict]:
+    """:func:`arguments_schema` of each function the model may call, checked with the JSON
+    format's schema (``content``, checked first) by ``check_schemas`` (a memo of
+    :func:`server.structured.check.check_schemas`: one build for all of them).
 
     Raises:
-        InvalidRequest: naming ``tools[<i>].function.parameters``, with the library's message.
+        InvalidRequest: naming the first part at fault (``content.param``, or the function's
+            ``parameters``: ``tools[<i>].function.parameters``), with the library's message
+            about that schema; ``tools`` when they cannot be enforced only together.
     """
+    params, parts = [], []  # a part: its schema, or why it has none
+    if content is not None:
+        params.append(content.param)
+        parts.append(content.schema)
+    callable_ = request.callable()
     for i, tool in enumerate(request.tools):
-        if tool in request.callable():
-            param = f"tools[{i}].function.parameters"
+        if tool in callable_:
+            params.append(request.parameters_param(i))
             try:
-                grammar = llguidance.grammar_from("json_schema", _arguments_schema(tool.parameters))
+                parts.append(arguments_schema(tool.parameters))
             except ValueError as e:
-                error = str(e)
-            else:
-                error = checker(grammar) if checker is not None else check(grammar, text_only=True)
-            if error:
-                raise InvalidRequest(f"{param} cannot be enforced: {error}", param)
+                parts.append(str(e))
+    broken = next((k for k, part in enumerate(parts) if isinstance(part, str)), len(parts))
+    index, error = check_schemas(parts[:broken]) if broken else (-1, "")
+    if not error and broken < len(parts):
+        index, error = broken, parts[broken]
+    if error:
+        param = params[index] if index >= 0 else "tools"
+        raise InvalidRequest(f"{param} cannot be enforced: {error}", param)
+    return parts[1:] if content is not None else parts

@@ -2,7 +2,7 @@
 tool parsers).
 
 :class:`ToolCallParser` is fed a choice's text deltas; after each it returns the new content
-text and the new pieces of calls (:class:`server.generation.request.ToolCallDelta`). Each feed
+text and the new pieces of calls (:class:`ToolCallDelta`). Each feed
 re-reads the choice's whole text with its format's ``parse`` (``server/tools/formats.py``),
 which says what the text holds so far: content, and calls each with a name (once complete)
 and its arguments' raw text so far. The parser sends what is new. So arguments go out as the
@@ -20,8 +20,6 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass
-
-from server.generation.request import ToolCallDelta
 
 _WS = " \t\n\r"
 #: A JSON string from its opening quote: group 1 is the closing quote ("" while incomplete).
@@ -67,6 +65,18 @@ def value_end(s: str, i: int) -> int | None:
         return None
     m = _SCALAR_END.search(s, i)
     return m.start() if m else None
+
+
+@dataclass
+class ToolCallDelta:
+    """A piece of one tool call of a choice (OpenAI's ``delta.tool_calls[]``): ``index`` counts
+    the choice's calls from 0; the first piece of a call carries its ``id`` and ``name``, later
+    ones only text of its ``arguments`` (raw JSON text as the model wrote it)."""
+
+    index: int
+    id: str | None = None
+    name: str | None = None
+    arguments: str = ""
 
 
 @dataclass
@@ -154,13 +164,15 @@ class ToolCallParser:
         fmt: the template's :class:`server.tools.formats.ToolFormat`.
         max_calls: calls read at most (1 for ``parallel_tool_calls: false``); text after the
             last of them is dropped, and :attr:`done` says the answer is over.
-        calls_only: the answer holds calls and nothing else (``tool_choice`` ``required`` or a
-            function: its grammar says so), so no text is content, not even the start of a
-            call that ``max_tokens`` cut before its name.
+        calls_only: the answer holds calls and nothing else
+            (:attr:`server.tools.spec.ToolRequest.calls_only`: its grammar says so), so no text
+            is content, not even the start of a call that ``max_tokens`` cut before its name.
+        json_answer: the request's JSON format holds the answers that are not calls, so an
+            answer is read as JSON text (the generic envelope's ``response`` kept as written).
     """
 
-    def __init__(self, fmt, max_calls: int | None = None, calls_only: bool = False):
-        self.fmt, self.max_calls, self.calls_only = fmt, max_calls, calls_only
+    def __init__(self, fmt, max_calls: int | None = None, calls_only: bool = False, json_answer: bool = False):
+        self.fmt, self.max_calls, self.calls_only, self.json_answer = fmt, max_calls, calls_only, json_answer
         self.text = ""
         self._content_sent = 0
         self._calls: list[list] = []  # [id, arguments sent]
@@ -176,7 +188,7 @@ class ToolCallParser:
         if self.done:
             return "", []
         self.text += text
-        content, calls = self.fmt.parse(self.text, final)
+        content, calls = self.fmt.parse(self.text, final, self.json_answer)
         if self.calls_only:
             content = ""
         if self.max_calls is not None:

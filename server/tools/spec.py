@@ -17,12 +17,15 @@ class Tool:
             "properties": {}}`` when the request gave none, as OpenAI's default).
         strict: the request's ``strict`` (arguments are always constrained to ``parameters``
             here when a call is constrained; ``strict`` changes nothing else).
+        parameters_param: the client's field ``parameters`` came from, named when they cannot
+            be enforced (None: chat's ``tools[<i>].function.parameters``, by the tool's index).
     """
 
     name: str
     description: str
     parameters: dict
     strict: bool = False
+    parameters_param: str | None = None
 
     def openai(self) -> dict:
         """The tool as OpenAI's request shape, which chat templates take as ``tools``."""
@@ -50,6 +53,16 @@ class ToolRequest:
     choice: str = AUTO
     name: str | None = None
     parallel: bool = True
+
+    @property
+    def calls_only(self) -> bool:
+        """The answer can only be calls (``required`` or a named function): its grammar admits
+        nothing else, and no text of it is content (the one place this rule is written)."""
+        return self.choice in (REQUIRED, NAMED)
+
+    def parameters_param(self, i: int) -> str:
+        """The client's field of the ``i``-th tool's ``parameters``."""
+        return self.tools[i].parameters_param or f"tools[{i}].function.parameters"
 
     def callable(self) -> tuple[Tool, ...]:
         """The functions the answer may call: all of them, or only the named one."""

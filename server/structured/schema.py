@@ -1,0 +1,117 @@
+"""The JSON-schema policy of structured outputs: what a client's schema means here, before
+llguidance holds the model to it (docs/api.md "Structured outputs").
+
+- Objects that name their keys take no others (:func:`closed_objects`), as llama.cpp's and
+  xgrammar's converters read them.
+- JSON is compact (:data:`JSON_OPTIONS`: no whitespace between tokens), so a small model cannot
+  spend its tokens on blank space; a schema's own ``x-guidance`` options (llguidance's:
+  separators, whitespace) are honoured, except ``lenient`` (:data:`EXACT`): a keyword the library
+  cannot enforce is refused, never skipped (:func:`guided`).
+"""
+from __future__ import annotations
+
+import functools
+import json
+
+#: llguidance's JSON-schema options by default: compact JSON (``,`` and ``:`` with no spaces).
+JSON_OPTIONS = {"whitespace_flexible": False}
+#: llguidance's JSON-schema options whatever the schema says: every keyword enforced or refused.
+EXACT = {"lenient": False}
+
+
+def guided(schema: dict) -> dict:
+    """``schema`` with its ``x-guidance`` options resolved as llguidance's
+    ``grammar_from_json_schema(schema, defaults=JSON_OPTIONS, overrides=EXACT)`` resolves them
+    (defaults, then the schema's own, then the overrides; a non-object ``x-guidance`` is none):
+    the schema a grammar holds, alone or inlined beside tools (``%json``). Returns a new dict."""
+    own = schema.get("x-guidance")
+    return {**schema, "x-guidance": {**JSON_OPTIONS, **(own if isinstance(own, dict) else {}), **EXACT}}
+
+
+#: JSON Schema (2020-12) keywords whose value is a schema, a list of schemas, or an object of
+#: schemas; any other keyword's value is data (``const``, ``enum``, ``default``...) or a number.
+_SCHEMA = ("additionalProperties", "items", "additionalItems", "not", "contains", "propertyNames", "if", "then",
+           "else", "unevaluatedItems", "unevaluatedProperties")
+_SCHEMA_LISTS = ("prefixItems", "anyOf", "oneOf", "allOf")
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+
+
+def closed_objects(schema: dict) -> dict:
+    """``schema`` with every object schema that names its keys (``properties`` or
+    ``patternProperties``) and says nothing of other keys (no ``additionalProperties`` or
+    ``unevaluatedProperties``) closed to them (``additionalProperties: false``): how llama.cpp's
+    converter (``json-schema-to-grammar``) and xgrammar's strict mode, vLLM's default, read such a
+    schema, and what clients that write schemas from classes (pydantic: instructor,
+    pydantic-ai...) mean; a small model given open objects adds keys until its token limit.
+    ``additionalProperties: true`` (or a schema) keeps an object open. A name in ``required``
+    that ``properties`` does not give is one of the object's keys (added as ``true``; an object
+    with ``patternProperties`` and such a name is left open). A schema that composes objects
+    anywhere (``allOf``, or ``properties``, ``patternProperties`` or ``required`` beside
+    ``anyOf``, ``oneOf`` or ``$ref``) is kept as given: llguidance intersects the parts, and a
+    part closed to another's keys would refuse them. Returns a new schema;
+    ``schema`` is not changed. Memoized by the schema's JSON text (the last 256): a request's
+    check and its grammar, and a client's next request with the same schema or tools, walk it
+    once (a 46 KB schema takes 11 ms); the result is shared, so it is never to be changed.
+
+    Raises:
+        ValueError: ``minProperties`` above 1 where keys may come from ``additionalProperties`` or
+            ``patternProperties``: llguidance keeps only the keys of ``properties`` unique, so a
+            document could meet the count with one key repeated .
+    """
+    return _closed_objects(json.dumps(schema))
+
+
+@functools.lru_cache(maxsize=256)
+def _closed_objects(text: str) -> dict:
+    """:func:`closed_objects` of the schema whose JSON text is ``text``."""
+    schema = json.loads(text)
+
+    def composes(node) -> bool:
+        if not isinstance(node, dict):
+            return False
+        keys = any(k in node for k in ("properties", "patternProperties", "required"))
+        return "allOf" in node or (keys and any(k in node for k in ("anyOf", "oneOf", "$ref"))) or \
+            any(composes(n) for _, _, n in _subschemas(node))
+    close = not composes(schema)
+
+    def walk(node, path: str):
+        if not isinstance(node, dict):
+            return node  # true, false
+        out = dict(node)
+        for key, name, sub in _subschemas(node):
+            walked = walk(sub, f"{path}/{key}" + (f"/{name}" if name is not None else ""))
+            if name is None:
+                out[key] = walked
+            else:
+                out[key] = out[key].copy() if out[key] is node[key] else out[key]
+                out[key][name] = walked
+        declared = node.get("properties") if isinstance(node.get("properties"), dict) else {}
+        undeclared = [k for k in node.get("required") or () if isinstance(k, str) and k not in declared]
+        if close and ("properties" in node or "patternProperties" in node) and "additionalProperties" not in node \
+                and "unevaluatedProperties" not in node and not (undeclared and "patternProperties" in node):
+            out["additionalProperties"] = False
+            if undeclared:
+                out["properties"] = {**out.get("properties", {}), **dict.fromkeys(undeclared, True)}
+        open_keys = out.get("additionalProperties", True) is not False or "patternProperties" in node
+        least = node.get("minProperties")
+        if open_keys and isinstance(least, (int, float)) and not isinstance(least, bool) and least > 1:
+            raise ValueError(f"minProperties above 1 (at {path or '/'}) needs keys kept unique, and the keys "
+                             "beyond properties (additionalProperties, patternProperties) are not: a repeated key "
+                             "could meet the count")
+        return out
+    return walk(schema, "")
+
+
+def _subschemas(node: dict):
+    """``(keyword, index or name or None, subschema)`` for each schema directly inside ``node``."""
+    for key in _SCHEMA:
+        if isinstance(node.get(key), list) and key == "items":  # draft 4's tuple form
+            yield from ((key, i, n) for i, n in enumerate(node[key]))
+        elif key in node:
+            yield key, None, node[key]
+    for key in _SCHEMA_LISTS:
+        if isinstance(node.get(key), list):
+            yield from ((key, i, n) for i, n in enumerate(node[key]))
+    for key in _SCHEMA_MAPS:
+        if isinstance(node.get(key), dict):
+            yield from ((key, k, n) for k, n in node[key].items())
