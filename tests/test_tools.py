@@ -509,3 +509,32 @@ def test_nested_definitions_of_each_function_are_kept_apart(tokenizer, ll_tokeni
     assert walk(ll_tokenizer, grammar, tokenizer.encode(ok))
     assert not walk(ll_tokenizer, grammar, tokenizer.encode('{"tool_calls": [{"name": "order", "arguments": {"items": [{"sku": "a"}]}}]}'))
     assert not walk(ll_tokenizer, grammar, tokenizer.encode('{"tool_calls": [{"name": "tree", "arguments": {"tag": "z"}}]}'))
+
+
+TWO_CALLS = {  # each format's answer of two calls, as its grammar writes it
+    formats.HERMES: HERMES_CALL + '\n<tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n</tool_call>',
+    formats.MISTRAL: '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}, '
+                     '{"name": "get_time", "arguments": {"zone": "UTC"}}]',
+    formats.LLAMA3_JSON: '{"name": "get_weather", "parameters": {"city": "Paris"}}; '
+                         '{"name": "get_time", "parameters": {"zone": "UTC"}}',
+    formats.GENERIC: '{"tool_calls": [{"name": "get_weather", "arguments": {"city": "Paris"}}, '
+                     '{"name": "get_time", "arguments": {"zone": "UTC"}}]}',
+}
+
+
+@pytest.mark.parametrize("fmt", list(TWO_CALLS), ids=lambda f: f.name)
+@pytest.mark.parametrize("choice", ["auto", "required"])
+def test_what_each_grammar_admits_its_parser_reads(tokenizer, ll_tokenizer, fmt, choice):
+    """Every format's grammar and parser agree on its call syntax (Llama 3's separator was
+    ``"; "`` in the one and ``";"`` in the other): the calls the grammar admits are read back,
+    and the parser reads a model's separator without its space too."""
+    from server.tools.grammar import tool_grammar
+    from server.tools.spec import ToolRequest
+    text = TWO_CALLS[fmt]
+    assert walk(ll_tokenizer, tool_grammar(fmt, ToolRequest((W, T), choice)), tokenizer.encode(text))
+    for step in (1, len(text)):
+        content, calls, _ = read(fmt, text, step)
+        assert content == "" and [(n, json.loads(a)) for _, n, a in calls] == [
+            ("get_weather", {"city": "Paris"}), ("get_time", {"zone": "UTC"})], (content, calls)
+    if fmt is formats.LLAMA3_JSON:
+        assert len(read(fmt, text.replace("; ", ";"), 3)[1]) == 2
