@@ -28,12 +28,13 @@ class PromptTooLong(InvalidRequest):
 
     Attributes: ``n_prompt`` (a lower bound when ``at_least``: found before tokenizing),
     ``max_new_tokens`` (None when the prompt alone is too long), ``limit`` (tokens per
-    sequence). ``param`` is None until the front end names the field.
+    sequence), ``param`` (the request field at fault).
     """
 
     code = "context_length_exceeded"
 
-    def __init__(self, n_prompt: int, limit: int, max_new_tokens: int | None = None, at_least: bool = False):
+    def __init__(self, n_prompt: int, limit: int, max_new_tokens: int | None = None, at_least: bool = False,
+                 param: str | None = None):
         self.n_prompt, self.limit, self.max_new_tokens = n_prompt, limit, max_new_tokens
         if max_new_tokens is None:
             msg = (f"prompt has {'at least ' if at_least else ''}{n_prompt} tokens, more than the per-sequence "
@@ -42,7 +43,7 @@ class PromptTooLong(InvalidRequest):
         else:
             msg = (f"prompt ({n_prompt} tokens) + max_tokens ({max_new_tokens}) = "
                    f"{n_prompt + max_new_tokens} tokens exceeds the per-sequence limit of {limit}")
-        super().__init__(msg)
+        super().__init__(msg, param)
 
 
 class ModelNotFound(RequestError):
