@@ -176,9 +176,7 @@ class Generator:
         """
         at_least = template_tokens + -(-(chars + sum(len(t) for t in texts)) // self.tokenizer.max_piece_bytes)
         if at_least > self.engine.max_seq_len - 1:
-            e = PromptTooLong(at_least, self.engine.max_seq_len, at_least=True)
-            e.param = prompt_param
-            raise e
+            raise PromptTooLong(at_least, self.engine.max_seq_len, at_least=True, param=prompt_param)
 
     def complete(self, prompts: list[str | list[int]], req: GenerationRequest, prompt_param: str = "prompt",
                  **submit) -> Generation:
