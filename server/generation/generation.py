@@ -73,6 +73,8 @@ class Generation:
         self.req, self.prompts, self.watch_socket = req, prompts, watch_socket
         self.fields = FieldNames(prompt_param, req.max_tokens_param, grammar_param)
         scores = req.echo and sampling.logprobs is not None
+        # the one max_tokens 0 rule: the engine's scoring kind with max_new_tokens 0 (prepared so
+        # that every prompt is still checked), submitted only when the prompt is to be scored
         generates = req.max_tokens != 0
         self.kind = RequestKind.SCORE if scores or not generates else RequestKind.GENERATE
         self.sampling = sampling if generates else dataclasses.replace(sampling, max_new_tokens=0)
