@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 
 from engine.request import EngineRequest, SamplingParams
-from server.text.detokenizer import Detokenizer
+from engine.stream import Token
+from server.generation.choice import ChoiceState
 from shm import Transport
 
 
@@ -45,9 +46,12 @@ def test_ring_submit_and_ingest(benchmark, transport):
 def test_detokenize_per_token(benchmark, tokenizer, stops):
     ids = tokenizer.encode("Once upon a time, in a land of ünïcödé and emoji 🌊, a sailor sang. " * 8)
 
-    def detokenize():
-        d = Detokenizer(tokenizer.pieces, stops)
-        return "".join(d.push(i) for i in ids) + d.flush()
+    tokens = [Token(i) for i in ids]
+
+    def detokenize():  # a choice without tools: detokenizer, then stop strings
+        choice = ChoiceState(0, tokenizer.pieces, stops)
+        text = "".join(d.text for t in tokens for d in choice.push([t]))
+        return text + ("" if choice.ended else choice.finish("length").text)
 
     text = benchmark(detokenize)
     assert "sailor sang" in text

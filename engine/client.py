@@ -13,6 +13,7 @@ Many streams are read together with :func:`engine.stream.follow`. Errors are tho
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import socket
 from typing import Sequence as Seq
@@ -20,7 +21,7 @@ from typing import Sequence as Seq
 import numpy as np
 
 from engine.errors import ClientDisconnected, EngineUnavailable, RateLimited, Saturated, ShuttingDown
-from engine.request import EngineRequest, Priority, RequestKind, SamplingParams, extras_room
+from engine.request import EngineRequest, FieldNames, Priority, RequestKind, SamplingParams, extras_room
 from engine.stream import Stream
 from engine.supervisor import pid_alive
 from shm.buckets import SharedBuckets
@@ -70,35 +71,47 @@ class EngineClient:
         """Sequences that can be in flight at once (running plus queued): the mailboxes."""
         return self.t.layout.n_mailboxes
 
-    def check(self, prompt_ids: Seq[int], params: SamplingParams, kind: RequestKind = RequestKind.GENERATE) -> None:
-        """Raise what :meth:`submit` would for a request that cannot fit (InvalidRequest,
-        PromptTooLong), without submitting anything (the same check, ``EngineRequest.resolved``)."""
-        EngineRequest(np.asarray(prompt_ids, dtype=np.int32), params, kind=kind).resolved(self.max_seq_len,
-                                                                                         self.max_extras_bytes)
+    def prepare(self, prompt_ids: Seq[int], params: SamplingParams, kind: RequestKind = RequestKind.GENERATE,
+                fields: FieldNames = FieldNames()) -> EngineRequest:
+        """The request of one sequence, checked to fit this engine's records and with
+        ``max_new_tokens`` resolved (:meth:`EngineRequest.resolved`), for :meth:`submit`.
+        Submits nothing.
 
-    def submit(self, prompt_ids: Seq[int], params: SamplingParams, *, priority: Priority = Priority.NORMAL,
-               deadline_ms: float | None = None, tenant: int = 0, weight: float = 1.0,
-               max_concurrent: int | None = None, watch_socket: socket.socket | None = None,
-               kind: RequestKind = RequestKind.GENERATE) -> Stream:
+        Raises:
+            InvalidRequest / PromptTooLong: the request does not fit, naming the field of
+            ``fields`` at fault.
+        """
+        return EngineRequest(np.asarray(prompt_ids, dtype=np.int32), params, kind=kind).resolved(
+            self.max_seq_len, self.max_extras_bytes, fields)
+
+    def submit(self, request: EngineRequest | Seq[int], params: SamplingParams | None = None, *,
+               priority: Priority = Priority.NORMAL, deadline_ms: float | None = None, tenant: int = 0,
+               weight: float = 1.0, max_concurrent: int | None = None, watch_socket: socket.socket | None = None,
+               kind: RequestKind = RequestKind.GENERATE, grammar_param: str | None = None) -> Stream:
         """Queue one sequence.
 
         Args:
-            prompt_ids: token ids, 1..max_seq_len-1 of them.
+            request: what :meth:`prepare` made, or token ids (1..max_seq_len-1 of them) to
+                prepare here with ``params`` and ``kind``.
             kind: generate, or score the prompt first (:class:`RequestKind`; the stream's
                 :meth:`Stream.prompt_logprobs`), then generate ``max_new_tokens`` (0 allowed).
             deadline_ms: milliseconds from now after which the engine gives up; None = none.
             tenant, weight: fair-share identity and weight (VTC).
             max_concurrent: most sequences ``tenant`` may have in flight on this node (None: no limit).
             watch_socket: the client's connection; if it closes, the sequence is cancelled.
+            grammar_param: the request field the grammar came from, named by the stream's
+                ``ConstraintFailed``.
         Raises:
-            InvalidRequest / PromptTooLong: the request does not fit (checked here, once).
+            InvalidRequest / PromptTooLong: token ids whose request does not fit (:meth:`prepare`).
+            InvalidRequest: ``deadline_ms`` not a positive, finite number.
             ClientDisconnected: ``watch_socket`` is already closed. ShuttingDown: the server is
             draining. EngineUnavailable: the engine is not ready. Saturated: no free mailbox. RateLimited (``kind``
             ``concurrency``): the tenant is at ``max_concurrent``.
         """
-        request = EngineRequest(np.asarray(prompt_ids, dtype=np.int32), params, Priority(priority),
-                                EngineRequest.deadline_after(deadline_ms), tenant, weight, kind
-                                ).resolved(self.max_seq_len, self.max_extras_bytes)
+        if not isinstance(request, EngineRequest):
+            request = self.prepare(request, params, kind)
+        request = dataclasses.replace(request, priority=Priority(priority), tenant=tenant, weight=weight,
+                                      deadline=EngineRequest.deadline_after(deadline_ms))
         if watch_socket is not None and hung_up(watch_socket):
             # A request read from a pipeline after its client left must not be decoded.
             raise ClientDisconnected("client closed the connection before its request was queued")
@@ -115,7 +128,8 @@ class EngineClient:
             raise Saturated(retry_after=1)
         self.t.mailboxes.submit(lease, len(request.prompt),
                                 functools.partial(request.encode, max_seq_len=self.max_seq_len))
-        return Stream(self.t.mailboxes, lease, len(request.prompt), params.logprobs, watch_socket, self.engine_alive)
+        return Stream(self.t.mailboxes, lease, len(request.prompt), request.sampling.logprobs, watch_socket,
+                      self.engine_alive, grammar_param)
 
     def engine_alive(self) -> bool:
         """The engine process named in the control block exists (False once it died, until a

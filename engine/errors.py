@@ -28,7 +28,7 @@ class PromptTooLong(InvalidRequest):
 
     Attributes: ``n_prompt`` (a lower bound when ``at_least``: found before tokenizing),
     ``max_new_tokens`` (None when the prompt alone is too long), ``limit`` (tokens per
-    sequence). ``param``: the field at fault (None until the front end names it).
+    sequence), ``param`` (the request field at fault).
     """
 
     code = "context_length_exceeded"

@@ -207,17 +207,18 @@ class SamplingParams:
         blobs = self.extras()
         return json.dumps(blobs, separators=(",", ":")).encode() if blobs else b""
 
-    def check_extras(self, extras_bytes: int) -> None:
+    def check_extras(self, extras_bytes: int, fields: FieldNames | None = None) -> None:
         """Raise unless the variable section fits ``extras_bytes``.
 
         Raises:
-            InvalidRequest: naming the largest ``blob`` field.
+            InvalidRequest: naming the largest ``blob`` field (``grammar`` as ``fields`` names it).
         """
         if len(extras := self.extras_bytes()) > extras_bytes:
             blobs = self.extras()
             name = max(blobs, key=lambda k: len(json.dumps(blobs[k])))
+            param = (fields or FieldNames()).grammar if name == "grammar" else name
             raise InvalidRequest(f"{name} needs {len(extras)} bytes of the request's variable section; this "
-                                 f"server carries at most {extras_bytes} (--max-request-extras-bytes)", name)
+                                 f"server carries at most {extras_bytes} (--max-request-extras-bytes)", param)
 
     def encode(self, rec) -> None:
         """Write the fixed fields into a record with :meth:`wire_fields` (None as -1)."""
@@ -251,17 +252,26 @@ class SamplingParams:
         return obj
 
 
-def check_prompt_fits(n_prompt: int, max_seq_len: int, param: str | None = None) -> None:
+def check_prompt_fits(n_prompt: int, max_seq_len: int, param: str | None = "prompt") -> None:
     """The one length rule for a prompt: at most ``max_seq_len - 1`` tokens, so that one sequence
     holds it and a token after it.
 
     Raises:
-        PromptTooLong: naming ``param`` (None: the front end names the field).
+        PromptTooLong: naming ``param``.
     """
     if n_prompt > max_seq_len - 1:
-        e = PromptTooLong(n_prompt, max_seq_len)
-        e.param = param
-        raise e
+        raise PromptTooLong(n_prompt, max_seq_len, param=param)
+
+
+@dataclass(frozen=True)
+class FieldNames:
+    """The request fields, as the client named them, that a refusal of
+    :meth:`EngineRequest.resolved` names (OpenAI's ``param``): where the prompt came from, the
+    most tokens to generate, and the grammar (None: the request has none)."""
+
+    prompt: str = "prompt"
+    max_new_tokens: str = "max_tokens"
+    grammar: str | None = "grammar"
 
 
 @dataclass(frozen=True)
@@ -337,11 +347,12 @@ class EngineRequest:
         ms = check_number("deadline_ms", deadline_ms, **DEADLINE_MS_BOUNDS)
         return time.monotonic() + ms / 1000.0
 
-    def resolved(self, max_seq_len: int, extras_bytes: int | None = None) -> "EngineRequest":
+    def resolved(self, max_seq_len: int, extras_bytes: int | None = None,
+                 fields: FieldNames = FieldNames()) -> "EngineRequest":
         """This request with ``max_new_tokens`` resolved against ``max_seq_len``, checked to fit
         a record whose variable section holds ``extras_bytes`` (None: unchecked).
 
-        Raises:
+        Raises (each naming the field of ``fields`` at fault):
             InvalidRequest: empty prompt, ``max_new_tokens`` 0 for a request that is not
             scoring, or a variable section larger than ``extras_bytes`` (naming the largest
             ``blob`` field). PromptTooLong: the prompt (plus
@@ -349,16 +360,17 @@ class EngineRequest:
         """
         n, max_new = len(self.prompt), self.sampling.max_new_tokens
         if n < 1:
-            raise InvalidRequest("prompt is empty", "prompt")
+            raise InvalidRequest("prompt is empty", fields.prompt)
         if max_new == 0 and self.kind != RequestKind.SCORE:
-            raise InvalidRequest("max_new_tokens must be at least 1 for a request that generates", "max_tokens")
+            raise InvalidRequest("max_new_tokens must be at least 1 for a request that generates",
+                                 fields.max_new_tokens)
         if extras_bytes is not None:
-            self.sampling.check_extras(extras_bytes)
-        check_prompt_fits(n, max_seq_len)
+            self.sampling.check_extras(extras_bytes, fields)
+        check_prompt_fits(n, max_seq_len, fields.prompt)
         if max_new is None:
             return replace(self, sampling=replace(self.sampling, max_new_tokens=max_seq_len - n))
         if n + max_new > max_seq_len:
-            raise PromptTooLong(n, max_seq_len, max_new)
+            raise PromptTooLong(n, max_seq_len, max_new, param=fields.max_new_tokens)
         return self
 
 

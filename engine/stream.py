@@ -54,12 +54,15 @@ class Stream:
     Args:
         mailboxes: the transport's mailboxes. lease: the mailbox holding the results.
         n_logprobs: top-k asked for, or None. watch_socket: the client's connection, for
-            :meth:`__iter__` (a hang-up cancels).
+            :meth:`__iter__` (a hang-up cancels). grammar_param: the request field the
+            sequence's grammar came from (named by ``ConstraintFailed``).
     """
 
     def __init__(self, mailboxes: Mailboxes, lease: Lease, n_prompt: int, n_logprobs: int | None,
-                 watch_socket: socket.socket | None = None, engine_alive: Callable[[], bool] | None = None):
+                 watch_socket: socket.socket | None = None, engine_alive: Callable[[], bool] | None = None,
+                 grammar_param: str | None = None):
         self.mailboxes, self.lease, self.engine_alive = mailboxes, lease, engine_alive
+        self.grammar_param = grammar_param
         self.n_prompt, self.n_logprobs, self.watch_socket = n_prompt, n_logprobs, watch_socket
         self.n_generated = 0
         self.n_cached = 0
@@ -86,7 +89,8 @@ class Stream:
                     raise InvalidRequest("engine rejected the request")
                 if outcome.error == ErrorCode.CONSTRAINT:
                     raise ConstraintFailed("the output's grammar allowed no token the sampler could pick; "
-                                           "the sequence was ended rather than continued unconstrained")
+                                           "the sequence was ended rather than continued unconstrained",
+                                           self.grammar_param)
                 if outcome.error == ErrorCode.SHUTDOWN:
                     raise ShuttingDown("the server is shutting down")
                 raise EngineUnavailable(_ERROR_MESSAGES.get(outcome.error, "engine stopped"))

@@ -13,7 +13,8 @@ Properties checked:
   rendered; the prompt decodes to the template rendered with the messages' text, and message text
   never becomes a special token. Run with the model's template and with Mistral's, whose
   ``raise_exception`` refuses some role orders.
-* detokenizer (``server/text/detokenizer.py``): for any token ids (biased to pieces that are only part
+* detokenizer (``server/text/detokenizer.py``, with the stop strings a choice applies after it,
+  ``server/generation/choice.py``): for any token ids (biased to pieces that are only part
   of a UTF-8 character) and stop strings, the joined deltas equal the non-streamed text: the whole
   decode (a character cut short at the end dropped) up to the first stop string completed. End to
   end, a greedy answer streamed and not streamed is the same text, and that reference.
@@ -42,14 +43,15 @@ from hypothesis import HealthCheck, currently_in_test_context, event, given, set
 from hypothesis import strategies as st
 
 from engine.errors import RequestError
+from engine.stream import Token
 from server.api.infer import INFER_FIELDS, parse_infer
 from server.api.requests import (CHAT_FIELDS, CHAT_ROLES, COMPLETION_FIELDS, MAX_N, MAX_STOPS, SERVICE_TIERS, check_model,
                                  parse_generation, parse_messages, parse_prompt, render_options)
 from server.errors import APIError, grpc_error, http_error
+from server.generation.choice import ChoiceState
 from server.http.body import read_json
 from server.tenancy.tenants import DEFAULT_TENANT, Tenant, TenantRegistry, Tenants
 from server.text.chat_template import ROLE_ALIASES, ChatTemplate
-from server.text.detokenizer import Detokenizer
 from tests.test_http_contract import GREETING_PROMPT, MULTIBYTE_PROMPTS, equal_streamed, parse_sse, post
 
 CORPUS = Path(__file__).with_name("fuzz_corpus")
@@ -394,13 +396,13 @@ def check_detokenizer(tokenizer, ids: list[int], stops: list[str]) -> None:
     """The joined deltas of ``ids`` (stop strings ``stops``) are :func:`reference_text` cut by
     :func:`apply_stops`; without stops the server's own whole decode agrees, up to the U+FFFD it
     writes for a character cut short at the end."""
-    d = Detokenizer(tokenizer.pieces, stops)
-    deltas = [d.push(t) for t in ids]
-    tail = d.flush()
+    choice = ChoiceState(0, tokenizer.pieces, stops)  # a choice without tools: detokenizer, then stops
+    deltas = ["".join(d.text for d in choice.push([Token(t)])) for t in ids]
+    tail = "" if choice.ended else choice.finish("length").text
     text = reference_text(tokenizer.pieces, ids)
     expected, stopped = apply_stops(text, stops)
     assert "".join(deltas) + tail == expected, (deltas, tail, expected)
-    assert d.stopped == stopped and (tail == "" or not stopped)
+    assert (choice.finish_reason == "stop") == stopped and (tail == "" or not stopped)
     outcome("stopped" if stopped else "not stopped")
     if not stops:
         data = b"".join(tokenizer.pieces[t] for t in ids)

@@ -9,7 +9,8 @@ from engine.config import ConfigError
 from engine.request import EngineRequest, Priority, SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence
-from server.text.detokenizer import Detokenizer
+from engine.stream import Token
+from server.generation.choice import ChoiceState
 
 HIGH, NORMAL, LOW = Priority
 
@@ -194,9 +195,12 @@ PIECES = [b"Hel", b"lo", b",", b" wor", b"ld", b"\xe4\xbd", b"\xa0", b"\xe5\xa5\
 
 
 def run(tokens: list[int], stops: list[str]) -> tuple[list[str], str, bool]:
-    d = Detokenizer(PIECES, stops)
-    deltas = [d.push(t) for t in tokens]
-    return deltas, d.flush(), d.stopped
+    """Each token's text, the text at the end, and whether a stop string ended the choice, as a
+    choice without tools reads them (detokenizer, then stop strings)."""
+    choice = ChoiceState(0, PIECES, stops)
+    deltas = ["".join(d.text for d in choice.push([Token(t)])) for t in tokens]
+    tail = "" if choice.ended else choice.finish("length").text
+    return deltas, tail, choice.finish_reason == "stop"
 
 
 def test_split_code_point_is_never_emitted_in_halves():

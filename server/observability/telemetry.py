@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import ujson
 
 from engine.errors import ClientDisconnected, DeadlineExceeded, RateLimited
-from server.generation.pipeline import Generation
+from server.generation.generation import Generation, GenerationStats
 from server.generation.request import Usage
 from server.tenancy.tenants import DEFAULT_TENANT, Tenant
 
@@ -62,15 +62,15 @@ class RequestRecord:
         self.generation, self.prompt = generation, prompt
 
 
-def finish_reason(gen: Generation | None, error: BaseException | None) -> str:
+def finish_reason(stats: GenerationStats | None, error: BaseException | None) -> str:
     """Choice 0's finish reason, or how the request ended without one (see the module)."""
     if isinstance(error, (ClientDisconnected, GeneratorExit)):
         return "cancelled"
     if isinstance(error, DeadlineExceeded):
         return "deadline"
-    if error is not None or gen is None or gen.finish_reasons[0] is None:
+    if error is not None or stats is None or stats.finish_reasons[0] is None:
         return "error"
-    return gen.finish_reasons[0]
+    return stats.finish_reasons[0]
 
 
 LIMIT_KINDS = ("requests", "tokens", "concurrency")
@@ -120,36 +120,37 @@ class Telemetry:
 
     def _finish(self, record: RequestRecord, status: str, error: BaseException | None) -> None:
         now = time.monotonic()
-        gen = record.generation
-        reason = finish_reason(gen, error)
-        usage = gen.usage() if gen is not None else Usage()
-        timings = gen.timings() if gen is not None and gen.streams else None
+        stats = record.generation.stats() if record.generation is not None else None
+        reason = finish_reason(stats, error)
+        usage = stats.usage if stats is not None else Usage()
+        timings = stats.timings if stats is not None else None
         queue_wait = timings.admitted - timings.queued if timings is not None and timings.admitted else None
-        ttft = gen.first_token_at - record.started if gen is not None and gen.first_token_at else None
+        ttft = stats.first_token_at - record.started if stats is not None and stats.first_token_at else None
         latency = now - record.started
-        deadline = reason == "deadline" or (gen is not None and "deadline" in gen.finish_reasons)
+        deadline = reason == "deadline" or (stats is not None and "deadline" in stats.finish_reasons)
         if self.metrics is not None:
-            self._observe(record, status, reason, error, usage, queue_wait, ttft, latency, deadline)
+            self._observe(record, status, reason, error, stats, queue_wait, ttft, latency, deadline)
         line = {"request_id": record.request_id, "tenant": record.tenant.id, "route": record.route,
                 "status": status, "finish_reason": reason, "prompt_tokens": usage.prompt_tokens,
                 "cached_tokens": usage.cached_tokens, "completion_tokens": usage.completion_tokens,
-                "tool_calls": sum(gen.tool_calls) if gen is not None else 0, "queue_wait_s": _round(queue_wait),
+                "tool_calls": sum(stats.tool_calls) if stats is not None else 0, "queue_wait_s": _round(queue_wait),
                 "time_to_first_token_s": _round(ttft), "latency_s": _round(latency)}
         if self.log_prompts:
             line["prompt"] = record.prompt
         log.info(ujson.dumps(line, ensure_ascii=False, escape_forward_slashes=False))
 
-    def _observe(self, record, status, reason, error, usage: Usage, queue_wait, ttft, latency, deadline) -> None:
+    def _observe(self, record, status, reason, error, stats: GenerationStats | None, queue_wait, ttft, latency,
+                 deadline) -> None:
         m, tenant = self.metrics, record.tenant.id
+        usage = stats.usage if stats is not None else Usage()
         m.REQUESTS.labels(tenant, record.route, status, reason).inc()
         m.LATENCY.labels(record.route, reason).observe(latency)
         if queue_wait is not None:
             m.QUEUE_WAIT.observe(max(0.0, queue_wait))
         if ttft is not None:
             m.TIME_TO_FIRST_TOKEN.observe(ttft)
-        if record.generation is not None:
-            for gap in record.generation.token_gaps:
-                m.INTER_TOKEN_LATENCY.observe(gap)
+        for gap in stats.token_gaps if stats is not None else ():
+            m.INTER_TOKEN_LATENCY.observe(gap)
         if usage.prompt_tokens:
             m.PROMPT_TOKENS.labels(tenant).inc(usage.prompt_tokens)
         if usage.cached_tokens:

@@ -1,11 +1,13 @@
-"""Incremental, UTF-8-safe detokenization with stop strings (:class:`StopStrings`, also applied
-on their own to the visible text of an answer read for tool calls).
+"""Incremental, UTF-8-safe detokenization (:class:`Detokenizer`) and stop strings
+(:class:`StopStrings`), which ``server/generation/choice.py`` applies, in that order with a tool
+parser between them, to each choice's text.
 
 Tokens arrive one at a time; a token may carry part of a code point (the bundled model splits
 one CJK character over two tokens) and a stop string may span tokens or sit inside one. Text
-goes out only when it is (1) whole code points and (2) cannot become the start of a stop
-string; the rest is held back and flushed at the end when no stop string matched.
-Invalid bytes inside the text become U+FFFD; an incomplete character at the very end is dropped.
+goes out of the detokenizer only as whole code points, and out of the stop strings only when it
+cannot become the start of a stop string; the rest is held back and flushed at the end when no
+stop string matched. Invalid bytes inside the text become U+FFFD; an incomplete character at the
+very end is dropped.
 """
 from __future__ import annotations
 
@@ -67,39 +69,27 @@ class Detokenizer:
 
     Args:
         pieces: ``token id -> bytes`` (``Tokenizer.pieces``).
-        stops: stop strings (:class:`StopStrings`).
     """
 
-    def __init__(self, pieces: list[bytes], stops: list[str]):
+    def __init__(self, pieces: list[bytes]):
         self.pieces = pieces
         self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        self._stops = StopStrings(stops)
-
-    @property
-    def stopped(self) -> bool:
-        return self._stops.stopped
 
     def push(self, token: int) -> str:
-        """Add one token; returns the text now safe to emit ('' if none). After a stop string
-        matched, ``stopped`` is True and later calls return ''."""
-        if self.stopped:
-            return ""
-        return self._stops.push(self._utf8.decode(self.pieces[token]))
+        """Add one token; returns the text it completes ('' if none: part of a character)."""
+        return self._utf8.decode(self.pieces[token])
 
     def flush(self) -> str:
-        """End of generation: whatever text is held. Bytes of a code point that generation cut
-        short (``max_tokens`` inside a multi-byte character) are dropped, not sent as U+FFFD,
-        as vLLM's detokenizer does; held bytes that no further byte could have completed (a
-        surrogate's ``ED A1``, which Python's incremental decoder holds for a third byte) are
-        invalid, U+FFFD each, as the whole text's decode writes them (found by the fuzz test)."""
-        if self.stopped:
-            return ""
+        """End of generation: the text of the bytes still held. Bytes of a code point that
+        generation cut short (``max_tokens`` inside a multi-byte character) are dropped, not
+        sent as U+FFFD, as vLLM's detokenizer does; held bytes that no further byte could have
+        completed (a surrogate's ``ED A1``, which Python's incremental decoder holds for a third
+        byte) are invalid, U+FFFD each, as the whole text's decode writes them."""
         held = self._utf8.getstate()[0]
         self._utf8.reset()
         try:
             held.decode("utf-8")
-            invalid = ""
+            return ""
         except UnicodeDecodeError as e:
             cut_short = e.start == 0 and e.end == len(held) and e.reason == "unexpected end of data"
-            invalid = "" if cut_short else held.decode("utf-8", errors="replace")
-        return self._stops.push(invalid) + self._stops.flush()
+            return "" if cut_short else held.decode("utf-8", errors="replace")

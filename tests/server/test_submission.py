@@ -1,0 +1,37 @@
+"""A request's submission (``server/generation/submission.py``) through the in-process app (the
+shared ``app`` fixture): each prompt is prepared once, whatever its number of choices, and a
+refusal names the client's own field from where it is raised."""
+from __future__ import annotations
+
+import pytest
+
+from engine.request import EngineRequest
+from tests.test_http_contract import error, post
+
+
+@pytest.fixture
+def resolved(monkeypatch):
+    """The prompt length of every ``EngineRequest.resolved`` call during a test."""
+    seen, real = [], EngineRequest.resolved
+
+    def watched(self, *args, **kwargs):
+        seen.append(len(self.prompt))
+        return real(self, *args, **kwargs)
+    monkeypatch.setattr(EngineRequest, "resolved", watched)
+    return seen
+
+
+def test_each_prompt_is_resolved_once(app, resolved):
+    r = post(app, "/v1/completions", {"prompt": ["Hello", "Once upon a time"], "n": 2, "max_tokens": 2,
+                                      "temperature": 0})
+    assert r.status == 200 and len(r.json()["choices"]) == 4, r.body
+    assert len(resolved) == 2 and resolved[0] < resolved[1]  # per prompt, not per choice nor per step
+
+
+def test_a_prompt_that_cannot_fit_is_refused_naming_the_clients_fields(app, resolved):
+    chat = {"messages": [{"role": "user", "content": "hi"}]}
+    error(post(app, "/v1/chat/completions", {**chat, "max_completion_tokens": 100_000}), 400,
+          param="max_completion_tokens", code="context_length_exceeded")
+    assert len(resolved) == 1  # refused by EngineRequest.resolved, which named the field
+    error(post(app, "/v1/completions", {"prompt": [1] * 600, "max_tokens": 1}), 400,
+          param="prompt", code="context_length_exceeded")
