@@ -95,6 +95,10 @@ class _Transaction:
                 self.lock.release()
 
 
+#: The environment variable naming the node's response store (SQLite): a file in a private
+#: directory the master creates (``server/gunicorn_conf.py``), which every worker opens
+#: (``server/http/worker_app.py``; a continuation may reach any of them).
+RESPONSES_DB_ENV = "INFERENCE_RESPONSES_DB"
 # How long a connection waits for another's write lock. Writes are a few rows, but a worker
 # may be descheduled while it holds the lock on a busy node.
 _BUSY_TIMEOUT_S = 5.0
