@@ -70,6 +70,22 @@ class StoreLimits:
     ttl_s: float = 86400.0
 
 
+def previous(store, tenant: str, response_id: str) -> dict:
+    """The stored document a continuation continues (``previous_response_id``), from ``store``
+    (a :class:`LocalStore` or :class:`RedisStore`).
+
+    Raises:
+        ResponseNotFound, StoreUnavailable: naming ``previous_response_id``.
+    """
+    try:
+        return store.get(tenant, response_id)
+    except ResponseNotFound:
+        raise ResponseNotFound(f"Previous response with id {response_id!r} not found.",
+                               "previous_response_id") from None
+    except StoreUnavailable as e:
+        raise StoreUnavailable(e.message, "previous_response_id") from None
+
+
 def _missing(response_id: str) -> ResponseNotFound:
     return ResponseNotFound(f"No response found with id {response_id!r}", "response_id")
 

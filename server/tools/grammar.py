@@ -140,11 +140,12 @@ def check_parameters(request: ToolRequest, checker: Callable[[str], str] | None 
     the whole grammar is checked, whose message would name only ``tools`` and quote its Lark.
 
     Raises:
-        InvalidRequest: naming ``tools[<i>].function.parameters``, with the library's message.
+        InvalidRequest: naming the function's ``parameters`` as the client sent them
+            (:attr:`Tool.path`), with the library's message.
     """
     for i, tool in enumerate(request.tools):
         if tool in request.callable():
-            param = f"tools[{i}].function.parameters"
+            param = f"{tool.path or f'tools[{i}].function'}.parameters"
             try:
                 grammar = llguidance.grammar_from("json_schema", _arguments_schema(tool.parameters))
             except ValueError as e:

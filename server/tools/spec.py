@@ -4,7 +4,7 @@ Completions: ``tools``, ``tool_choice``, ``parallel_tool_calls``). Built by
 output parser and the grammar."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
@@ -17,12 +17,16 @@ class Tool:
             "properties": {}}`` when the request gave none, as OpenAI's default).
         strict: the request's ``strict`` (arguments are always constrained to ``parameters``
             here when a call is constrained; ``strict`` changes nothing else).
+        path: where the function's fields are in the request, as the client sent them
+            (``tools[0].function``; the Responses API's ``tools[0]``), for the refusals that
+            name one of them (``{path}.parameters``). Not part of the tool's identity.
     """
 
     name: str
     description: str
     parameters: dict
     strict: bool = False
+    path: str = field(default="", compare=False)
 
     def openai(self) -> dict:
         """The tool as OpenAI's request shape, which chat templates take as ``tools``."""
