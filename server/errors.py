@@ -98,9 +98,9 @@ _STATUS = {ModelNotFound: 404, Unauthenticated: 401, PermissionDenied: 403, Resp
            StoreUnavailable: 424}  # 424 Failed Dependency: the store (Redis) could not be reached
 
 #: gRPC status names (``grpc.StatusCode``) of the HTTP statuses :func:`http_error` gives.
-_GRPC = {400: "INVALID_ARGUMENT", 401: "UNAUTHENTICATED", 403: "PERMISSION_DENIED", 404: "NOT_FOUND", 424: "UNAVAILABLE",
-         413: "INVALID_ARGUMENT", 415: "INVALID_ARGUMENT", 429: "RESOURCE_EXHAUSTED", 503: "UNAVAILABLE",
-         500: "INTERNAL"}
+_GRPC = {400: "INVALID_ARGUMENT", 401: "UNAUTHENTICATED", 403: "PERMISSION_DENIED", 404: "NOT_FOUND",
+         424: "UNAVAILABLE", 413: "INVALID_ARGUMENT", 415: "INVALID_ARGUMENT", 429: "RESOURCE_EXHAUSTED",
+         503: "UNAVAILABLE", 500: "INTERNAL"}
 
 
 def grpc_error(ex: Exception) -> tuple[str, str, tuple[tuple[str, str], ...]]:

@@ -43,8 +43,9 @@ def parse_infer(body: dict, tenant: Tenant, tenants: TenantRegistry) -> tuple[st
     payload = body.get("payload")
     if not isinstance(payload, str):
         raise InvalidRequest("payload must be a string", "payload")
+    max_new_tokens = number(body, "max_new_tokens", **MAX_NEW_TOKENS_BOUNDS)
     greq = GenerationRequest(
-        sampling=SamplingParams(max_new_tokens=number(body, "max_new_tokens", **MAX_NEW_TOKENS_BOUNDS), temperature=0.0),
+        sampling=SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0),
         max_tokens_param="max_new_tokens", priority=priority(body.get("priority")),
         deadline_ms=number(body, "deadline_ms", **DEADLINE_MS_BOUNDS))
     return tenant_id, greq, [{"role": "user", "content": payload}]

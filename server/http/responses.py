@@ -54,7 +54,7 @@ class Responses:
         tenant = req.context.tenant
         model = check_model(body, self.config.model_ids)
         rr = parse(body, lambda rid: previous(self.store, tenant.id, rid), self.config.max_messages)
-        gen = self.generator.chat(rr.messages, rr.generation, prompt_param="input", render=RENDER, tenant=tenant,
+        gen = self.generator.chat(rr.messages, rr.generation, prompt_param="input", render=dict(RENDER), tenant=tenant,
                                   watch_socket=req.env.get("gunicorn.socket"))
         req.context.record.attach(gen, body.get("input"))
         builder = ResponseBuilder(new_id("resp"), model, self._echo(body, rr))
