@@ -1,7 +1,8 @@
 """The errors a request can end with, for every front end.
 
 They are raised once, where the fault is found (the parser, :class:`engine.request.SamplingParams`,
-the engine client) and translated once per protocol: HTTP in ``server/errors.py``. Each carries
+the engine client) and translated once per protocol: HTTP in ``server/errors.py``. The front
+end's own refusals (an API key, a permission, a model name) are ``server/api/errors.py``'s. Each carries
 what a protocol needs to answer: ``param`` (the request field at fault) and ``code`` (a
 machine-readable reason, as in OpenAI's error object).
 """
@@ -44,12 +45,6 @@ class PromptTooLong(InvalidRequest):
             msg = (f"prompt ({n_prompt} tokens) + max_tokens ({max_new_tokens}) = "
                    f"{n_prompt + max_new_tokens} tokens exceeds the per-sequence limit of {limit}")
         super().__init__(msg, param)
-
-
-class ModelNotFound(RequestError):
-    """The request names a model this server does not serve (HTTP 404, gRPC NOT_FOUND)."""
-
-    code = "model_not_found"
 
 
 class EngineError(RuntimeError):
@@ -97,19 +92,6 @@ class DeadlineExceeded(EngineError):
 
 class ClientDisconnected(EngineError):
     """The watched client connection closed; the request's sequences were cancelled."""
-
-
-class Unauthenticated(RequestError):
-    """A missing or unknown API key while a tenant file is loaded (HTTP 401, gRPC UNAUTHENTICATED).
-    The message never repeats the key."""
-
-    code = "invalid_api_key"
-
-
-class PermissionDenied(RequestError):
-    """The key is valid but may not do this, e.g. name another tenant (HTTP 403)."""
-
-    code = "permission_denied"
 
 
 class RateLimited(RequestError):

@@ -59,19 +59,6 @@ class Priority(IntEnum):
     NORMAL = 1
     LOW = 2
 
-    @classmethod
-    def parse(cls, value, param: str = "priority") -> "Priority":
-        """``"high" | "normal" | "low"`` (None: normal).
-
-        Raises:
-            InvalidRequest: anything else.
-        """
-        if value is None:
-            return cls.NORMAL
-        if isinstance(value, str) and value.upper() in cls.__members__:
-            return cls[value.upper()]
-        names = ", ".join(p.name.lower() for p in cls)
-        raise InvalidRequest(f"{param} must be one of {names}, got {shown(value)}", param)
 
 
 def _field(default, wire: str, lo=None, hi=None, lo_open: bool = False):
@@ -92,29 +79,21 @@ def _is_blob(f) -> bool:
     return f.metadata["wire"] == "blob"
 
 
-def shown(value, limit: int = 40) -> str:
-    """A request value for an error message, cut to ``limit`` characters."""
-    plain_int = isinstance(value, int) and not isinstance(value, bool)
-    text = str(value) if plain_int else json.dumps(value, ensure_ascii=False)
-    return text if len(text) <= limit else text[:limit] + "..."
-
-
-def check_number(name: str, value, lo=None, hi=None, lo_open: bool = False, integer: bool = False):
-    """``value`` as an int (``integer``) or a float, if it is a finite number within bounds.
-
-    Bounds are compared before any conversion, so a 400-digit integer never overflows a float.
+def _checked(name: str, value, lo=None, hi=None, lo_open: bool = False, integer: bool = False):
+    """``value`` as an int (``integer``) or a float, if it is a finite number within bounds: the
+    invariant of these types, whoever builds them (a client's JSON is checked, with its own
+    field paths, by the front end's parser first: ``server/api/fields.py``).
 
     Raises:
         InvalidRequest: naming ``name``.
     """
-    kind = "an integer" if integer else "a number"
-    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)) or \
-            (isinstance(value, float) and not math.isfinite(value)) or \
-            (integer and isinstance(value, float) and not value.is_integer()):
-        raise InvalidRequest(f"{name} must be {kind}, got {shown(value)}", name)
-    if (lo is not None and (value < lo or (lo_open and value == lo))) or (hi is not None and value > hi):
+    is_number = isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)
+    if not is_number or (isinstance(value, (float, np.floating)) and not math.isfinite(value)) or \
+            (integer and isinstance(value, (float, np.floating)) and not float(value).is_integer()) or \
+            (lo is not None and (value < lo or (lo_open and value == lo))) or (hi is not None and value > hi):
         bound = f"({lo}, {hi}]" if lo_open else f"[{lo}, {hi}]"
-        raise InvalidRequest(f"{name} must be in {bound}, got {shown(value)}", name)
+        raise InvalidRequest(f"{name} must be {'an integer' if integer else 'a number'} in {bound}, got {value!r}",
+                             name)
     return int(value) if integer else float(value)
 
 
@@ -162,8 +141,8 @@ class SamplingParams:
         for f in fields(self):
             value, wire = getattr(self, f.name), f.metadata["wire"]
             if f.name == "logit_bias":
-                value = tuple((check_number("logit_bias", t, lo=0, integer=True),
-                               check_number("logit_bias", b, **LOGIT_BIAS_BOUNDS)) for t, b in value)
+                value = tuple((_checked("logit_bias", t, lo=0, integer=True),
+                               _checked("logit_bias", b, **LOGIT_BIAS_BOUNDS)) for t, b in value)
             elif f.name == "grammar":
                 if value is not None and not isinstance(value, str):
                     raise InvalidRequest("grammar must be a string", "grammar")
@@ -175,7 +154,7 @@ class SamplingParams:
             elif wire == "?":
                 value = bool(value)
             elif value is not None:
-                value = check_number(f.name, value, *f.metadata["bounds"], integer=wire[0] == "i")
+                value = _checked(f.name, value, *f.metadata["bounds"], integer=wire[0] == "i")
             object.__setattr__(self, f.name, value)
 
     @staticmethod
@@ -344,7 +323,7 @@ class EngineRequest:
         """
         if deadline_ms is None:
             return 0.0
-        ms = check_number("deadline_ms", deadline_ms, **DEADLINE_MS_BOUNDS)
+        ms = _checked("deadline_ms", deadline_ms, **DEADLINE_MS_BOUNDS)
         return time.monotonic() + ms / 1000.0
 
     def resolved(self, max_seq_len: int, extras_bytes: int | None = None,

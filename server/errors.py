@@ -2,7 +2,7 @@
 ``{"error": {"message", "type", "param", "code"}}`` (OpenAI API reference, "Error codes"), and
 every gRPC error a status code with the same message.
 
-The domain errors of :mod:`engine.errors` are mapped to HTTP here and nowhere else
+The domain errors of :mod:`engine.errors` and :mod:`server.api.errors` are mapped to HTTP here and nowhere else
 (:func:`http_error`), both for Falcon's error handlers and for the error event of a stream that
 has already started; :func:`grpc_error` derives the gRPC status from that mapping, so both
 front ends refuse the same requests. :class:`APIError` is for what only HTTP has (413, 415).
@@ -16,8 +16,9 @@ import ujson
 
 import math
 
-from engine.errors import (ClientDisconnected, ConstraintFailed, DeadlineExceeded, EngineUnavailable, ModelNotFound,
-                           PermissionDenied, RateLimited, RequestError, Saturated, ShuttingDown, Unauthenticated)
+from engine.errors import (ClientDisconnected, ConstraintFailed, DeadlineExceeded, EngineUnavailable, RateLimited,
+                           RequestError, Saturated, ShuttingDown)
+from server.api.errors import ModelNotFound, PermissionDenied, Unauthenticated
 from server.responses.store import ResponseNotFound, StoreUnavailable
 
 log = logging.getLogger("server")
@@ -97,9 +98,9 @@ _STATUS = {ModelNotFound: 404, Unauthenticated: 401, PermissionDenied: 403, Resp
            StoreUnavailable: 424}  # 424 Failed Dependency: the store (Redis) could not be reached
 
 #: gRPC status names (``grpc.StatusCode``) of the HTTP statuses :func:`http_error` gives.
-_GRPC = {400: "INVALID_ARGUMENT", 401: "UNAUTHENTICATED", 403: "PERMISSION_DENIED", 404: "NOT_FOUND", 424: "UNAVAILABLE",
-         413: "INVALID_ARGUMENT", 415: "INVALID_ARGUMENT", 429: "RESOURCE_EXHAUSTED", 503: "UNAVAILABLE",
-         500: "INTERNAL"}
+_GRPC = {400: "INVALID_ARGUMENT", 401: "UNAUTHENTICATED", 403: "PERMISSION_DENIED", 404: "NOT_FOUND",
+         424: "UNAVAILABLE", 413: "INVALID_ARGUMENT", 415: "INVALID_ARGUMENT", 429: "RESOURCE_EXHAUSTED",
+         503: "UNAVAILABLE", 500: "INTERNAL"}
 
 
 def grpc_error(ex: Exception) -> tuple[str, str, tuple[tuple[str, str], ...]]:

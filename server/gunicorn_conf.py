@@ -34,12 +34,9 @@ from server.config import ServerConfig
 from server.grpc.keeper import Sidecar, check_port as check_grpc_port
 from server.http.worker import discard_body
 from server.observability import metrics_dir
-from server.responses.store import create_database
+from server.responses.store import RESPONSES_DB_ENV, create_database
 from server.tenancy.tenants import Tenants
 
-#: The node's response store (``server/responses/store.py``, SQLite): a file in a private
-#: directory the master creates, which every worker opens (a continuation may reach any of them).
-RESPONSES_DB_ENV = "INFERENCE_RESPONSES_DB"
 #: The private directory of the Responses store's SQLite file without ``--redis-url``.
 RESPONSES_DIR_PREFIX = "inference-responses-"
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 
 from engine.client import EngineClient
-from engine.request import Priority, SamplingParams
+from engine.request import SamplingParams
+from server.api.fields import priority
 
 
 def generate_many(transport_name: str, jobs: list[dict]) -> list[dict]:
@@ -22,7 +23,7 @@ def _run(client: EngineClient, job: dict) -> dict:
     job = dict(job)
     prompt, params = job.pop("prompt"), SamplingParams(**job.pop("params"))
     if "priority" in job:
-        job["priority"] = Priority.parse(job["priority"])
+        job["priority"] = priority(job["priority"])
     with client.submit(prompt, params, **job) as stream:
         ids = [t.id for t in stream]
         return {"ids": ids, "finish": stream.finish_reason, "timings": stream.timings().__dict__}

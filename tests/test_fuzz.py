@@ -44,8 +44,9 @@ from hypothesis import strategies as st
 
 from engine.errors import RequestError
 from engine.stream import Token
+from server.api.fields import SERVICE_TIERS
 from server.api.infer import INFER_FIELDS, parse_infer
-from server.api.requests import (CHAT_FIELDS, CHAT_ROLES, COMPLETION_FIELDS, MAX_N, MAX_STOPS, SERVICE_TIERS, check_model,
+from server.api.requests import (CHAT_FIELDS, CHAT_ROLES, COMPLETION_FIELDS, MAX_N, MAX_STOPS, check_model,
                                  parse_generation, parse_messages, parse_prompt, render_options)
 from server.errors import APIError, grpc_error, http_error
 from server.generation.choice import ChoiceState

@@ -206,7 +206,8 @@ def test_numeric_bounds_are_the_parsers_bounds(component):
     deadline = DEADLINE_MS_BOUNDS
     assert _bounds(props["deadline_ms"]) == (deadline["lo"], deadline["hi"], deadline["lo_open"], False)
     # The parser's own tables (not re-stated here): fields served only at their default value.
-    for name, (served, _) in params._DEFAULT_ONLY.items():
+    policy = params.CHAT if component.startswith("CreateChat") else params.COMPLETIONS
+    for name, (served, _) in policy.default_only.items():
         if name in props and "enum" in props[name]:
             assert props[name]["enum"] == [*served, None], name
         elif name in props:

@@ -2,8 +2,9 @@
 (entries, bytes, idle time, least recently used first, per tenant), in SQLite and in a real
 Redis; and two real replicas sharing one Redis: a response stored through one is read and
 continued through the other, and while Redis is down answers still come, say they were not
-stored, and a continuation is a clear 424. And the translation of a Responses body into the
-chat body it means (``server/responses/request.py``), without a server."""
+stored, and a continuation is a clear 424. And the refusals of a Responses body made before the
+store is asked (``server/responses/request.py``), without a server (the parser's own tests:
+``tests/server/test_responses_request.py``)."""
 from __future__ import annotations
 
 import multiprocessing
@@ -178,57 +179,7 @@ def test_two_replicas_share_the_store_and_redis_down_is_never_a_5xx(tmp_path):
                 time.sleep(0.2)
 
 
-# -- the translation onto chat (no server) ---------------------------------------------------------------
-def test_a_responses_body_becomes_the_chat_body_it_means():
-    from server.responses.errors import responses_message, responses_param
-    from server.responses.request import parse
-
-    stored = {"conversation": [{"role": "user", "content": "Earlier"}, {"role": "assistant", "content": "Answer"}]}
-    body = {"instructions": "Be brief.", "previous_response_id": "resp_1", "max_output_tokens": 9, "top_p": 0.5,
-            "input": [{"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Let me"}]},
-                      {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
-                      {"type": "function_call", "call_id": "c2", "name": "f", "arguments": "{\"a\": 1}"},
-                      {"type": "function_call_output", "call_id": "c1", "output": [{"type": "input_text", "text": "1"}]},
-                      {"type": "function_call_output", "call_id": "c2", "output": "2"}],
-            "tools": [{"type": "function", "name": "f", "parameters": {"type": "object"}, "strict": True}],
-            "tool_choice": {"type": "function", "name": "f"}, "parallel_tool_calls": False,
-            "text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "object"}, "strict": True}}}
-    asked = []
-    rr = parse(body, lambda rid: asked.append(rid) or stored)
-    assert asked == ["resp_1"]
-    calls = [{"id": c, "type": "function", "function": {"name": "f", "arguments": a}}
-             for c, a in (("c1", "{}"), ("c2", "{\"a\": 1}"))]
-    assert rr.chat == {
-        "messages": [{"role": "system", "content": "Be brief."}, *stored["conversation"],
-                     {"role": "assistant", "content": "Let me", "tool_calls": calls},
-                     {"role": "tool", "tool_call_id": "c1", "content": "1"},
-                     {"role": "tool", "tool_call_id": "c2", "content": "2"}],
-        "add_generation_prompt": True, "max_tokens": 9, "top_p": 0.5, "parallel_tool_calls": False,
-        "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}, "strict": True}}],
-        "tool_choice": {"type": "function", "function": {"name": "f"}},
-        "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"},
-                                                                   "strict": True}}}
-    assert rr.conversation == rr.chat["messages"][1:]  # what a continuation of this one re-sends
-    assert [i["type"] for i in rr.input_items] == ["message", "function_call", "function_call",
-                                                   "function_call_output", "function_call_output"]
-    assert all(i["id"] for i in rr.input_items)
-    # a refusal on the chat side names the Responses field: a message's, the item it came from
-    chat_params = ("max_tokens", "response_format.json_schema.schema", "tools[2].function.name",
-                   "tool_choice.function.name", "temperature", "messages[0].content", "messages[1].content",
-                   "messages[3].content", "messages[3].tool_calls[1].function.arguments", "messages[4].tool_call_id",
-                   "messages[5].content", "messages[9]", "messages")
-    assert [responses_param(p, rr.origins) for p in chat_params] == [
-        "max_output_tokens", "text.format.schema", "tools[2].name", "tool_choice.name", "temperature", "instructions",
-        "previous_response_id", "input[0].content", "input[2].arguments", "input[3].call_id", "input[4].output",
-        "input", "input"]
-    assert responses_message("messages[4].tool_call_id 'c9' answers no call; see tools[0].function.name",
-                             rr.origins) == "input[3].call_id 'c9' answers no call; see tools[0].name"
-    # a malformed body is refused before the store is asked
-    with pytest.raises(Exception, match="background"):
-        parse({"input": "x", "previous_response_id": "resp_1", "background": True}, lambda rid: asked.append(rid))
-    assert asked == ["resp_1"]
-
-
+# -- refused before the store is asked (no server) -----------------------------------------------------
 @pytest.mark.parametrize("body,param", [
     # Found by a hostile helper: input_items pages by item id, so a repeated id made the SDK's
     # pager loop forever (every page "after" the first of them); OpenAI refuses a duplicate too.
@@ -244,5 +195,5 @@ def test_a_responses_body_refused_before_the_store_is_asked(body, param):
     from server.responses.request import parse
 
     with pytest.raises(InvalidRequest) as e:
-        parse(body, lambda rid: pytest.fail("the store was asked"))
+        parse(body, lambda rid: pytest.fail("the store was asked"), 64)
     assert e.value.param == param and '"function": {' not in e.value.message, e.value

@@ -11,14 +11,16 @@ from __future__ import annotations
 
 import time
 
-from engine.errors import InvalidRequest, PermissionDenied
-from engine.request import DEADLINE_MS_BOUNDS, Priority, SamplingParams
-from server.api.requests import check_fields, number
+from engine.errors import InvalidRequest
+from engine.request import DEADLINE_MS_BOUNDS, SamplingParams
+from server.api.errors import PermissionDenied
+from server.api.fields import FieldPolicy, number, priority
 from server.generation.pipeline import Generation
 from server.generation.request import Choice, GenerationRequest
 from server.tenancy.tenants import Tenant, TenantRegistry
 
-INFER_FIELDS = {"tenant_id", "payload", "priority", "deadline_ms", "max_new_tokens"}
+INFER_FIELDS = frozenset({"tenant_id", "payload", "priority", "deadline_ms", "max_new_tokens"})
+INFER = FieldPolicy(INFER_FIELDS)
 #: At least 1: only a scoring request may generate nothing, and /infer does not score.
 MAX_NEW_TOKENS_BOUNDS = {**SamplingParams.bounds("max_new_tokens"), "lo": 1}
 
@@ -32,7 +34,7 @@ def parse_infer(body: dict, tenant: Tenant, tenants: TenantRegistry) -> tuple[st
     Raises:
         InvalidRequest: an unknown or mistyped field. PermissionDenied: another tenant's id.
     """
-    check_fields(body, INFER_FIELDS)
+    INFER.check(body)
     tenant_id = body.get("tenant_id", tenant.id)
     if not isinstance(tenant_id, str):
         raise InvalidRequest("tenant_id must be a string", "tenant_id")
@@ -41,9 +43,10 @@ def parse_infer(body: dict, tenant: Tenant, tenants: TenantRegistry) -> tuple[st
     payload = body.get("payload")
     if not isinstance(payload, str):
         raise InvalidRequest("payload must be a string", "payload")
+    max_new_tokens = number(body, "max_new_tokens", **MAX_NEW_TOKENS_BOUNDS)
     greq = GenerationRequest(
-        sampling=SamplingParams(max_new_tokens=number(body, "max_new_tokens", **MAX_NEW_TOKENS_BOUNDS), temperature=0.0),
-        max_tokens_param="max_new_tokens", priority=Priority.parse(body.get("priority")),
+        sampling=SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0),
+        max_tokens_param="max_new_tokens", priority=priority(body.get("priority")),
         deadline_ms=number(body, "deadline_ms", **DEADLINE_MS_BOUNDS))
     return tenant_id, greq, [{"role": "user", "content": payload}]
 

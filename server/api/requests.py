@@ -1,18 +1,23 @@
-"""Request bodies (JSON objects, from HTTP or from gRPC messages) -> validated generation
-requests (OpenAI API reference: Chat Completions, Completions). Every rejection is an
-:class:`engine.errors.InvalidRequest` naming the field (``param``); bounds of sampling fields
-come from :class:`engine.request.SamplingParams`. Reading an HTTP body is
-``server/http/body.py``'s."""
+"""Chat Completions and Completions bodies (JSON objects, from HTTP or a gRPC message's fields)
+-> a :class:`GenerationRequest` and messages or prompts (OpenAI API reference: Chat
+Completions, Completions). Every rejection is an :class:`engine.errors.InvalidRequest` naming the
+field as the client sent it; the checks are ``server/api/fields.py``'s, the bounds of sampling
+fields :class:`engine.request.SamplingParams`'s. Reading an HTTP body is ``server/http/body.py``'s."""
 from __future__ import annotations
+
+from typing import Callable
 
 import ujson
 
-from engine.errors import InvalidRequest, ModelNotFound
-from engine.request import (DEADLINE_MS_BOUNDS, INT32_MAX, LOGIT_BIAS_BOUNDS, Priority, SamplingParams, check_number,
-                            reduce_seed, shown)
+from engine.errors import InvalidRequest
+from engine.request import DEADLINE_MS_BOUNDS, INT32_MAX, LOGIT_BIAS_BOUNDS, SamplingParams, reduce_seed
+from server.api.errors import ModelNotFound
+from server.api.fields import FieldPolicy, boolean, check_number, number, priority, shown
 from server.api.tools import message_tool_fields, parse_tools
 from server.generation.request import GenerationRequest
+from server.structured.constraint import OutputConstraint
 from server.structured.parse import parse_structured
+from server.tools.spec import ToolRequest
 
 CHAT_ROLES = ("system", "developer", "user", "assistant")
 ROLES = (*CHAT_ROLES, "tool")  # a tool message must answer an earlier call
@@ -22,28 +27,10 @@ MAX_N = 128  # OpenAI's bound; what fits is bounded by the server's capacity (a 
 MAX_STOPS = 32
 
 
-def number(body: dict, name: str, *, default=None, **bounds):
-    """Field ``name`` of ``body`` checked by :func:`engine.request.check_number` with
-    ``bounds`` (``lo``, ``hi``, ``lo_open``, ``integer``); ``default`` when absent or null."""
-    value = body.get(name)
-    return default if value is None else check_number(name, value, **bounds)
-
-
 def sampling_field(body: dict, name: str, field_name: str | None = None):
     """Body field ``name`` checked with the bounds of SamplingParams field ``field_name``
     (default: the same name); None when absent."""
     return number(body, name, **SamplingParams.bounds(field_name or name))
-
-
-def boolean(body: dict, name: str, default: bool = False, where: str = "") -> bool:
-    """``body[name]`` (absent or null: ``default``); ``where``: the path of ``body`` in the
-    request (``stream_options.``), for the refusal's ``param``."""
-    value = body.get(name)
-    if value is None:
-        return default
-    if not isinstance(value, bool):
-        raise InvalidRequest(f"{where}{name} must be a boolean, got {ujson.dumps(value)}", f"{where}{name}")
-    return value
 
 
 def check_model(body: dict, model_ids: tuple[str, ...]) -> str:
@@ -66,7 +53,7 @@ _COMMON = {"model", "max_tokens", "temperature", "top_p", "n", "stream", "stream
            "presence_penalty", "frequency_penalty", "seed", "logprobs", "logit_bias", "user",
            "top_k", "min_p", "repeat_penalty", "ignore_eos", "priority", "deadline_ms",
            "response_format", "structured_outputs"}
-CHAT_FIELDS = _COMMON | {
+CHAT_FIELDS = frozenset(_COMMON | {
     "messages", "max_completion_tokens", "top_logprobs", "continue_final_message", "add_generation_prompt",
     "tools", "tool_choice", "parallel_tool_calls",  # server/api/tools.py
     # accepted because they cannot change what this server generates (docs/api.md "API"):
@@ -74,12 +61,14 @@ CHAT_FIELDS = _COMMON | {
     "prompt_cache_options",
     # served only at their default value, refused otherwise (docs/api.md "API"):
     "store", "modalities", "functions", "function_call", "audio",
-    "prediction", "web_search_options", "reasoning_effort", "verbosity", "moderation"}
-COMPLETION_FIELDS = _COMMON | {"prompt", "best_of", "echo", "suffix"}
+    "prediction", "web_search_options", "reasoning_effort", "verbosity", "moderation"})
+COMPLETION_FIELDS = frozenset(_COMMON | {"prompt", "best_of", "echo", "suffix"})
 
-# field -> (values served, why others are refused): a field at one of these values (or null)
-# changes nothing; any other value asks for a feature this server does not implement.
-_DEFAULT_ONLY = {
+#: Accepted fields with no effect here still get OpenAI's types, so a client's mistake is seen
+#: (the Responses API's policy takes them too).
+INFORMATIONAL = {"user": str, "safety_identifier": str, "service_tier": str, "prompt_cache_key": str,
+                 "prompt_cache_retention": str, "prompt_cache_options": dict}
+CHAT = FieldPolicy(CHAT_FIELDS, {
     "functions": ([[]], "functions (deprecated) are not supported: send tools"),
     "function_call": (["none", "auto"], "function_call (deprecated) other than none/auto is not supported: send "
                                         "tool_choice"),
@@ -91,86 +80,68 @@ _DEFAULT_ONLY = {
     "reasoning_effort": ([], "reasoning_effort is not supported: the model does not reason"),
     "verbosity": (["medium"], "verbosity other than medium (the default) is not supported"),
     "moderation": ([], "moderation is not supported"),
+}, INFORMATIONAL)
+COMPLETIONS = FieldPolicy(COMPLETION_FIELDS, {
     "suffix": ([""], "suffix is not supported"),
     "best_of": ([0, 1], "best_of is not supported (only 1)"),
-}
-
-
-#: OpenAI's ``service_tier`` values: any is accepted, none changes how this server runs a request.
-SERVICE_TIERS = ("auto", "default", "flex", "scale", "priority")
-
-# Accepted fields with no effect here still get OpenAI's types, so a client's mistake is seen.
-_INFORMATIONAL = {"user": str, "safety_identifier": str, "service_tier": str, "prompt_cache_key": str,
-                  "prompt_cache_retention": str, "prompt_cache_options": dict}
-
-
-def check_fields(body: dict, fields: set[str]) -> None:
-    """Every field must be one this route takes (an unknown one, or the other route's, is never
-    silently ignored), and a field this server does not implement must be at its default."""
-    unknown = sorted(set(body) - fields)
-    if unknown:
-        raise InvalidRequest(f"Unrecognized request argument supplied: {unknown[0]}", unknown[0])
-    for name, (served, why) in _DEFAULT_ONLY.items():
-        value = body.get(name)
-        if value is not None and name in fields and not any(_same(value, v) for v in served):
-            raise InvalidRequest(why, name)
-    for name, kind in _INFORMATIONAL.items():
-        value = body.get(name)
-        if value is not None and not isinstance(value, kind):
-            raise InvalidRequest(f"{name} must be a {kind.__name__.replace('str', 'string')}", name)
-    if body.get("service_tier") not in (None, *SERVICE_TIERS):
-        raise InvalidRequest(f"service_tier must be one of {', '.join(SERVICE_TIERS)}", "service_tier")
-    metadata = body.get("metadata")
-    if metadata is not None and not (isinstance(metadata, dict) and len(metadata) <= 16 and all(
-            isinstance(k, str) and len(k) <= 64 and isinstance(v, str) and len(v) <= 512
-            for k, v in metadata.items())):
-        raise InvalidRequest("metadata must be an object of at most 16 string pairs (keys <= 64, values <= 512 "
-                             "characters)", "metadata")
-
-
-def _same(a, b) -> bool:
-    """Equal as JSON values (``False`` is not ``0``)."""
-    return type(a) is type(b) and a == b
+}, INFORMATIONAL)
 
 
 def parse_generation(body: dict, *, chat: bool) -> GenerationRequest:
-    """Fields common to chat and completions (and their extensions)."""
-    check_fields(body, CHAT_FIELDS if chat else COMPLETION_FIELDS)
-    r = GenerationRequest()
-    max_tokens = None
+    """The fields common to chat and completions (and their extensions) -> the request.
+
+    Raises:
+        InvalidRequest: the first field that is refused, named as sent.
+    """
+    (CHAT if chat else COMPLETIONS).check(body)
+    return generation_request(body, chat=chat, structured=lambda: parse_structured(body),
+                              tools=lambda: parse_tools(body) if chat else None)
+
+
+def generation_request(body: dict, *, chat: bool, structured: Callable[[], OutputConstraint | None],
+                       tools: Callable[[], ToolRequest | None]) -> GenerationRequest:
+    """The request of ``body``'s generation fields, after the route's field policy; the
+    structured-output constraint and the tools come from ``structured()``
+    and ``tools()``, called in the order the fields are checked (a body's first fault is the one
+    named), so a protocol whose shapes for them differ (gRPC) parses them its own way."""
+    max_tokens, max_tokens_param = None, "max_tokens"
     for name in ("max_tokens", "max_completion_tokens") if chat else ("max_tokens",):
         value = number(body, name, lo=0, hi=INT32_MAX, integer=True)  # both validated when both given
         if value is not None and (max_tokens is None or name == "max_completion_tokens"):
-            max_tokens, r.max_tokens_param = value, name  # the newer name wins, as in OpenAI's API
-    r.max_tokens = max_tokens
+            max_tokens, max_tokens_param = value, name  # the newer name wins, as in OpenAI's API
     kwargs = {name: sampling_field(body, name) for name in _SAMPLING}
     # OpenAI's document bounds seed at ±9223372036854776000 (2**63 as a float); any integer is
     # reduced to a reproducible llama.cpp seed anyway.
     seed = number(body, "seed", lo=-2**64, hi=2**64, integer=True)
-    r.constraint = parse_structured(body)
-    r.sampling = SamplingParams(
+    constraint = structured()
+    sampling = SamplingParams(
         max_new_tokens=max_tokens or None, seed=None if seed is None else reduce_seed(seed),
         ignore_eos=boolean(body, "ignore_eos"), logprobs=_logprobs(body, chat), logit_bias=_logit_bias(body),
         **{k: v for k, v in kwargs.items() if v is not None})
-    r.stop = _stops(body.get("stop"))
-    r.n = number(body, "n", lo=1, hi=MAX_N, integer=True, default=1)
-    r.stream = boolean(body, "stream")
-    options = body.get("stream_options")
-    if options is not None:
-        if not isinstance(options, dict):
-            raise InvalidRequest("stream_options must be an object", "stream_options")
-        unknown = sorted(set(options) - {"include_usage", "include_obfuscation"})
-        if unknown:
-            raise InvalidRequest(f"Unrecognized stream option: {unknown[0]}", f"stream_options.{unknown[0]}")
-        if not r.stream:
-            raise InvalidRequest("stream_options is only allowed when stream is true", "stream_options")
-        r.obfuscate = boolean(options, "include_obfuscation", where="stream_options.")
-        r.include_usage = boolean(options, "include_usage", where="stream_options.")
-    r.tools = parse_tools(body) if chat else None
-    r.echo = not chat and boolean(body, "echo")
-    r.priority = Priority.parse(body.get("priority"))
-    r.deadline_ms = number(body, "deadline_ms", **DEADLINE_MS_BOUNDS)
-    return r
+    stop = _stops(body.get("stop"))
+    n = number(body, "n", lo=1, hi=MAX_N, integer=True, default=1)
+    stream = boolean(body, "stream")
+    include_usage, obfuscate = _stream_options(body.get("stream_options"), stream)
+    return GenerationRequest(
+        sampling=sampling, max_tokens=max_tokens, max_tokens_param=max_tokens_param, stop=stop, n=n, stream=stream,
+        include_usage=include_usage, obfuscate=obfuscate, constraint=constraint,
+        tools=tools(), echo=not chat and boolean(body, "echo"),
+        priority=priority(body.get("priority")), deadline_ms=number(body, "deadline_ms", **DEADLINE_MS_BOUNDS))
+
+
+def _stream_options(options, stream: bool) -> tuple[bool, bool]:
+    """``stream_options`` -> (``include_usage``, ``include_obfuscation``)."""
+    if options is None:
+        return False, False
+    if not isinstance(options, dict):
+        raise InvalidRequest("stream_options must be an object", "stream_options")
+    unknown = sorted(set(options) - {"include_usage", "include_obfuscation"})
+    if unknown:
+        raise InvalidRequest(f"Unrecognized stream option: {unknown[0]}", f"stream_options.{unknown[0]}")
+    if not stream:
+        raise InvalidRequest("stream_options is only allowed when stream is true", "stream_options")
+    obfuscate = boolean(options, "include_obfuscation", where="stream_options.")
+    return boolean(options, "include_usage", where="stream_options."), obfuscate
 
 
 def _logit_bias(body: dict) -> tuple[tuple[int, float], ...]:
@@ -235,28 +206,35 @@ def parse_messages(body: dict, max_messages: int) -> list[dict]:
     if len(messages) > max_messages:
         raise InvalidRequest(f"messages holds {len(messages)} messages, more than this server's limit of "
                              f"{max_messages}", "messages")
-    out = []
     call_ids: set[str] = set()
-    for i, m in enumerate(messages):
-        where = f"messages[{i}]"
-        if not isinstance(m, dict):
-            raise InvalidRequest(f"{where} must be an object", where)
-        role = m.get("role")
-        if role == "function":
-            raise InvalidRequest(f"{where}.role 'function' (deprecated) is not supported: send role 'tool'",
-                                 f"{where}.role")
-        if role not in ROLES:
-            raise InvalidRequest(f"{where}.role must be one of {', '.join(ROLES)}, got {ujson.dumps(role)}",
-                                 f"{where}.role")
-        for key in sorted(set(m) - {"role", "content", "name", "tool_calls", "tool_call_id", *CLIENT_METADATA}):
-            # function_call, refusal, audio: not implemented; an answer's empty annotations, as
-            # OpenAI's own answers carry them, replayed into the next turn (a helper's finding)
-            if m[key] is not None and not (key == "annotations" and m[key] == [] and role == "assistant"):
-                raise InvalidRequest(f"{where}.{key} is not supported by this server", f"{where}.{key}")
-        tool_fields = message_tool_fields(m, where, role, call_ids)
-        content = _content(m.get("content"), f"{where}.content", role, "tool_calls" in tool_fields)
-        out.append({"role": role, "content": content, **tool_fields})
-    return out
+    return [parse_message(m, f"messages[{i}]", call_ids) for i, m in enumerate(messages)]
+
+
+def parse_message(m, where: str, call_ids: set[str]) -> dict:
+    """One chat message at ``where`` (``messages[3]``) -> ``{"role", "content": str | None, ...}``
+    with its tool fields; ``call_ids``: the ids of earlier calls, which this extends."""
+    if not isinstance(m, dict):
+        raise InvalidRequest(f"{where} must be an object", where)
+    role = parse_role(m.get("role"), where)
+    for key in sorted(set(m) - {"role", "content", "name", "tool_calls", "tool_call_id", *CLIENT_METADATA}):
+        # function_call, refusal, audio: not implemented; an answer's empty annotations, as
+        # OpenAI's own answers carry them, replayed into the next turn
+        if m[key] is not None and not (key == "annotations" and m[key] == [] and role == "assistant"):
+            raise InvalidRequest(f"{where}.{key} is not supported by this server", f"{where}.{key}")
+    tool_fields = message_tool_fields(m, where, role, call_ids)
+    content = _content(m.get("content"), f"{where}.content", role, "tool_calls" in tool_fields)
+    return {"role": role, "content": content, **tool_fields}
+
+
+def parse_role(role, where: str) -> str:
+    """The ``role`` of the message at ``where``: one of :data:`ROLES`."""
+    if role == "function":
+        raise InvalidRequest(f"{where}.role 'function' (deprecated) is not supported: send role 'tool'",
+                             f"{where}.role")
+    if role not in ROLES:
+        raise InvalidRequest(f"{where}.role must be one of {', '.join(ROLES)}, got {ujson.dumps(role)}",
+                             f"{where}.role")
+    return role
 
 
 def render_options(body: dict, messages: list[dict]) -> dict:

@@ -7,13 +7,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engine.errors import InvalidRequest
-from server.api.requests import is_token, boolean, check_fields, parse_messages, render_options
+from server.api.fields import FieldPolicy, boolean
+from server.api.requests import is_token, parse_messages, render_options
 from server.api.tools import parse_tools
 from server.tools.spec import Tool
 
-TOKENIZE_FIELDS = {"model", "prompt", "messages", "tools", "add_special_tokens", "return_token_strs",
-                   "add_generation_prompt", "continue_final_message"}
-DETOKENIZE_FIELDS = {"model", "tokens"}
+TOKENIZE = FieldPolicy(frozenset({"model", "prompt", "messages", "tools", "add_special_tokens", "return_token_strs",
+                                   "add_generation_prompt", "continue_final_message"}))
+DETOKENIZE = FieldPolicy(frozenset({"model", "tokens"}))
 
 
 @dataclass
@@ -41,7 +42,7 @@ class TokenizeRequest:
 def parse_tokenize(body: dict, max_messages: int) -> TokenizeRequest:
     """Raises: InvalidRequest: an unknown field, both or neither of ``prompt`` and
     ``messages``, or a field of the wrong type."""
-    check_fields(body, TOKENIZE_FIELDS)
+    TOKENIZE.check(body)
     has_prompt, has_messages = body.get("prompt") is not None, body.get("messages") is not None
     if has_prompt == has_messages:
         raise InvalidRequest("give either prompt (a string) or messages (a chat), not both or neither",
@@ -70,7 +71,7 @@ def parse_detokenize(body: dict, n_vocab: int) -> list[int]:
     Raises:
         InvalidRequest: an unknown field, or ``tokens`` not such a list.
     """
-    check_fields(body, DETOKENIZE_FIELDS)
+    DETOKENIZE.check(body)
     tokens = body.get("tokens")
     if not isinstance(tokens, list) or not all(is_token(t) for t in tokens):
         raise InvalidRequest("tokens must be an array of token ids", "tokens")

@@ -1,7 +1,10 @@
 """The tool-calling fields of a chat body (OpenAI API reference, Chat Completions): ``tools``,
 ``tool_choice``, ``parallel_tool_calls``, and the tool fields of messages (an assistant
 message's ``tool_calls``, a ``role: "tool"`` message's ``tool_call_id``, ``name`` on any
-message). Every rejection is an :class:`engine.errors.InvalidRequest` naming the field."""
+message). Every rejection is an :class:`engine.errors.InvalidRequest` naming the field as the
+client sent it: the pieces (:func:`function_tool`, :func:`tool_request`, :func:`call_arguments`,
+:func:`answered`) take the path, so the Responses API's shapes (``server/responses/request.py``)
+are parsed with them too."""
 from __future__ import annotations
 
 import re
@@ -18,28 +21,46 @@ MAX_TOOLS = 128
 
 
 def parse_tools(body: dict) -> ToolRequest | None:
-    """``tools``, ``tool_choice`` and ``parallel_tool_calls`` -> a :class:`ToolRequest`, or None
-    when the request gives no tools (then ``tool_choice`` may only be ``none`` or ``auto``, as
-    when a client sends its defaults).
+    """Chat's ``tools`` (``[{"type": "function", "function": {...}}]``), ``tool_choice`` and
+    ``parallel_tool_calls`` -> a :class:`ToolRequest`, or None when the request gives no tools
+    (then ``tool_choice`` may only be ``none`` or ``auto``, as when a client sends its defaults).
 
     Raises:
         InvalidRequest: a malformed tool (``tools[i]...``), a duplicate name, a choice that
             names no given tool or cannot be served (``tool_choice``).
     """
-    raw = body.get("tools")
+    tools = tuple(_chat_tool(t, f"tools[{i}]") for i, t in enumerate(tool_array(body.get("tools"))))
+    return tool_request(tools, body.get("parallel_tool_calls"), *_choice(body.get("tool_choice")),
+                        "tool_choice.function.name")
+
+
+def tool_array(raw) -> list:
+    """A request's ``tools``: an array of at most :data:`MAX_TOOLS` (absent or null: none)."""
     if raw is not None and not isinstance(raw, list):
         raise InvalidRequest("tools must be an array of tools", "tools")
     if len(raw or ()) > MAX_TOOLS:
         raise InvalidRequest(f"tools holds {len(raw)} tools, more than {MAX_TOOLS}", "tools")
-    tools = tuple(_tool(t, f"tools[{i}]") for i, t in enumerate(raw or ()))
+    return raw or []
+
+
+def tool_request(tools: tuple[Tool, ...], parallel, choice: str, name: str | None,
+                 name_param: str) -> ToolRequest | None:
+    """The :class:`ToolRequest` of parsed ``tools`` (each named by its :attr:`Tool.path`),
+    ``parallel_tool_calls`` as sent, and a ``tool_choice`` mode with the function it names (at
+    ``name_param``), or None without tools.
+
+    Raises:
+        InvalidRequest: a duplicate name, a ``parallel_tool_calls`` that is no boolean, a named
+            function not in ``tools``, or a choice other than none or auto without tools.
+    """
     names = [t.name for t in tools]
-    for i, name in enumerate(names):
-        if name in names[:i]:
-            raise InvalidRequest(f"tools[{i}].function.name {name!r} is given twice", f"tools[{i}].function.name")
-    parallel = body.get("parallel_tool_calls")
+    for i, tool in enumerate(tools):
+        if tool.name in names[:i]:
+            raise InvalidRequest(f"{tool.path}.name {tool.name!r} is given twice", f"{tool.path}.name")
     if parallel is not None and not isinstance(parallel, bool):
         raise InvalidRequest("parallel_tool_calls must be a boolean", "parallel_tool_calls")
-    choice, name = _choice(body.get("tool_choice"), tools)
+    if name is not None and name not in names:
+        raise InvalidRequest(f"tool_choice names function {name!r}, which is not in tools", name_param)
     if not tools:
         if choice not in (NONE, AUTO):
             raise InvalidRequest("tool_choice requires tools", "tool_choice")
@@ -50,7 +71,7 @@ def parse_tools(body: dict) -> ToolRequest | None:
     return ToolRequest(tools, choice, name, choice != NAMED and parallel is not False)
 
 
-def _tool(raw, where: str) -> Tool:
+def _chat_tool(raw, where: str) -> Tool:
     if not isinstance(raw, dict):
         raise InvalidRequest(f"{where} must be an object", where)
     if raw.get("type") != "function":
@@ -62,9 +83,23 @@ def _tool(raw, where: str) -> Tool:
     where = f"{where}.function"
     if not isinstance(f, dict):
         raise InvalidRequest(f"{where} must be an object", where)
-    unknown = sorted(set(f) - {"name", "description", "parameters", "strict"})
+    unknown = sorted(set(f) - FUNCTION_FIELDS)
     if unknown:
         raise InvalidRequest(f"Unrecognized function field: {unknown[0]}", f"{where}.{unknown[0]}")
+    return function_tool(f, where)
+
+
+#: The fields of a function (chat's ``tools[i].function``, the Responses API's ``tools[i]``).
+FUNCTION_FIELDS = {"name", "description", "parameters", "strict"}
+
+
+def function_tool(f: dict, where: str) -> Tool:
+    """A function's fields (``name``, ``description``, ``parameters``, ``strict``), found at
+    ``where`` in the request, -> a :class:`Tool` that keeps ``where`` for later refusals.
+
+    Raises:
+        InvalidRequest: a malformed field, named ``{where}.<field>``.
+    """
     name = f.get("name")
     if not isinstance(name, str) or not NAME_RE.fullmatch(name):
         raise InvalidRequest(f"{where}.name must be 1 to 64 characters of a-z, A-Z, 0-9, _ and -, got "
@@ -80,25 +115,28 @@ def _tool(raw, where: str) -> Tool:
     strict = f.get("strict")
     if strict is not None and not isinstance(strict, bool):
         raise InvalidRequest(f"{where}.strict must be a boolean", f"{where}.strict")
-    return Tool(name, description or "", parameters, bool(strict))
+    return Tool(name, description or "", parameters, bool(strict), path=where)
 
 
-def _choice(raw, tools: tuple[Tool, ...]) -> tuple[str, str | None]:
+def choice_mode(raw: str) -> str:
+    """A ``tool_choice`` string: ``none``, ``auto`` or ``required``."""
+    if raw not in (NONE, AUTO, REQUIRED):
+        raise InvalidRequest(f"tool_choice must be none, auto, required or a function, got {ujson.dumps(raw)}",
+                             "tool_choice")
+    return raw
+
+
+def _choice(raw) -> tuple[str, str | None]:
+    """Chat's ``tool_choice`` -> (mode, the function it names or None)."""
     if raw is None:
         return AUTO, None
     if isinstance(raw, str):
-        if raw not in (NONE, AUTO, REQUIRED):
-            raise InvalidRequest(f"tool_choice must be none, auto, required or a function, got {ujson.dumps(raw)}",
-                                 "tool_choice")
-        return raw, None
+        return choice_mode(raw), None
     function = raw.get("function") if isinstance(raw, dict) else None
     if not (isinstance(raw, dict) and raw.get("type") == "function" and isinstance(function, dict)
             and isinstance(function.get("name"), str)):
         raise InvalidRequest('tool_choice must be none, auto, required or {"type": "function", "function": '
                              '{"name": ...}}', "tool_choice")
-    if function["name"] not in {t.name for t in tools}:
-        raise InvalidRequest(f"tool_choice names function {function['name']!r}, which is not in tools",
-                             "tool_choice.function.name")
     return NAMED, function["name"]
 
 
@@ -130,10 +168,7 @@ def message_tool_fields(m: dict, where: str, role: str, call_ids: set[str]) -> d
     if role == "tool":
         if not isinstance(call_id, str):
             raise InvalidRequest(f"{where}.tool_call_id must be a string", f"{where}.tool_call_id")
-        if call_id not in call_ids:
-            raise InvalidRequest(f"{where}.tool_call_id {call_id!r} answers no tool call of an earlier assistant "
-                                 "message", f"{where}.tool_call_id")
-        out["tool_call_id"] = call_id
+        out["tool_call_id"] = answered(call_id, f"{where}.tool_call_id", call_ids)
     elif call_id is not None:
         raise InvalidRequest(f"{where}.tool_call_id is only allowed on tool messages", f"{where}.tool_call_id")
     return out
@@ -149,13 +184,33 @@ def _history_call(c, where: str) -> dict:
     f = c.get("function")
     if not isinstance(f, dict) or not isinstance(f.get("name"), str):
         raise InvalidRequest(f"{where}.function must be an object with a name", f"{where}.function")
-    arguments = f.get("arguments")
+    arguments = call_arguments(f.get("arguments"), f"{where}.function.arguments")
+    return {"id": c["id"], "type": "function", "function": {"name": f["name"], "arguments": arguments}}
+
+
+def call_arguments(arguments, param: str) -> dict:
+    """A past call's ``arguments`` (JSON text of an object, at ``param``) as the object, which
+    a chat template takes.
+
+    Raises:
+        InvalidRequest: anything but the JSON text of an object, naming ``param``.
+    """
     try:
         parsed = json_text.loads(arguments) if isinstance(arguments, str) else None
     except ValueError as e:
-        raise InvalidRequest(f"{where}.function.arguments must be a string holding a JSON object: {e}",
-                             f"{where}.function.arguments") from None
+        raise InvalidRequest(f"{param} must be a string holding a JSON object: {e}", param) from None
     if not isinstance(parsed, dict):
-        raise InvalidRequest(f"{where}.function.arguments must be a string holding a JSON object",
-                             f"{where}.function.arguments")
-    return {"id": c["id"], "type": "function", "function": {"name": f["name"], "arguments": parsed}}
+        raise InvalidRequest(f"{param} must be a string holding a JSON object", param)
+    return parsed
+
+
+def answered(call_id: str, param: str, call_ids: set[str]) -> str:
+    """A tool result's call id (at ``param``), which must answer a call of an earlier assistant
+    message (``call_ids``).
+
+    Raises:
+        InvalidRequest: an id no earlier call has.
+    """
+    if call_id not in call_ids:
+        raise InvalidRequest(f"{param} {call_id!r} answers no tool call of an earlier assistant message", param)
+    return call_id

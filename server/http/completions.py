@@ -16,7 +16,7 @@ from server.errors import http_error
 from server.generation.pipeline import Generation, Generator
 from server.generation.request import Choice, Delta, GenerationRequest, ToolCallDelta
 from server.http.body import read_json
-from server.http.json import dumps, sse
+from server.http.json import dumps, sse, sse_headers
 
 
 class _Completions:
@@ -38,9 +38,7 @@ class _Completions:
         req.context.record.attach(gen, body.get("messages" if self.chat else "prompt"))
         meta = {"id": f"{self.id_prefix}-{secrets.token_hex(12)}", "created": int(time.time()), "model": model}
         if greq.stream:
-            resp.content_type = "text/event-stream; charset=utf-8"
-            resp.set_header("Cache-Control", "no-cache")
-            resp.set_header("X-Accel-Buffering", "no")
+            sse_headers(resp)
             resp.stream = self.sse_events(gen, greq, meta)
             return
         choices = gen.collect()

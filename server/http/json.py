@@ -1,6 +1,6 @@
 """JSON as the HTTP front end sends it: :func:`dumps` (UTF-8 text as it is, ``/`` unescaped),
-:func:`sse`, one server-sent event of a JSON object, and :func:`obfuscated`, the padding of
-OpenAI's stream obfuscation."""
+:func:`sse`, one server-sent event of a JSON object, :func:`sse_headers`, the head of every
+event stream, and :func:`obfuscated`, the padding of OpenAI's stream obfuscation."""
 from __future__ import annotations
 
 import random
@@ -27,6 +27,14 @@ def obfuscated(text: str) -> str:
     head = text[:-1] + ',"obfuscation":"'
     pad = -(len(head.encode("utf-8")) + 2) % OBFUSCATION_BLOCK  # 2: the closing '"}'
     return head + "".join(random.choices(_PAD, k=pad)) + '"}'
+
+
+def sse_headers(resp) -> None:
+    """Make the Falcon response ``resp`` an event stream: its content type, no caching, and no
+    buffering by a proxy in front (nginx's ``X-Accel-Buffering``), so each event leaves at once."""
+    resp.content_type = "text/event-stream; charset=utf-8"
+    resp.set_header("Cache-Control", "no-cache")
+    resp.set_header("X-Accel-Buffering", "no")
 
 
 def sse(obj, obfuscate: bool = False) -> bytes:

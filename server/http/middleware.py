@@ -9,8 +9,9 @@ from __future__ import annotations
 import falcon
 
 from engine.client import EngineClient
-from engine.errors import Saturated, Unauthenticated
+from engine.errors import Saturated
 from server import errors
+from server.api.errors import Unauthenticated
 from server.observability.telemetry import Telemetry
 from server.tenancy.tenants import TenantRegistry, key_of
 
@@ -122,6 +123,5 @@ class Authenticate:
         key = key_of(req.get_header("Authorization"), req.get_header("X-Tenant-ID"))
         tenant = self.tenants.authenticate(key)
         if tenant is None:
-            raise Unauthenticated("missing API key: send Authorization: Bearer <key>" if key is None
-                                  else "unknown API key")
+            raise Unauthenticated.of(key, "Authorization")
         req.context.tenant = tenant

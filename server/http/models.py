@@ -5,7 +5,7 @@ import time
 
 import falcon
 
-from engine.errors import ModelNotFound
+from server.api.errors import ModelNotFound
 from server.config import ServerConfig
 
 

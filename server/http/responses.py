@@ -2,8 +2,8 @@
 as server-sent events (``event: <type>`` and ``data: <event>``, no ``[DONE]``); ``GET`` and
 ``DELETE /v1/responses/{id}`` and ``GET /v1/responses/{id}/input_items`` read the store.
 
-A request is translated into the chat request it means (``server/responses/request.py``) and
-runs the chat path (``Generator.chat``); its deltas are re-shaped by
+A request is parsed into the typed request the chat path runs (``server/responses/request.py``),
+which runs it (``Generator.chat``); its deltas are re-shaped by
 ``server/responses/output.py``; ``store: true`` keeps it in ``server/responses/store.py``'s
 store, scoped to the tenant. The ``x-response-stored`` header says whether it was stored
 (``false`` with ``store: false`` or while the store is unavailable; for a stream, whether the
@@ -16,17 +16,16 @@ from typing import Iterator
 
 import falcon
 
-from engine.errors import ClientDisconnected, ConstraintFailed, InvalidRequest, RequestError
-from server.api.requests import check_model, parse_generation, parse_messages, render_options
+from engine.errors import ClientDisconnected, InvalidRequest
+from server.api.requests import check_model
 from server.config import ServerConfig
 from server.errors import http_error
 from server.generation.pipeline import Generation, Generator
 from server.http.body import read_json
-from server.http.json import dumps, obfuscated
+from server.http.json import dumps, obfuscated, sse_headers
 from server.responses.output import ResponseBuilder
-from server.responses.errors import responses_message, responses_param
-from server.responses.request import ResponsesRequest, new_id, parse
-from server.responses.store import StoreUnavailable
+from server.responses.request import RENDER, ResponsesRequest, new_id, parse
+from server.responses.store import StoreUnavailable, previous
 
 log = logging.getLogger("responses")
 STORED_HEADER = "x-response-stored"
@@ -53,43 +52,22 @@ class Responses:
     def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
         body = read_json(req, self.config.max_body_bytes)
         tenant = req.context.tenant
-        try:  # the Responses request itself: its refusals name its own fields
-            model = check_model(body, self.config.model_ids)
-            rr = parse(body, lambda rid: self.store.get(tenant.id, rid))
-        except StoreUnavailable as e:
-            e.param = "previous_response_id"
-            raise
-        except RequestError as e:
-            if e.param == "response_id":  # the previous response is unknown to this tenant
-                e.param = "previous_response_id"
-                e.message = f"Previous response with id {body['previous_response_id']!r} not found."
-            raise
-        try:  # the chat request it means: refusals renamed to the fields they came from
-            greq = parse_generation(rr.chat, chat=True)
-            messages = parse_messages(rr.chat, self.config.max_messages)
-            gen = self.generator.chat(messages, greq, prompt_param="input", render=render_options(rr.chat, messages),
-                                      tenant=tenant, watch_socket=req.env.get("gunicorn.socket"))
-        except RequestError as e:
-            e.param, e.message = responses_param(e.param, rr.origins), responses_message(e.message, rr.origins)
-            raise
+        model = check_model(body, self.config.model_ids)
+        rr = parse(body, lambda rid: previous(self.store, tenant.id, rid), self.config.max_messages)
+        gen = self.generator.chat(rr.messages, rr.generation, prompt_param="input", render=dict(RENDER), tenant=tenant,
+                                  watch_socket=req.env.get("gunicorn.socket"))
         req.context.record.attach(gen, body.get("input"))
         builder = ResponseBuilder(new_id("resp"), model, self._echo(body, rr))
         will_store = rr.store and self.store.available
         if rr.stream:
-            resp.content_type = "text/event-stream; charset=utf-8"
-            resp.set_header("Cache-Control", "no-cache")
-            resp.set_header("X-Accel-Buffering", "no")
+            sse_headers(resp)
             resp.set_header(STORED_HEADER, "true" if will_store else "false")
             resp.stream = self.sse_events(gen, builder, rr, tenant.id if will_store else None)
             return
         finish = None
-        try:
-            for d in gen.deltas():
-                builder.feed(d)
-                finish = d.finish_reason or finish
-        except ConstraintFailed as e:
-            e.param = responses_param(e.param, rr.origins)
-            raise
+        for d in gen.deltas():
+            builder.feed(d)
+            finish = d.finish_reason or finish
         builder.finish(finish, gen.usage())
         stored = rr.store and self._store(tenant.id, builder, rr)
         resp.set_header(STORED_HEADER, "true" if stored else "false")
@@ -111,7 +89,7 @@ class Responses:
                     continue
                 finish = d.finish_reason or finish
                 for e in builder.feed(d):
-                    yield event(e, rr.obfuscate)
+                    yield event(e, rr.generation.obfuscate)
             events = builder.finish(finish, gen.usage())
             if store_for is not None:
                 self._store(store_for, builder, rr)  # before the last event: a client may continue at once
@@ -120,8 +98,6 @@ class Responses:
         except ClientDisconnected:
             return
         except Exception as ex:  # noqa: BLE001 - headers are sent: the error becomes events
-            if isinstance(ex, ConstraintFailed):
-                ex.param = responses_param(ex.param, rr.origins)
             status, body, _ = http_error(ex)
             err = body["error"]
             for e in builder.fail(status, err["message"], err["code"], err["param"]):

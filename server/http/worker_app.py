@@ -18,8 +18,8 @@ from engine.client import EngineClient
 from engine.llama.tokenizer import Tokenizer
 from server.config import ServerConfig
 from server.generation.pipeline import Generator
-from server.gunicorn_conf import RESPONSES_DB_ENV
 from server.http.app import create_app, response_store
+from server.responses.store import RESPONSES_DB_ENV
 from server.tenancy.ratelimit import RateLimiter
 from server.tenancy.tenants import TenantRegistry
 from server.text.chat_template import ChatTemplate

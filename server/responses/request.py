@@ -1,17 +1,19 @@
-"""A ``POST /v1/responses`` body (OpenAI API reference, Responses) -> the Chat Completions body
-it means, so that a Responses request runs the chat path unchanged (template, tools, grammar,
-prefix cache, tenants, limits, telemetry): ``server.api.requests.parse_generation`` and
-``parse_messages`` check the translated body, and a refusal is turned back into the Responses
-field it came from (``server/responses/errors.py``, with each message's :class:`Origin`).
+"""A ``POST /v1/responses`` body (OpenAI API reference, Responses) -> the typed request the chat
+path runs (template, tools, grammar, prefix cache, tenants, limits, telemetry): a
+:class:`GenerationRequest` and chat messages as ``server.api.requests.parse_messages`` gives
+them, parsed with the chat parsers' pieces at the Responses API's own paths, so every refusal
+names the field as the client sent it.
 
 - ``instructions`` -> a first ``system`` message (not carried to a continuation, as OpenAI's);
-- ``previous_response_id`` -> the stored conversation's chat messages first (the earlier
-  inputs and outputs, re-sent, so their KV cells are found in the prefix cache);
+- ``previous_response_id`` -> the stored conversation's messages first (the earlier inputs and
+  outputs, re-sent, so their KV cells are found in the prefix cache);
 - ``input`` (a string, or items: messages with text content, ``function_call``,
   ``function_call_output``) -> user/system/developer/assistant messages, an assistant message's
-  ``tool_calls``, ``tool`` messages;
-- ``tools`` (``{"type": "function", "name", ...}``) and ``tool_choice`` -> chat's nested form;
-- ``text.format`` -> ``response_format``; ``max_output_tokens`` -> ``max_tokens``.
+  ``tool_calls``, ``tool`` messages (``input[i]...``);
+- ``tools`` (``{"type": "function", "name", ...}``, ``tools[i]...``), ``tool_choice``,
+  ``parallel_tool_calls`` -> the request's :class:`ToolRequest`;
+- ``text.format`` -> the output constraint; ``max_output_tokens``, ``temperature``, ``top_p``
+  -> the sampling settings.
 
 Every rejection is an :class:`engine.errors.InvalidRequest` naming the Responses field.
 """
@@ -25,18 +27,25 @@ from typing import Callable
 import ujson
 
 from engine.errors import InvalidRequest
-from server.responses.errors import Origin
+from engine.request import INT32_MAX, SamplingParams
+from server.api.fields import FieldPolicy, number
+from server.api.requests import INFORMATIONAL, parse_message, sampling_field
+from server.api.tools import (FUNCTION_FIELDS, call_arguments, answered, choice_mode, function_tool, tool_array,
+                              tool_request)
+from server.generation.request import GenerationRequest
+from server.structured.constraint import OutputConstraint
+from server.structured.parse import parse_text_format
+from server.tools.spec import AUTO, NAMED
 
 #: Fields this route implements, or accepts because they cannot change what is generated.
-FIELDS = {"model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "tools", "tool_choice",
-          "parallel_tool_calls", "text", "metadata", "user", "stream", "stream_options", "store",
-          "previous_response_id", "safety_identifier", "prompt_cache_key", "prompt_cache_retention",
-          "service_tier",
-          # served at their default only (below)
-          "background", "include", "reasoning", "truncation", "top_logprobs", "max_tool_calls", "prompt",
-          "conversation", "context_management", "moderation"}
-#: field -> (values served, why another value is refused).
-DEFAULT_ONLY = {
+FIELDS = frozenset({
+    "model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "tools", "tool_choice",
+    "parallel_tool_calls", "text", "metadata", "user", "stream", "stream_options", "store",
+    "previous_response_id", "safety_identifier", "prompt_cache_key", "prompt_cache_retention", "service_tier",
+    # served at their default only (below)
+    "background", "include", "reasoning", "truncation", "top_logprobs", "max_tool_calls", "prompt",
+    "conversation", "context_management", "moderation"})
+POLICY = FieldPolicy(FIELDS, {
     "background": ([False], "background responses are not supported"),
     "include": ([[]], "include is not supported: there is nothing more to include"),
     "reasoning": ([{}, {"effort": None}, {"effort": None, "summary": None}],
@@ -48,12 +57,11 @@ DEFAULT_ONLY = {
     "conversation": ([], "conversations are not supported: continue with previous_response_id"),
     "context_management": ([], "context_management is not supported"),
     "moderation": ([], "moderation is not supported"),
-}
-#: Passed to the chat body as they are (checked there).
-PASSED = ("model", "temperature", "top_p", "parallel_tool_calls", "metadata", "user", "stream",
-          "safety_identifier", "prompt_cache_key", "prompt_cache_retention", "service_tier")
+}, INFORMATIONAL)
 MAX_INPUT_ITEMS = 2048
 ID_RE = re.compile(r"[A-Za-z0-9_-]{1,128}")
+#: A new assistant turn, even after an assistant message (never a continued one).
+RENDER = {"add_generation_prompt": True, "continue_final_message": False}
 
 
 def new_id(prefix: str) -> str:
@@ -63,37 +71,30 @@ def new_id(prefix: str) -> str:
 
 @dataclass
 class ResponsesRequest:
-    """A parsed Responses request: ``chat`` (the chat body it means: messages, tools,
-    sampling), ``input_items`` (this request's input as stored items, with ids, for
-    ``GET .../input_items``), ``conversation`` (the chat messages of every turn so far without
-    the instructions: what a continuation re-sends), and what the response object echoes."""
+    """A parsed Responses request.
 
-    chat: dict
+    Attributes:
+        generation: what is generated (sampling, constraint, tools, ``stream``, ``obfuscate``:
+            ``stream_options.include_obfuscation``).
+        messages: the chat messages the prompt renders (``server.api.requests.parse_messages``'s
+            form): the instructions, the stored conversation, this input.
+        input_items: this request's input as stored items, with ids (``GET .../input_items``).
+        conversation: the messages of every turn so far without the instructions, in the stored
+            form (a call's ``arguments`` as JSON text): what a continuation re-sends.
+        store, previous_response_id, echo: what is stored, and what the response object echoes.
+    """
+
+    generation: GenerationRequest
+    messages: list[dict]
     input_items: list[dict]
     conversation: list[dict]
     store: bool = True
-    stream: bool = False
     previous_response_id: str | None = None
     echo: dict = field(default_factory=dict)
-    #: Where each of ``chat["messages"]`` came from (to name a refusal's field).
-    origins: list[Origin] = field(default_factory=list)
-    #: ``stream_options.include_obfuscation``: delta events padded (``server.http.json.obfuscated``).
-    obfuscate: bool = False
 
-
-def _same(a, b) -> bool:
-    return type(a) is type(b) and a == b
-
-
-def check_fields(body: dict) -> None:
-    """Every field is one this route takes, and the unimplemented ones are at their default."""
-    unknown = sorted(set(body) - FIELDS)
-    if unknown:
-        raise InvalidRequest(f"Unrecognized request argument supplied: {unknown[0]}", unknown[0])
-    for name, (served, why) in DEFAULT_ONLY.items():
-        value = body.get(name)
-        if value is not None and not any(_same(value, v) for v in served):
-            raise InvalidRequest(why, name)
+    @property
+    def stream(self) -> bool:
+        return self.generation.stream
 
 
 def previous_id(body: dict) -> str | None:
@@ -104,16 +105,17 @@ def previous_id(body: dict) -> str | None:
     return value
 
 
-def parse(body: dict, load_previous: Callable[[str], dict]) -> ResponsesRequest:
+def parse(body: dict, load_previous: Callable[[str], dict], max_messages: int) -> ResponsesRequest:
     """``body`` -> :class:`ResponsesRequest`. ``load_previous(id)``: the stored document of
     ``previous_response_id``, called (once, when there is one) after the fields are checked,
-    so a malformed request is refused before the store is asked.
+    so a malformed request is refused before the store is asked. ``max_messages``: the
+    server's limit on the messages a prompt renders (instructions and stored ones included).
 
     Raises:
         InvalidRequest: a field this route refuses or that is malformed (``param`` names it);
         and what ``load_previous`` raises.
     """
-    check_fields(body)
+    POLICY.check(body)
     prev = previous_id(body)
     previous = load_previous(prev) if prev is not None else None
     for name in ("store", "stream"):
@@ -122,48 +124,56 @@ def parse(body: dict, load_previous: Callable[[str], dict]) -> ResponsesRequest:
     instructions = body.get("instructions")
     if instructions is not None and not isinstance(instructions, str):
         raise InvalidRequest("instructions must be a string", "instructions")
-    items, messages, origins = _input(body.get("input"))
     history = list(previous["conversation"]) if previous else []
-    conversation = history + messages
-    chat = {k: body[k] for k in PASSED if body.get(k) is not None}
-    chat["messages"] = ([{"role": "system", "content": instructions}] if instructions else []) + conversation
-    origins = ([Origin("instructions", "system")] if instructions else []) + \
-        [Origin("previous_response_id", m["role"]) for m in history] + origins
-    chat["add_generation_prompt"] = True  # a new assistant turn, even after an assistant message
-    if body.get("max_output_tokens") is not None:
-        chat["max_tokens"] = body["max_output_tokens"]
-    options = body.get("stream_options")
-    if options is not None:
-        if not isinstance(options, dict) or set(options) - {"include_obfuscation"} or \
-                type(options.get("include_obfuscation")) not in (type(None), bool):  # null is absent, as on chat
-            raise InvalidRequest("stream_options may only hold include_obfuscation (a boolean)", "stream_options")
-        if not body.get("stream"):  # as chat's and legacy's
-            raise InvalidRequest("stream_options is only allowed when stream is true", "stream_options")
-    tools = _tools(body.get("tools"))
-    if tools:
-        chat["tools"] = tools
-    if body.get("tool_choice") is not None:
-        chat["tool_choice"] = _tool_choice(body["tool_choice"])
-    fmt = _text_format(body.get("text"))
-    if fmt is not None:
-        chat["response_format"] = fmt
-    return ResponsesRequest(chat, items, conversation, store=body.get("store") is not False,
-                            stream=body.get("stream") is True, previous_response_id=body.get("previous_response_id"),
+    call_ids: set[str] = set()
+    messages = [parse_message(m, "previous_response_id", call_ids) for m in history]
+    items, stored = _input(body.get("input"), messages, call_ids)
+    if instructions:
+        messages.insert(0, {"role": "system", "content": instructions})
+    if len(messages) > max_messages:  # counted as the chat route counts its messages
+        raise InvalidRequest(f"messages holds {len(messages)} messages, more than this server's limit of "
+                             f"{max_messages}", "input")
+    stream = body.get("stream") is True
+    obfuscate = _stream_options(body.get("stream_options"), stream)
+    tools = _tools(body)
+    constraint = _text_format(body.get("text"))
+    max_tokens = number(body, "max_output_tokens", lo=0, hi=INT32_MAX, integer=True)
+    sampling = {name: sampling_field(body, name) for name in ("temperature", "top_p")}
+    generation = GenerationRequest(
+        sampling=SamplingParams(max_new_tokens=max_tokens or None,
+                                **{k: v for k, v in sampling.items() if v is not None}),
+        max_tokens=max_tokens, max_tokens_param="max_output_tokens", stream=stream, obfuscate=obfuscate,
+        constraint=constraint, tools=tools)
+    return ResponsesRequest(generation, messages, items, history + stored, store=body.get("store") is not False,
+                            previous_response_id=prev,
                             echo={"instructions": instructions, "tools": body.get("tools") or [],
-                                  "tool_choice": body.get("tool_choice") or "auto", "text": body.get("text")},
-                            origins=origins, obfuscate=bool((options or {}).get("include_obfuscation")))
+                                  "tool_choice": body.get("tool_choice") or "auto", "text": body.get("text")})
+
+
+def _stream_options(options, stream: bool) -> bool:
+    """``stream_options`` -> ``include_obfuscation``."""
+    if options is None:
+        return False
+    if not isinstance(options, dict) or set(options) - {"include_obfuscation"} or \
+            type(options.get("include_obfuscation")) not in (type(None), bool):  # null is absent, as on chat
+        raise InvalidRequest("stream_options may only hold include_obfuscation (a boolean)", "stream_options")
+    if not stream:  # as chat's and legacy's
+        raise InvalidRequest("stream_options is only allowed when stream is true", "stream_options")
+    return bool(options.get("include_obfuscation"))
 
 
 # -- input -------------------------------------------------------------------------------------------
-def _input(raw) -> tuple[list[dict], list[dict], list[Origin]]:
-    """``input`` -> (stored items with ids, chat messages, where each message came from)."""
+def _input(raw, messages: list[dict], call_ids: set[str]) -> tuple[list[dict], list[dict]]:
+    """``input`` -> (stored items with ids, its messages in the stored form); its messages in
+    the parsed form are appended to ``messages``, and its calls' ids to ``call_ids``."""
     if isinstance(raw, str):
-        return [_message_item("user", raw)], [{"role": "user", "content": raw}], [Origin("input", "user")]
+        messages.append({"role": "user", "content": raw})
+        return [_message_item("user", raw)], [{"role": "user", "content": raw}]
     if not isinstance(raw, list) or not raw:
         raise InvalidRequest("input must be a string or a non-empty array of input items", "input")
     if len(raw) > MAX_INPUT_ITEMS:
         raise InvalidRequest(f"input holds {len(raw)} items, more than {MAX_INPUT_ITEMS}", "input")
-    items, messages, origins, ids = [], [], [], set()
+    items, stored, ids = [], [], set()
     for i, item in enumerate(raw):
         where = f"input[{i}]"
         if not isinstance(item, dict):
@@ -173,32 +183,33 @@ def _input(raw) -> tuple[list[dict], list[dict], list[Origin]]:
             role, text = _message(item, where)
             items.append(_message_item(role, text, _item_id(item, where, "msg")))
             messages.append({"role": role, "content": text})
-            origins.append(Origin(where, role))
+            stored.append({"role": role, "content": text})
         elif kind == "function_call":
             call = _function_call(item, where)
             items.append(call)
-            last = messages[-1] if messages else None
-            chat_call = {"id": call["call_id"], "type": "function",
-                         "function": {"name": call["name"], "arguments": call["arguments"]}}
-            if last is not None and last["role"] == "assistant":
-                last.setdefault("tool_calls", []).append(chat_call)  # one assistant turn: text and calls
-            else:
-                messages.append({"role": "assistant", "content": None, "tool_calls": []})
-                messages[-1]["tool_calls"].append(chat_call)
-                origins.append(Origin(where, "assistant"))
-            origins[-1].calls.append(where)
+            arguments = call_arguments(call["arguments"], f"{where}.arguments")
+            parsed = {"id": call["call_id"], "type": "function", "function": {"name": call["name"], "arguments": arguments}}
+            sent = {"id": call["call_id"], "type": "function",
+                    "function": {"name": call["name"], "arguments": call["arguments"]}}
+            if not (stored and stored[-1]["role"] == "assistant"):  # else one assistant turn: text and calls
+                messages.append({"role": "assistant", "content": None})
+                stored.append({"role": "assistant", "content": None})
+            messages[-1].setdefault("tool_calls", []).append(parsed)
+            stored[-1].setdefault("tool_calls", []).append(sent)
+            call_ids.add(call["call_id"])
         elif kind == "function_call_output":
             out = _function_call_output(item, where)
             items.append(out)
-            messages.append({"role": "tool", "tool_call_id": out["call_id"], "content": out["output"]})
-            origins.append(Origin(where, "tool"))
+            answered(out["call_id"], f"{where}.call_id", call_ids)
+            messages.append({"role": "tool", "content": out["output"], "tool_call_id": out["call_id"]})
+            stored.append({"role": "tool", "tool_call_id": out["call_id"], "content": out["output"]})
         else:
             raise InvalidRequest(f"{where}.type {ujson.dumps(kind)} is not supported: input items may be messages, "
                                  "function_call and function_call_output", f"{where}.type")
         if items[-1]["id"] in ids:  # GET .../input_items pages by id (OpenAI refuses the same)
             raise InvalidRequest(f"Duplicate item found with id {items[-1]['id']}", f"{where}.id")
         ids.add(items[-1]["id"])
-    return items, messages, origins
+    return items, stored
 
 
 def _message(item: dict, where: str) -> tuple[str, str]:
@@ -269,60 +280,45 @@ def _function_call_output(item: dict, where: str) -> dict:
 
 
 # -- tools and format --------------------------------------------------------------------------------
-def _tools(raw) -> list[dict]:
-    if raw is None:
-        return []
-    if not isinstance(raw, list):
-        raise InvalidRequest("tools must be an array of tools", "tools")
-    out = []
-    for i, t in enumerate(raw):
+def _tools(body: dict):
+    """``tools`` (function tools, flat: ``{"type": "function", "name", "description",
+    "parameters", "strict"}``), ``tool_choice`` and ``parallel_tool_calls`` -> the
+    :class:`ToolRequest` (None: no tools)."""
+    raw = tool_array(body.get("tools"))
+    for i, t in enumerate(raw):  # every tool's shape before any function's fields
         where = f"tools[{i}]"
         if not isinstance(t, dict):
             raise InvalidRequest(f"{where} must be an object", where)
         if t.get("type") != "function":
             raise InvalidRequest(f"{where}.type {ujson.dumps(t.get('type'))} is not supported: built-in tools are not "
                                  "available here; send function tools", f"{where}.type")
-        unknown = sorted(set(t) - {"type", "name", "description", "parameters", "strict"})
+        unknown = sorted(set(t) - {"type", *FUNCTION_FIELDS})
         if unknown:
             raise InvalidRequest(f"Unrecognized tool field: {unknown[0]}", f"{where}.{unknown[0]}")
-        out.append({"type": "function", "function": {k: t[k] for k in ("name", "description", "parameters", "strict")
-                                                     if t.get(k) is not None}})
-    return out
+    choice, name = _tool_choice(body.get("tool_choice"))
+    tools = tuple(function_tool(t, f"tools[{i}]") for i, t in enumerate(raw))
+    return tool_request(tools, body.get("parallel_tool_calls"), choice, name, "tool_choice.name")
 
 
-def _tool_choice(raw):
+def _tool_choice(raw) -> tuple[str, str | None]:
+    """``none | auto | required`` or ``{"type": "function", "name"}`` -> (mode, function)."""
+    if raw is None:
+        return AUTO, None
     if isinstance(raw, str):
-        return raw
+        return choice_mode(raw), None
     if isinstance(raw, dict) and raw.get("type") == "function" and set(raw) == {"type", "name"} and \
-            isinstance(raw["name"], str):  # else chat's check would quote chat's shape
-        return {"type": "function", "function": {"name": raw.get("name")}}
+            isinstance(raw["name"], str):
+        return NAMED, raw["name"]
     raise InvalidRequest('tool_choice must be none, auto, required or {"type": "function", "name": ...}',
                          "tool_choice")
 
 
-def _text_format(text) -> dict | None:
-    """``text`` -> chat's ``response_format`` (None: plain text)."""
+def _text_format(text) -> OutputConstraint | None:
+    """``text`` -> the output constraint of ``text.format`` (None: plain text)."""
     if text is None:
         return None
     if not isinstance(text, dict) or set(text) - {"format", "verbosity"}:
         raise InvalidRequest("text must be an object with format (and verbosity)", "text")
     if text.get("verbosity") not in (None, "medium"):
         raise InvalidRequest("text.verbosity other than medium is not supported", "text.verbosity")
-    fmt = text.get("format")
-    if fmt is None:
-        return None
-    if not isinstance(fmt, dict):
-        raise InvalidRequest("text.format must be an object", "text.format")
-    kind = fmt.get("type")
-    if kind == "text" and set(fmt) == {"type"}:
-        return None
-    if kind == "json_object" and set(fmt) == {"type"}:
-        return {"type": "json_object"}
-    if kind == "json_schema":
-        unknown = sorted(set(fmt) - {"type", "name", "schema", "description", "strict"})
-        if unknown:
-            raise InvalidRequest(f"Unrecognized text.format field: {unknown[0]}", f"text.format.{unknown[0]}")
-        return {"type": "json_schema", "json_schema": {k: fmt[k] for k in ("name", "schema", "description", "strict")
-                                                       if k in fmt}}
-    raise InvalidRequest("text.format must be {\"type\": \"text\"}, {\"type\": \"json_object\"} or a json_schema "
-                         "format", "text.format")
+    return None if text.get("format") is None else parse_text_format(text["format"], "text.format")

@@ -70,6 +70,22 @@ class StoreLimits:
     ttl_s: float = 86400.0
 
 
+def previous(store, tenant: str, response_id: str) -> dict:
+    """The stored document a continuation continues (``previous_response_id``), from ``store``
+    (a :class:`LocalStore` or :class:`RedisStore`).
+
+    Raises:
+        ResponseNotFound, StoreUnavailable: naming ``previous_response_id``.
+    """
+    try:
+        return store.get(tenant, response_id)
+    except ResponseNotFound:
+        raise ResponseNotFound(f"Previous response with id {response_id!r} not found.",
+                               "previous_response_id") from None
+    except StoreUnavailable as e:
+        raise StoreUnavailable(e.message, "previous_response_id") from None
+
+
 def _missing(response_id: str) -> ResponseNotFound:
     return ResponseNotFound(f"No response found with id {response_id!r}", "response_id")
 
@@ -95,6 +111,10 @@ class _Transaction:
                 self.lock.release()
 
 
+#: The environment variable naming the node's response store (SQLite): a file in a private
+#: directory the master creates (``server/gunicorn_conf.py``), which every worker opens
+#: (``server/http/worker_app.py``; a continuation may reach any of them).
+RESPONSES_DB_ENV = "INFERENCE_RESPONSES_DB"
 # How long a connection waits for another's write lock. Writes are a few rows, but a worker
 # may be descheduled while it holds the lock on a busy node.
 _BUSY_TIMEOUT_S = 5.0

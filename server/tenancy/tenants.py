@@ -25,7 +25,6 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from engine.config import ConfigError
-from engine.errors import InvalidRequest
 from engine.request import Priority
 
 log = logging.getLogger("tenants")
@@ -176,10 +175,10 @@ def parse(data, path: str = "tenants file") -> list[tuple[Tenant, list[str]]]:
             if _digest(k) in keys:
                 raise ConfigError(f"{where}: field api_keys[{i}] is a key listed twice")
             keys.add(_digest(k))
-        try:
-            priority = Priority.parse(entry.get("priority"))
-        except InvalidRequest:
-            raise ConfigError(f"{where}: field priority must be high, normal or low") from None
+        priority = "normal" if entry.get("priority") is None else entry["priority"]
+        if not (isinstance(priority, str) and priority.upper() in Priority.__members__):
+            raise ConfigError(f"{where}: field priority must be high, normal or low")
+        priority = Priority[priority.upper()]
         weight = _number(entry.get("weight", 1), f"{where}: field weight", 1e-6, 1e6)
         max_concurrent = entry.get("max_concurrent")
         if max_concurrent is not None and (isinstance(max_concurrent, bool) or not isinstance(max_concurrent, int)

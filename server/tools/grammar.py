@@ -120,8 +120,9 @@ def checked_arguments(request: ToolRequest, content: OutputConstraint | None,
 
     Raises:
         InvalidRequest: naming the first part at fault (``content.param``, or the function's
-            ``parameters``: ``tools[<i>].function.parameters``), with the library's message
-            about that schema; ``tools`` when they cannot be enforced only together.
+            ``parameters`` as the client sent them: :meth:`ToolRequest.parameters_param`), with
+            the library's message about that schema; ``tools`` when they cannot be enforced
+            only together.
     """
     params, parts = [], []  # a part: its schema, or why it has none
     if content is not None:

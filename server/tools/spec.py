@@ -4,7 +4,7 @@ Completions: ``tools``, ``tool_choice``, ``parallel_tool_calls``). Built by
 output parser and the grammar."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
@@ -17,15 +17,16 @@ class Tool:
             "properties": {}}`` when the request gave none, as OpenAI's default).
         strict: the request's ``strict`` (arguments are always constrained to ``parameters``
             here when a call is constrained; ``strict`` changes nothing else).
-        parameters_param: the client's field ``parameters`` came from, named when they cannot
-            be enforced (None: chat's ``tools[<i>].function.parameters``, by the tool's index).
+        path: where the function's fields are in the request, as the client sent them
+            (``tools[0].function``; the Responses API's ``tools[0]``), for the refusals that
+            name one of them (``{path}.parameters``). Not part of the tool's identity.
     """
 
     name: str
     description: str
     parameters: dict
     strict: bool = False
-    parameters_param: str | None = None
+    path: str = field(default="", compare=False)
 
     def openai(self) -> dict:
         """The tool as OpenAI's request shape, which chat templates take as ``tools``."""
@@ -62,7 +63,7 @@ class ToolRequest:
 
     def parameters_param(self, i: int) -> str:
         """The client's field of the ``i``-th tool's ``parameters``."""
-        return self.tools[i].parameters_param or f"tools[{i}].function.parameters"
+        return f"{self.tools[i].path or f'tools[{i}].function'}.parameters"
 
     def callable(self) -> tuple[Tool, ...]:
         """The functions the answer may call: all of them, or only the named one."""
