@@ -22,13 +22,13 @@ import time
 import numpy as np
 
 from engine.config import EngineConfig
+from engine.finish import finish_of
 from engine.llama.backend import Backend
 from engine.llama.batch import Batch
 from engine.llama.grammar import Grammars
 from engine.llama.model import DecodeError, Model
 from engine.llama.logprobs import LogProbs
 from engine.llama.sampler import Sampler
-from engine.finish import finish_of
 from engine.prefix_cache import PrefixCache
 from engine.request import EngineRequest, RequestKind
 from engine.scheduler import Scheduler
