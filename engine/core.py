@@ -4,12 +4,14 @@
 One :meth:`EngineCore.step` is the phases of llama.cpp's server loop, in order, with the
 middle planned as a value (vLLM v1's ``schedule() -> execute_model() -> update_from_output()``)::
 
-    ingest -> expire -> schedule (admit + reuse a cached prefix, compact, plan the batch)
-           -> execute (moves, batch, decode) -> sample + publish
-           -> retire (+ keep the cells in the prefix cache)
+    ingest -> expire -> schedule (preempt, admit + reuse a cached prefix, compact, plan the batch)
+           -> execute (KV cell copies and frees, mailboxes, moves, batch, decode)
+           -> sample -> finish rule -> publish -> retire (+ keep the cells in the prefix cache)
 
 where schedule may first preempt the youngest sequences when the decodes would outgrow the KV
 budget (their cells kept in the prefix cache when they fit; they wait to prefill again).
+Schedule only decides (:class:`engine.step_plan.StepPlan`); execute is the first phase that
+touches llama.cpp. The finish rule is :func:`engine.finish.finish_of`.
 """
 from __future__ import annotations
 
@@ -20,17 +22,18 @@ import time
 import numpy as np
 
 from engine.config import EngineConfig
+from engine.finish import finish_of
 from engine.llama.backend import Backend
 from engine.llama.batch import Batch
 from engine.llama.grammar import Grammars
 from engine.llama.model import DecodeError, Model
 from engine.llama.logprobs import LogProbs
 from engine.llama.sampler import Sampler
-from engine.prefix_cache import PrefixCache, common_prefix
+from engine.prefix_cache import PrefixCache
 from engine.request import EngineRequest, RequestKind
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence
-from engine.step_plan import StepPlan
+from engine.step_plan import CellAction, CopyCells, StepPlan
 from engine.steplog import StepLog
 from engine.threads import SAMPLE_S, AdaptiveThreads
 from shm import ErrorCode, Finish, Published
@@ -39,13 +42,6 @@ from shm.wakeup import Wakeups
 
 log = logging.getLogger("engine")
 
-#: Shortest prefix worth reusing: below it a copy saves too little prefill to matter.
-MIN_REUSE_TOKENS = 8
-#: A copy carries every cell its source holds (Model.copy_sequence), so a prefix is reused only
-#: when it is at least this fraction of them. Measured on SmolLM2-135M, 2 threads: a copy costs
-#: 0.018 ms a source cell (143 ms for 8,000), a lone prefill about 1.7 ms a token, so below
-#: 1/64 the copy would stall the step for about what it saves (docs/architecture.md "KV memory").
-COPY_CELLS_PER_REUSED_TOKEN = 64
 #: Longest the loop waits, when only sequences whose grammar is compiling are left, before it
 #: looks at its FIFO again.
 COMPILE_WAIT_S = 0.005
@@ -81,15 +77,12 @@ class EngineCore:
         self.boxes = transport.mailboxes
         self.model = model
         self.backend = model.backend
-        self.sched = Scheduler(config.max_slots, config.policy, config.aging_s, config.n_batch, self.backend,
-                               config.kv_cache_tokens)
-        self.batch = Batch(config.n_batch)
-        self.logprobs = LogProbs(model.n_vocab, threads=min(2, config.threads or 2))
         self.cache = PrefixCache(config.max_slots, config.cache_streams, config.prefix_cache_tokens) \
             if config.cache_streams else None
-        # Waiting for a sibling's prefill (awaits_prefix) suits continuous batching only: static
-        # and fifo would run the sibling alone.
-        self.holds_for_prefixes = self.cache is not None and config.policy == "continuous"
+        self.sched = Scheduler(config.max_slots, config.policy, config.aging_s, config.n_batch, self.backend,
+                               config.kv_cache_tokens, self.cache)
+        self.batch = Batch(config.n_batch)
+        self.logprobs = LogProbs(model.n_vocab, threads=min(2, config.threads or 2))
         self.grammars = Grammars(model.vocab, model.eog, model.n_vocab)
         self.stopping = False
         self.step_no = transport.control.step
@@ -114,7 +107,7 @@ class EngineCore:
                 woken, _ = self.t.wakeups.wait([Wakeups.ENGINE], timeout=SAMPLE_S)
                 if not woken and self.adaptive is not None:  # sample while idle: the next decode starts right
                     self.adaptive.threads()
-            elif not self.sched.running and all(self.compiling(seq) for seq in self.sched.waiting):
+            elif not self.sched.running and all(seq.compiling for seq in self.sched.waiting):
                 # nothing to decode until a grammar is compiled: wait for it, not spin
                 concurrent.futures.wait([seq.grammar for seq in self.sched.waiting], COMPILE_WAIT_S,
                                         concurrent.futures.FIRST_COMPLETED)
@@ -129,8 +122,8 @@ class EngineCore:
         now = time.monotonic()
         self.ingest(now)
         self.expire(now)
-        plan = self.sched.schedule(now, lambda seq: self.start(seq, now), self.hold, self.preempt)
-        rows, scored = self.execute(plan)
+        plan = self.sched.schedule(now)
+        rows, scored = self.execute(plan, now)
         decoded = time.monotonic()
         for seq, reason, error in self.score(scored, decoded) + self.sample_and_publish(rows, decoded):
             self.retire(seq, reason, error)
@@ -139,8 +132,12 @@ class EngineCore:
             self.step_log.write(self.step_no, now, [(s.mailbox, s.lease) for s, _ in rows], self.cancelled)
         self.cancelled = []
 
-    def execute(self, plan: StepPlan) -> tuple[list[tuple[Sequence, int]], list[tuple[Sequence, int, int, int]]]:
-        """Apply ``plan`` to llama.cpp: its slot moves, then its batch in one decode.
+    def execute(self, plan: StepPlan,
+                now: float) -> tuple[list[tuple[Sequence, int]], list[tuple[Sequence, int, int, int]]]:
+        """Apply ``plan`` (made at ``now``) to llama.cpp and the mailboxes, in its order: its KV
+        cell actions; its preempted sequences' mailboxes lose their slot; its admitted sequences
+        get a sampler on their first admission and their mailbox its slot; its slot moves; then
+        its batch in one decode.
 
         Returns:
             ``(sequence, logits row)`` for every sequence that samples after the decode, and
@@ -148,6 +145,12 @@ class EngineCore:
             both empty when nothing was decoded or the decode failed (its sequences then
             finished).
         """
+        self.apply(plan.cells)
+        for seq in plan.preempted:
+            self.boxes.move(seq.mailbox, -1)  # its mailbox stays running, with no slot
+            self.t.control.count_preemption()
+        for seq in plan.admitted:
+            self.start(seq, now)
         for seq, src, dst in plan.moves:
             self.model.move_sequence(src, dst)
             self.boxes.move(seq.mailbox, dst)
@@ -208,16 +211,6 @@ class EngineCore:
                 and all(0 <= t < self.model.n_vocab for t, _ in request.sampling.logit_bias)
                 and isinstance(request.sampling.grammar, (str, type(None))))
 
-    @staticmethod
-    def compiling(seq: Sequence) -> bool:
-        """Whether ``seq``'s grammar is still being compiled (it cannot be admitted yet)."""
-        return seq.grammar is not None and not seq.grammar.done()
-
-    def hold(self, seq: Sequence) -> bool:
-        """Whether a waiting sequence stays waiting this step, keeping its turn: its grammar is
-        compiling, or it awaits a sibling's prefill (:meth:`awaits_prefix`)."""
-        return self.compiling(seq) or (self.holds_for_prefixes and self.awaits_prefix(seq))
-
     def expire(self, now: float) -> None:
         """Finish sequences whose client cancelled or whose deadline passed, and waiting ones
         whose grammar did not compile (the front end checks grammars, so only a corrupt record)."""
@@ -245,62 +238,25 @@ class EngineCore:
         return Finish.NONE
 
     def start(self, seq: Sequence, now: float) -> None:
-        """Bind an admitted sequence to its slot, reuse a cached prefix, build its sampler (with
-        its own copy of its compiled grammar). A preempted sequence keeps its sampler, grammar
-        state and what its mailbox says of its first admission."""
-        if seq.preemptions:
-            if self.cache is not None:
-                self.reuse_prefix(seq)
+        """Tell an admitted sequence's mailbox its slot; on its first admission, build its
+        sampler first (with its own copy of its compiled grammar). A preempted sequence keeps
+        its sampler, grammar state and what its mailbox says of its first admission."""
+        if seq.sampler is not None:
             self.boxes.move(seq.mailbox, seq.slot)
             return
         sampling = seq.request.sampling
         banned = self.model.eog if sampling.ignore_eos else frozenset()
         constraint = self.grammars.constraint(seq.grammar) if seq.grammar is not None else None
         seq.sampler = Sampler(self.model.n_vocab, sampling, banned, seq.prompt, constraint)
-        seq.start_history()
-        if self.cache is not None and not seq.scoring:  # a scoring sequence needs every position's logits
-            self.reuse_prefix(seq)
         self.boxes.admit(seq.mailbox, seq.slot, self.step_no, now, seq.n_cached)
 
-    def awaits_prefix(self, seq: Sequence) -> bool:
-        """Whether ``seq`` should wait a step for a running sequence of its tenant that is
-        prefilling a prefix they share, at least :data:`MIN_REUSE_TOKENS` of which it has still
-        to prefill, and is already at least as far into it as ``seq`` would start (what the cache
-        holds): admitted now, ``seq`` would prefill the same tokens beside it, in the same steps'
-        token budget, so no sooner; admitted once they are in the KV cache, it copies them.
-        Sixteen requests with one new system prompt then prefill it once, not sixteen times."""
-        if seq.scoring:
-            return False  # it reuses nothing (start)
-        resident = None
-        for other in self.sched.running.values():
-            if other.prefilling and other.request.tenant == seq.request.tenant:
-                shared = common_prefix(other.prompt, seq.prompt)
-                if shared - other.n_past < MIN_REUSE_TOKENS:
-                    continue  # too little left to gain to be worth a step's wait
-                if resident is None:
-                    resident = self.cache.lookup(seq.request.tenant, seq.prompt, touch=False)[1]
-                if other.n_past >= resident:
-                    return True
-        return False
-
-    def reuse_prefix(self, seq: Sequence) -> None:
-        """Copy the KV cells of the longest prefix of ``seq``'s prefill (its prompt, and after a
-        preemption its generated tokens) that its tenant's cache entries or running sequences
-        hold into its slot; only the rest is prefilled. The last token is always decoded: its
-        logits give the next token."""
-        tenant, prompt = seq.request.tenant, seq.prefill_tokens
-        entry, n = self.cache.lookup(tenant, prompt)
-        source = entry.stream if entry is not None else -1
-        for other in self.sched.running.values():
-            if other is not seq and other.request.tenant == tenant and other.n_past > n:
-                k = common_prefix(other.kv_tokens(), prompt)
-                if k > n:
-                    source, n = other.slot, k
-        n = min(n, len(prompt) - 1)
-        if n < MIN_REUSE_TOKENS or n < (self.model.pos_max(source) + 1) // COPY_CELLS_PER_REUSED_TOKEN:
-            return
-        self.model.copy_sequence(source, seq.slot, n)
-        seq.n_prefilled = seq.n_past = seq.n_cached = n
+    def apply(self, actions: list[CellAction]) -> None:
+        """Copy and free KV cells as decided (:mod:`engine.step_plan`), in order."""
+        for action in actions:
+            if isinstance(action, CopyCells):
+                self.model.copy_sequence(action.src, action.dst, action.n_tokens)
+            else:
+                self.model.free_sequence(action.seq_id)
 
     def score(self, chunks: list[tuple[Sequence, int, int, int]],
               now: float) -> list[tuple[Sequence, Finish, ErrorCode]]:
@@ -311,8 +267,8 @@ class EngineCore:
         step's tokens, so a reader that sees a sequence's first token sees its whole prompt.
 
         Returns:
-            the scoring sequences that generate nothing (``max_new_tokens`` 0) and whose prompt
-            is now scored, with ``length``, for :meth:`retire`.
+            the scoring sequences whose prompt is now scored and that the finish rule ends
+            (they generate nothing: ``max_new_tokens`` 0), for :meth:`retire`.
         """
         finished = []
         for seq, first, pos, k in chunks:
@@ -322,82 +278,51 @@ class EngineCore:
                 lp, ids, top = self.logprobs.rows(self.model.logits_rows(first, m), prompt[pos + 1:pos + 1 + m],
                                                   sampling.logprobs or 0)
                 self.boxes.publish_prompt_logprobs(seq.mailbox, pos, lp, ids, top)
-            if pos + k == len(prompt) and sampling.max_new_tokens == 0:
-                self.boxes.prefill_done(seq.mailbox, now)
-                finished.append((seq, Finish.LENGTH, ErrorCode.NONE))
+            if pos + k == len(prompt):
+                verdict = finish_of(seq, None, self.model.eog, now)
+                if verdict.finish:
+                    self.boxes.prefill_done(seq.mailbox, now)
+                    finished.append((seq, verdict.finish, verdict.error))
         return finished
 
     def sample_and_publish(self, rows: list[tuple[Sequence, int]],
                            now: float) -> list[tuple[Sequence, Finish, ErrorCode]]:
-        """Sample one token per row and publish every token to its mailbox (one wake-up each); a
-        stop token is published only for a scoring request, whose log-probabilities need it.
+        """Sample one token per row, judge it by the finish rule (:func:`engine.finish.finish_of`),
+        and publish every token it lets through to its mailbox (one wake-up each).
 
         Returns:
-            the sequences that finished (a stop or end-of-generation token, a complete grammar,
-            their length, a failed grammar: an error, its token unpublished, or a deadline that
-            passed while the step computed: nothing published after it), for :meth:`retire`.
+            the sequences that finished, with their reason and error code, for :meth:`retire`.
         """
         published, finished = [], []
         for seq, row in rows:
-            if seq.request.deadline and now >= seq.request.deadline:  # a 1 ms deadline got a token
-                finished.append((seq, Finish.DEADLINE, ErrorCode.NONE))
-                continue
             tok = seq.sampler.sample(self.model.ctx, row)
-            sampling, k, constraint = seq.request.sampling, seq.n_generated, seq.sampler.constraint
-            if k == 0:
-                self.boxes.prefill_done(seq.mailbox, now)
-            self.sched.charge(seq, 1)
-            if constraint is not None and constraint.error:
-                log.warning("sequence in mailbox %d: its grammar failed: %s", seq.mailbox, constraint.error)
-                finished.append((seq, Finish.ERROR, ErrorCode.CONSTRAINT))
-                continue
-            stops = tok in sampling.stop_ids or (tok in self.model.eog and not sampling.ignore_eos)
-            if stops and not seq.scoring:
-                finished.append((seq, Finish.STOP, ErrorCode.NONE))
-                continue
-            lp = None if sampling.logprobs is None else self.logprobs.one(self.model.logits(row), tok, sampling.logprobs)
-            published.append(Published(seq.mailbox, k, tok, lp))
-            if stops:  # a scoring request reports the token that ended it, as vLLM does (lm-eval counts on it)
-                finished.append((seq, Finish.STOP, ErrorCode.NONE))
-                continue
-            seq.generated(tok)
-            if constraint is not None and constraint.complete:
-                finished.append((seq, Finish.STOP, ErrorCode.NONE))
-            elif seq.n_generated >= sampling.max_new_tokens:
-                finished.append((seq, Finish.LENGTH, ErrorCode.NONE))
+            verdict, k = finish_of(seq, tok, self.model.eog, now), seq.n_generated
+            if verdict.served:
+                if k == 0:
+                    self.boxes.prefill_done(seq.mailbox, now)
+                self.sched.charge(seq, 1)
+            if verdict.error == ErrorCode.CONSTRAINT:
+                log.warning("sequence in mailbox %d: its grammar failed: %s", seq.mailbox, seq.sampler.constraint.error)
+            if verdict.published:
+                logprobs = seq.request.sampling.logprobs
+                lp = None if logprobs is None else self.logprobs.one(self.model.logits(row), tok, logprobs)
+                published.append(Published(seq.mailbox, k, tok, lp))
+                seq.generated(tok)
+            if verdict.finish:
+                finished.append((seq, verdict.finish, verdict.error))
         self.boxes.publish(published, now)
         return finished
-
-    def preempt(self, seq: Sequence) -> None:
-        """Free a running sequence's KV cells for the scheduler to requeue it (keeping them in the
-        prefix cache when they fit); its mailbox stays running, with no slot."""
-        if self.cache is not None and seq.n_past:
-            self.keep_prefix(seq)
-        self.model.free_sequence(seq.slot)
-        self.boxes.move(seq.mailbox, -1)
-        self.t.control.count_preemption()
-        log.info("preempted the sequence in mailbox %d (%d KV cells) for the KV budget", seq.mailbox, seq.n_past)
 
     def retire(self, seq: Sequence, finish: Finish, error: ErrorCode = ErrorCode.NONE) -> None:
         """Keep the sequence's KV cells in the prefix cache (unless its decode failed), free its
         slot, and finish its mailbox."""
         if self.cache is not None and finish != Finish.ERROR and seq.n_past:
-            self.keep_prefix(seq)
+            self.apply(self.cache.keep(seq))
         self.model.free_sequence(seq.slot)
         self.sched.release(seq)
         if seq.sampler is not None:  # None if admission failed before the sampler was built
             seq.sampler.free()
         self.boxes.finish(seq.mailbox, seq.lease, finish, error, self.step_no)
-
-    def keep_prefix(self, seq: Sequence) -> None:
-        """Copy a retiring sequence's cells (prompt and generated tokens) into a cache stream,
-        as :meth:`PrefixCache.insert` decides; free the streams it evicted."""
-        stream, evicted = self.cache.insert(seq.request.tenant, seq.kv_tokens())
-        for s in evicted:
-            if s != stream:
-                self.model.free_sequence(s)
-        if stream is not None:
-            self.model.copy_sequence(seq.slot, stream)
 
     def publish_control(self) -> None:
         """Refresh the control block: step counter, queue sizes, slot table, KV occupancy."""

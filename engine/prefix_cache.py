@@ -14,13 +14,29 @@ Only entries of the requesting tenant are ever candidates: a shared cache would 
 learn another's prompts from time to first token (the side channel that vLLM's ``cache_salt``
 closes). The cache is bounded by ``max_tokens`` tokens and by its streams, and evicts the least
 recently used entry first.
+
+The cache decides and the core acts: :meth:`PrefixCache.reuse`, :meth:`PrefixCache.keep` and
+:meth:`PrefixCache.awaits` return decisions and KV cell actions (:mod:`engine.step_plan`) and
+never call llama.cpp.
 """
 from __future__ import annotations
 
 import itertools
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import numpy as np
+
+from engine.sequence import Sequence
+from engine.step_plan import CellAction, CopyCells, FreeCells
+
+#: Shortest prefix worth reusing: below it a copy saves too little prefill to matter.
+MIN_REUSE_TOKENS = 8
+#: A copy carries every cell its source holds (Model.copy_sequence), so a prefix is reused only
+#: when it is at least this fraction of them. Measured on SmolLM2-135M, 2 threads: a copy costs
+#: 0.018 ms a source cell (143 ms for 8,000), a lone prefill about 1.7 ms a token, so below
+#: 1/64 the copy would stall the step for about what it saves (docs/architecture.md "KV memory").
+COPY_CELLS_PER_REUSED_TOKEN = 64
 
 
 def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
@@ -47,8 +63,9 @@ class Entry:
 
 @dataclass
 class PrefixCache:
-    """Which cache stream holds which tokens of which tenant; knows nothing of llama.cpp (the
-    engine core copies the cells as this class decides).
+    """Which cache stream holds which tokens of which tenant, and when a sequence reuses or
+    keeps cells; knows nothing of llama.cpp (the engine core copies the cells as this class
+    decides).
 
     Args:
         first_stream: the first cache stream's ``seq_id`` (= ``max_slots``).
@@ -118,3 +135,63 @@ class PrefixCache:
     def _drop(self, entry: Entry) -> int:
         del self.entries[entry.stream]
         return entry.stream
+
+    def keep(self, seq: Sequence) -> list[CellAction]:
+        """Keep the cells of a sequence leaving its slot (its prompt and generated tokens,
+        :meth:`Sequence.kv_tokens`), as :meth:`insert` decides.
+
+        Returns:
+            the cell actions, in order: free each evicted stream (but the one reused), then
+            copy the slot into the new entry's stream; empty when nothing is stored.
+        """
+        stream, evicted = self.insert(seq.request.tenant, seq.kv_tokens())
+        actions: list[CellAction] = [FreeCells(s) for s in evicted if s != stream]  # a copy replaces what dst held
+        if stream is not None:
+            actions.append(CopyCells(seq.slot, stream))
+        return actions
+
+    def reuse(self, seq: Sequence, running: Iterable[Sequence]) -> CopyCells | None:
+        """The copy that gives a sequence just given a slot the longest prefix of its prefill
+        (its prompt, and after a preemption its generated tokens) that its tenant's entries or
+        running sequences hold, or None when none is worth it: under
+        :data:`MIN_REUSE_TOKENS`, or under 1/:data:`COPY_CELLS_PER_REUSED_TOKEN` of the cells
+        its source holds (a copy carries them all). The last token is never reused: its logits
+        give the next token. Touches the entry it looks up.
+
+        Args:
+            running: the running sequences, with the cells each holds once the actions
+                decided before this one are applied (``n_past`` and ``kv_tokens()``).
+        """
+        tenant, prompt = seq.request.tenant, seq.prefill_tokens
+        entry, n = self.lookup(tenant, prompt)
+        source, cells = (entry.stream, len(entry.tokens)) if entry is not None else (-1, 0)
+        for other in running:
+            if other is not seq and other.request.tenant == tenant and other.n_past > n:
+                k = common_prefix(other.kv_tokens(), prompt)
+                if k > n:
+                    source, cells, n = other.slot, other.n_past, k
+        n = min(n, len(prompt) - 1)
+        if n < MIN_REUSE_TOKENS or n < cells // COPY_CELLS_PER_REUSED_TOKEN:
+            return None
+        return CopyCells(source, seq.slot, n)
+
+    def awaits(self, seq: Sequence, running: Iterable[Sequence]) -> bool:
+        """Whether ``seq`` should wait a step for a running sequence of its tenant that is
+        prefilling a prefix they share, at least :data:`MIN_REUSE_TOKENS` of which it has still
+        to prefill, and is already at least as far into it as ``seq`` would start (what the cache
+        holds): admitted now, ``seq`` would prefill the same tokens beside it, in the same steps'
+        token budget, so no sooner; admitted once they are in the KV cache, it copies them.
+        Sixteen requests with one new system prompt then prefill it once, not sixteen times."""
+        if seq.scoring:
+            return False  # it reuses nothing (Scheduler.schedule)
+        resident = None
+        for other in running:
+            if other.prefilling and other.request.tenant == seq.request.tenant:
+                shared = common_prefix(other.prompt, seq.prompt)
+                if shared - other.n_past < MIN_REUSE_TOKENS:
+                    continue  # too little left to gain to be worth a step's wait
+                if resident is None:
+                    resident = self.lookup(seq.request.tenant, seq.prompt, touch=False)[1]
+                if other.n_past >= resident:
+                    return True
+        return False

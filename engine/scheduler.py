@@ -18,23 +18,32 @@ counted for its whole prefill from admission on). A waiting sequence is admitted
 is free and its prefill fits; when it does not, admission stops there (the head of the queue is
 not overtaken by smaller prompts). When the decoding sequences would outgrow the budget, the
 youngest running sequence of the lowest class is preempted (vLLM's recompute preemption): its
-cells are freed (kept in the prefix cache when they fit, by the core), and it waits again ahead
+cells are freed (kept in the prefix cache when they fit), and it waits again ahead
 of every sequence of its class never admitted, to prefill its prompt and the tokens it had
 generated. A scoring sequence is never preempted (its prompt log-probabilities are already being
 read); if only such sequences could make room, the step runs over the budget.
+
+Prefix cache (:class:`engine.prefix_cache.PrefixCache`, when given): an admitted sequence reuses
+the longest cached or running prefix of its tenant worth copying, a preempted one's cells are kept,
+and in ``continuous`` a sequence waits a step for a sibling prefilling the prefix they share. The
+plan carries these as KV cell actions (:class:`engine.step_plan.StepPlan`); nothing here calls
+llama.cpp.
 """
 from __future__ import annotations
 
 import bisect
+import logging
 import math
-from typing import Callable
 
 import numpy as np
 
 from engine.llama.backend import CPU, Backend
 from engine.llama.batch import lone_tokens
+from engine.prefix_cache import PrefixCache
 from engine.sequence import Sequence, SequenceStatus
-from engine.step_plan import PlannedRow, StepPlan
+from engine.step_plan import FreeCells, PlannedRow, StepPlan
+
+log = logging.getLogger("engine")
 
 
 class Scheduler:
@@ -49,11 +58,16 @@ class Scheduler:
         backend: the device profile (its prefill chunk and one-thread rule).
         kv_tokens: KV cells the running sequences may hold together (None: no bound but the
             slots'); at least the longest sequence, so one always fits.
+        cache: the prefix cache (None: no reuse).
     """
 
     def __init__(self, max_slots: int, policy: str, aging_s: float, n_batch: int = 512, backend: Backend = CPU,
-                 kv_tokens: int | None = None):
+                 kv_tokens: int | None = None, cache: PrefixCache | None = None):
         self.kv_tokens = math.inf if kv_tokens is None else kv_tokens
+        self.cache = cache
+        # Waiting for a sibling's prefill (PrefixCache.awaits) suits continuous batching only:
+        # static and fifo would run the sibling alone.
+        self.awaits_prefixes = cache is not None and policy == "continuous"
         self.policy = policy
         self.aging_s = aging_s
         self.n_batch, self.backend = n_batch, backend
@@ -105,20 +119,19 @@ class Scheduler:
     def _kv_cells_after_decode(self) -> int:
         return self.kv_cells + sum(1 for s in self.running.values() if s.status == SequenceStatus.DECODE)
 
-    def schedule(self, now: float, on_admit: Callable[[Sequence], None],
-                 hold: Callable[[Sequence], bool] | None = None,
-                 on_preempt: Callable[[Sequence], None] = lambda seq: None) -> StepPlan:
-        """Plan one step: preempt what the decodes would outgrow (``on_preempt`` frees each
-        victim's KV cells while it still holds its slot), admit waiting sequences (``on_admit``
-        binds each one's KV cells and sampler as it is admitted, so a prefix it reuses is known
-        before the batch is planned), close gaps in the running slots, then fill the batch: one
-        token per decoding sequence, then prefill chunks of at most ``backend.max_chunk_tokens``
-        in admission order, within ``n_batch`` tokens (chunked prefill; each first-time token
-        charged to its tenant's counter). ``hold``: see :meth:`admit`."""
-        plan = StepPlan(preempted=self.preempt_for_growth(on_preempt))
-        plan.admitted = self.admit(now, hold or (lambda seq: False))
+    def schedule(self, now: float) -> StepPlan:
+        """Plan one step: preempt what the decodes would outgrow (their cells freed, kept in the
+        prefix cache first), admit waiting sequences (:meth:`admit`), each reusing what prefix
+        it can (:meth:`start`), close gaps in the running slots, then fill the batch: one token
+        per decoding sequence, then prefill chunks of at most ``backend.max_chunk_tokens`` in
+        admission order, within ``n_batch`` tokens (chunked prefill; each first-time token
+        charged to its tenant's counter). Moves the sequences' state as planned; the KV cells
+        and mailboxes are the core's to change, as the plan says."""
+        plan = StepPlan()
+        plan.preempted = self.preempt_for_growth(plan)
+        plan.admitted = self.admit(now)
         for seq in plan.admitted:
-            on_admit(seq)
+            self.start(seq, plan)
         while (gap := self.gap()) is not None:
             seq, slot = gap
             plan.moves.append((seq, seq.slot, slot))
@@ -137,8 +150,7 @@ class Scheduler:
                 start = seq.n_prefilled
                 seq.n_prefilled += k
                 done = seq.n_prefilled == len(tokens)
-                plan.rows.append(PlannedRow(seq, tokens[start:start + k], start,
-                                            done and seq.request.sampling.max_new_tokens > 0, seq.scoring))
+                plan.rows.append(PlannedRow(seq, tokens[start:start + k], start, done and seq.generates, seq.scoring))
                 if done:
                     seq.status = SequenceStatus.DECODE
                 if not seq.preemptions:  # a recompute is the server's choice, not the tenant's service
@@ -159,10 +171,10 @@ class Scheduler:
         lone = lone_tokens({r.seq.slot: len(r.tokens) for r in plan.rows}, self.n_batch)
         return any(self.running[slot].n_past > limit for slot in lone)
 
-    def admit(self, now: float, hold: Callable[[Sequence], bool] = lambda seq: False) -> list[Sequence]:
+    def admit(self, now: float) -> list[Sequence]:
         """Move waiting sequences into free slots as the policy allows; returns the admitted.
-        A sequence for which ``hold`` is true (asked in admission order, after the sequences
-        before it were admitted) stays waiting this step and keeps its turn."""
+        A sequence held (:meth:`holds`, asked in admission order, after the sequences before it
+        were admitted) stays waiting this step and keeps its turn."""
         if not self.waiting or not self.free_slots:
             return []
         if self.policy == "fifo":
@@ -180,7 +192,7 @@ class Scheduler:
         for seq in order:
             if len(admitted) == room:
                 break
-            if hold(seq):  # sees the sequences admitted before it in this loop
+            if self.holds(seq):  # sees the sequences admitted before it in this loop
                 continue
             if cells + len(seq.prefill_tokens) > self.kv_tokens:
                 break  # it waits for cells, and no later sequence overtakes it
@@ -192,17 +204,38 @@ class Scheduler:
             admitted.append(seq)
         return admitted
 
-    def preempt_for_growth(self, on_preempt: Callable[[Sequence], None]) -> list[Sequence]:
+    def holds(self, seq: Sequence) -> bool:
+        """Whether a waiting sequence stays waiting this step, keeping its turn: its grammar is
+        compiling, or it awaits a sibling's prefill (:meth:`PrefixCache.awaits`)."""
+        return seq.compiling or (self.awaits_prefixes and self.cache.awaits(seq, self.running.values()))
+
+    def start(self, seq: Sequence, plan: StepPlan) -> None:
+        """Ready a sequence just admitted: its history on its first admission, and the copy of
+        the cached prefix it reuses into ``plan.cells`` (none for a scoring sequence, which needs
+        every position's logits), counted as prefilled."""
+        if seq.history is None:
+            seq.start_history()
+        if self.cache is None or seq.scoring:
+            return
+        copy = self.cache.reuse(seq, self.running.values())
+        if copy is not None:
+            plan.cells.append(copy)
+            seq.n_prefilled = seq.n_past = seq.n_cached = copy.n_tokens
+
+    def preempt_for_growth(self, plan: StepPlan) -> list[Sequence]:
         """Preempt running sequences, youngest of the lowest class first, until this step's
-        decodes fit in ``kv_tokens``; ``on_preempt(seq)`` is called while ``seq`` still holds
-        its slot and cells. Returns the preempted, now waiting again."""
+        decodes fit in ``kv_tokens``: each one's cells kept in the prefix cache and freed, in
+        ``plan.cells``. Returns the preempted, now waiting again."""
         preempted = []
         while self._kv_cells_after_decode() > self.kv_tokens:
             candidates = [s for s in self.running.values() if not s.scoring]
             if len(self.running) < 2 or not candidates:
                 break
             seq = max(candidates, key=lambda s: (s.request.priority, s.order))
-            on_preempt(seq)
+            if self.cache is not None and seq.n_past:
+                plan.cells += self.cache.keep(seq)
+            plan.cells.append(FreeCells(seq.slot))
+            log.info("preempted the sequence in mailbox %d (%d KV cells) for the KV budget", seq.mailbox, seq.n_past)
             del self.running[seq.slot]
             bisect.insort(self.free_slots, seq.slot)
             seq.preempted()

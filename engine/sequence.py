@@ -76,6 +76,17 @@ class Sequence:
         return self.request.kind == RequestKind.SCORE
 
     @property
+    def compiling(self) -> bool:
+        """Its grammar is still being compiled (it cannot be admitted yet)."""
+        return self.grammar is not None and not self.grammar.done()
+
+    @property
+    def generates(self) -> bool:
+        """Tokens are still to be generated (``n_generated < max_new_tokens``): the end of its
+        prefill samples one. False from the start for a scoring request that generates none."""
+        return self.n_generated < (self.request.sampling.max_new_tokens or 0)
+
+    @property
     def prefilling(self) -> bool:
         return self.status == SequenceStatus.PREFILL
 

@@ -9,7 +9,7 @@ import json
 import pytest
 
 from engine.config import EngineConfig
-from engine.core import MIN_REUSE_TOKENS
+from engine.prefix_cache import MIN_REUSE_TOKENS
 from engine.llama.backend import CPU_DETERMINISTIC
 from engine.inproc import InprocEngine
 from engine.request import SamplingParams
@@ -60,7 +60,7 @@ def test_shared_prefix_outputs_equal_cache_off_and_cached_tokens_exact(model_pat
     assert [ids for ids, _, _ in on] == [ids for ids, _, _ in off]
     assert all(n == 0 for _, n, _ in off)
     # The shared prefix is prefilled once: the first prompt is admitted alone, the others wait
-    # until its cells hold all but less than a chunk of the prefix (EngineCore.awaits_prefix),
+    # until its cells hold all but less than a chunk of the prefix (PrefixCache.awaits),
     # then reuse what it holds.
     first = min(step for _, _, step in on)
     assert [step for _, _, step in on].count(first) == 1
@@ -235,7 +235,7 @@ def test_prefix_cache_flags(flags, tokens, streams):
 def test_a_prefix_short_against_its_source_is_prefilled_not_copied(model_path):
     """A copy carries every cell its source holds, so a shared prefix under 1/64 of them is
     prefilled instead (COPY_CELLS_PER_REUSED_TOKEN); from that fraction on it is reused."""
-    from engine.core import COPY_CELLS_PER_REUSED_TOKEN
+    from engine.prefix_cache import COPY_CELLS_PER_REUSED_TOKEN
 
     source = [(i * 7919) % 40000 + 100 for i in range(764)]  # a cache entry of 764 + 4 cells
     need = (len(source) + 4) // COPY_CELLS_PER_REUSED_TOKEN  # 12 tokens, over MIN_REUSE_TOKENS

@@ -37,18 +37,17 @@ def test_schedule_plans_decodes_first_then_chunks_within_the_budget():
     a, b = Sequence(0, 1, long_prompt, 0.0), make(tenant=1)
     sched.add(a)
     sched.add(b)
-    bound = []
-    plan = sched.schedule(0.0, bound.append)
-    assert plan.admitted == bound == [a, b] and not plan.moves
+    plan = sched.schedule(0.0)
+    assert plan.admitted == [a, b] and not plan.moves
     assert [(r.seq, len(r.tokens), r.pos, r.samples) for r in plan.rows] == [(a, 63, 0, False), (b, 2, 0, True)]
     assert a.status == SequenceStatus.PREFILL and b.status == SequenceStatus.DECODE and a.n_past == 63
     b.n_generated, b.last_token = 1, 7
-    plan = sched.schedule(0.0, bound.append)  # b decodes first; a's chunk fits the rest of the budget
+    plan = sched.schedule(0.0)  # b decodes first; a's chunk fits the rest of the budget
     assert [(r.seq, len(r.tokens), r.pos) for r in plan.rows] == [(a, 63, 63), (b, 1, 2)]
     assert plan.rows[1].tokens.tolist() == [7] and not plan.single_thread
     sched.release(b)
     assert b.status == SequenceStatus.FINISHED
-    plan = sched.schedule(0.0, bound.append)
+    plan = sched.schedule(0.0)
     assert [(r.seq, len(r.tokens), r.samples) for r in plan.rows] == [(a, 24, True)]
     assert a.status == SequenceStatus.DECODE
 
@@ -63,10 +62,10 @@ def test_fast_profile_prefills_whole_micro_batches():
     b = make(tenant=1)
     sched.add(a)
     sched.add(b)
-    plan = sched.schedule(0.0, lambda seq: None)
+    plan = sched.schedule(0.0)
     assert [(r.seq, len(r.tokens)) for r in plan.rows] == [(a, 512)]  # b is admitted, waits for room
-    assert [(r.seq, len(r.tokens)) for r in sched.schedule(0.0, lambda seq: None).rows] == [(a, 512)]
-    assert [(r.seq, len(r.tokens)) for r in sched.schedule(0.0, lambda seq: None).rows] == [(a, 176), (b, 2)]
+    assert [(r.seq, len(r.tokens)) for r in sched.schedule(0.0).rows] == [(a, 512)]
+    assert [(r.seq, len(r.tokens)) for r in sched.schedule(0.0).rows] == [(a, 176), (b, 2)]
 
 
 def test_schedule_closes_gaps_and_asks_one_thread_past_the_split_kv_limit():
@@ -77,10 +76,10 @@ def test_schedule_closes_gaps_and_asks_one_thread_past_the_split_kv_limit():
         first, second = make(tenant=0), make(tenant=1)
         sched.add(first)
         sched.add(second)
-        sched.schedule(0.0, lambda seq: None)
+        sched.schedule(0.0)
         sched.release(first)  # slot 0 frees: the sequence in slot 1 moves down
         second.n_generated = 299  # a long sequence decoding alone: past 256 tokens after this step
-        plan = sched.schedule(0.0, lambda seq: None)
+        plan = sched.schedule(0.0)
         assert plan.moves == [(second, 1, 0)] and second.slot == 0
         assert plan.single_thread is expected  # split-KV attention sums in another order on 2 threads
 

@@ -4,8 +4,12 @@
 * :mod:`engine.llama.backend`: the device profile (CPU or GPU) and the choices it carries;
 * :mod:`engine.llama.weights`: the weight format computed with (a copy converted once);
 * :mod:`engine.llama.model`: one context and its KV cache (``Model.from_config``);
+* :mod:`engine.llama.kv_pages`: the KV memory of streams that hold nothing given back to the kernel;
 * :mod:`engine.llama.batch`: the ``llama_batch`` the engine fills;
-* :mod:`engine.llama.sampler`: per-sequence sampler chains, the constraint slot, log-probabilities;
+* :mod:`engine.llama.sampler`: per-sequence sampler chains and the constraint slot;
+* :mod:`engine.llama.logprobs`: log-probabilities of generated and prompt tokens, many rows at once;
+* :mod:`engine.llama.grammar`: grammar constraints (llguidance) compiled over the vocabulary;
+* :mod:`engine.llama.grammar_checker`: the front end's grammar check, in a child process;
 * :mod:`engine.llama.tokenizer`: the front ends' tokenizer (the GGUF loaded ``vocab_only``): the
   engine sees token ids only, but every call into llama.cpp lives in this package.
 """

@@ -1,5 +1,5 @@
-"""Per-sequence sampling: llama.cpp's sampler chain, an optional constraint kept apart from it,
-and log-probabilities.
+"""Per-sequence sampling: llama.cpp's sampler chain and an optional constraint kept apart from it
+(log-probabilities are :mod:`engine.llama.logprobs`).
 
 The shape is llama.cpp's ``common_sampler`` (common/sampling.cpp): a chain of samplers plus an
 optional grammar that is not in the chain. The chain picks a token; the constraint checks that
@@ -194,22 +194,3 @@ class Sampler:
             self.constraint.free()
             self.constraint = None
 
-
-def logprobs(logits: np.ndarray, token: int, k: int) -> tuple[float, np.ndarray, np.ndarray]:
-    """Log-probability of ``token`` under the model's raw distribution (before logit bias and any
-    constraint, as OpenAI reports it), and the top ``k``.
-
-    Args:
-        logits: float32 ``[n_vocab]``.
-    Returns:
-        ``(logprob, top_ids[k], top_logprobs[k])``, top sorted by decreasing probability.
-    """
-    x = logits.astype(np.float64)
-    m = x.max()
-    lse = m + np.log(np.exp(x - m).sum())
-    if k:
-        top = np.argpartition(-x, k - 1)[:k]
-        top = top[np.argsort(-x[top], kind="stable")]
-    else:
-        top = np.empty(0, np.int64)
-    return float(x[token] - lse), top.astype(np.int32), (x[top] - lse).astype(np.float32)
