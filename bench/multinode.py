@@ -32,8 +32,8 @@ import tempfile
 
 from bench.common import concurrently, save
 from bench.prefix import QUESTIONS, SYSTEM, chat_stream
-from tests.conftest import RunningServer, running_replicas
-from tests.nginx import AFFINITY, LEAST_CONN, Nginx
+from tests.support.nginx import AFFINITY, LEAST_CONN, Nginx
+from tests.support.servers import RunningServer, running_replicas
 
 HOSTS = ("127.0.0.2", "127.0.0.3", "127.0.0.4")
 TENANTS = 3

@@ -13,7 +13,7 @@ import pytest
 from server.tenancy.ratelimit import RateLimiter
 from server.tenancy.tenants import Rate, Tenant
 from shm import Layout, Transport
-from tests.conftest import needs_redis, redis_server
+from tests.support.servers import needs_redis, redis_server
 
 ROUNDS = 5000
 TENANT = Tenant("bench", 42, requests_per_second=Rate(1e9, 1e9), tokens_per_second=Rate(1e12, 1e12))

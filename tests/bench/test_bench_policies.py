@@ -12,7 +12,7 @@ import pytest
 
 from bench.policies import Sample, percentile, ratios, summarize, workload
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def test_workload_is_deterministic_for_a_seed_and_heavy_tailed():

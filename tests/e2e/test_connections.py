@@ -15,7 +15,8 @@ from bench.overload import run as overload
 from server.config import ServerConfig
 from server.http.body import BODY_GAP_S, read_bounded
 from server.http.worker import HEADER_TIMEOUT_S
-from tests.conftest import running_server
+from tests.support.http import get
+from tests.support.servers import running_server
 
 CHAT = "/v1/chat/completions"
 
@@ -61,15 +62,6 @@ def _open_slow_heads(port: int, n: int) -> list[socket.socket]:
     return socks
 
 
-def _get(port: int, path: str = "/health/live", timeout: float = 30) -> int:
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
-    try:
-        conn.request("GET", path)
-        return conn.getresponse().status
-    finally:
-        conn.close()
-
-
 def test_incomplete_request_heads_hold_no_thread(server):
     """More slow clients than threads in all workers (2 x 16 here): each sent part of a head
     and waits. Stock gthread gives each a thread until its head completes, so these would deny
@@ -77,8 +69,8 @@ def test_incomplete_request_heads_hold_no_thread(server):
     socks = _open_slow_heads(server.port, 3 * 2 * 16)
     try:
         time.sleep(0.5)
-        assert _get(server.port) == 200
-        assert _get(server.port, "/v1/models") == 200
+        assert get(server, "/health/live").status == 200
+        assert get(server, "/v1/models").status == 200
         slow = socks.pop()
         slow.sendall(b"1\r\nContent-Length: 0\r\n")  # the rest of its head, in two writes
         time.sleep(0.2)
@@ -110,7 +102,7 @@ def test_heads_that_never_complete_are_closed_with_408_and_hold_no_one_up(server
                 except socket.timeout:
                     s.sendall(b"x")
             start = time.monotonic()
-            assert _get(server.port) == 200
+            assert get(server, "/health/live").status == 200
             worst = max(worst, time.monotonic() - start)
             time.sleep(0.5)
         assert sorted(answers) == list(range(len(socks))) and all(a.startswith(b"HTTP/1.1 408")
@@ -134,7 +126,7 @@ def test_a_stalled_body_is_answered_408_and_frees_its_thread(server):
         socks.append(s)
     try:
         start = time.monotonic()
-        assert _get(server.port) == 200
+        assert get(server, "/health/live").status == 200
         for s in socks:
             answer = b""
             while b"\r\n\r\n" not in answer or not answer.endswith(b"}"):
@@ -148,7 +140,7 @@ def test_a_stalled_body_is_answered_408_and_frees_its_thread(server):
             assert s.recv(4096) == b""  # closed
         # all at once: none waited for another's close (gthread's graceful close, 2 s each)
         assert BODY_GAP_S - 1 < time.monotonic() - start < BODY_GAP_S + 5
-        assert _get(server.port, "/v1/models") == 200
+        assert get(server, "/v1/models").status == 200
     finally:
         for s in socks:
             s.close()
@@ -204,7 +196,7 @@ def test_ten_times_more_requests_than_slots_and_queue():
     capacity = config.max_slots + config.max_queued
     with running_server(*flags) as s:
         result = overload(s, 10 * capacity, max_tokens=48, ramp_s=0.5, slots=config.max_slots)
-        assert _get(s.port, "/health") == 200
+        assert get(s, "/health").status == 200
     assert set(result["statuses"]) <= {"200", "503"}, result
     assert result["statuses"]["200"] >= capacity and result["statuses"]["503"] >= 9 * capacity - capacity
     assert result["refused_without_retry_after"] == 0 and not result["errors"]

@@ -10,7 +10,8 @@ import os
 import random
 import tempfile
 
-from tests.conftest import running_server
+from tests.support.http import get
+from tests.support.servers import running_server
 
 CLIENTS = 100  # 20 at each point: every kind of hang-up, cancelled waiting and running
 CONCURRENCY = 12  # more than the slots, fewer than slots + queue: many wait in the engine's queue
@@ -75,8 +76,7 @@ def test_disconnect_storm_leaves_nothing_and_no_token_after_a_cancel():
             with open(steps_path) as f:
                 steps = [json.loads(line) for line in f]
             # the server still serves
-            from tests.test_connections import _get
-            assert _get(server.port, "/health") == 200
+            assert get(server, "/health").status == 200
         assert sum(outcomes.values()) == CLIENTS
         cancelled_at = {}
         for s in steps:

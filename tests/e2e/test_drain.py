@@ -15,7 +15,7 @@ import urllib.request
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from tests.conftest import running_server
+from tests.support.servers import running_server
 
 
 def stream(port: int, max_tokens: int, out: list, started: threading.Event | None = None) -> None:

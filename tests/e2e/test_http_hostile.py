@@ -8,9 +8,8 @@ import time
 
 import pytest
 
-from tests.test_http_server import assert_error_shape, post
+from tests.support.http import CHAT, assert_error_shape, post
 
-CHAT = "/v1/chat/completions"
 HI = [{"role": "user", "content": "Write a sentence about the sea."}]
 
 
@@ -18,9 +17,9 @@ HI = [{"role": "user", "content": "Write a sentence about the sea."}]
                                      {"repeat_penalty": 1.3}])
 def test_penalties_work_and_change_greedy_text(server, penalty):
     base = {"messages": HI, "max_tokens": 24, "temperature": 0, "ignore_eos": True}
-    status, _, plain = post(server, CHAT, base)
+    status, _, plain = post(server, CHAT, base).parsed()
     assert status == 200
-    status, _, penalized = post(server, CHAT, {**base, **penalty})
+    status, _, penalized = post(server, CHAT, {**base, **penalty}).parsed()
     assert status == 200, penalized
     assert penalized["usage"]["completion_tokens"] == 24
     if "repeat_penalty" in penalty:
@@ -55,15 +54,6 @@ def test_unpaired_surrogate_escapes_are_400(server, path, body):
     assert resp.status == 400 and "surrogate" in assert_error_shape(reply)["message"]
 
 
-def _raw_post(server, path: str, raw: str) -> tuple[int, dict]:
-    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
-    conn.request("POST", path, raw, {"Content-Type": "application/json"})
-    resp = conn.getresponse()
-    reply = json.loads(resp.read())
-    conn.close()
-    return resp.status, reply
-
-
 @pytest.mark.parametrize("raw", [
     '{"prompt": "hi", "max_tokens": 1, "temperature": NaN}',
     '{"prompt": "hi", "max_tokens": 1, "top_p": Infinity}',
@@ -74,7 +64,7 @@ def _raw_post(server, path: str, raw: str) -> tuple[int, dict]:
 ])
 def test_numbers_json_does_not_have_are_400(server, raw):
     """ujson reads ``NaN``, ``Infinity`` and ``1e999`` (as infinity); JSON has none of them."""
-    status, reply = _raw_post(server, "/v1/completions", raw)
+    status, _, reply = post(server, "/v1/completions", raw.encode()).parsed()
     assert status == 400 and "not valid JSON" in assert_error_shape(reply)["message"], reply
 
 
@@ -82,7 +72,7 @@ def test_a_body_nested_as_deep_as_ujson_reads_with_a_suspect_number_is_a_400_not
     """1,000 levels (ujson reads up to 1,023) holding ``1e100``: neither look (non-finite
     numbers, nesting) may recurse (Python's limit is 1,000: a RecursionError was a 500)."""
     raw = '{"prompt": "hi", "max_tokens": 1, "stop": ' + "[" * 1000 + "1e100" + "]" * 1000 + "}"
-    status, reply = _raw_post(server, "/v1/completions", raw)
+    status, _, reply = post(server, "/v1/completions", raw.encode()).parsed()
     assert status == 400 and "nest more than 128 levels" in assert_error_shape(reply)["message"], reply
 
 
@@ -101,26 +91,27 @@ def test_json_nested_deeper_than_128_levels_is_a_400_wherever_it_is(server):
     deep = _nested_object(150)
     tools = [{"type": "function", "function": {"name": "f", "parameters": deep}}]
     status, _, reply = post(server, CHAT, {"messages": [{"role": "user", "content": "hi"}], "tools": tools,
-                                           "max_tokens": 2})
+                                           "max_tokens": 2}).parsed()
     assert status == 400 and "nest more than 128 levels" in assert_error_shape(reply)["message"], reply
     fmt = {"type": "json_schema", "json_schema": {"name": "n", "schema": json.dumps(deep)}}
     status, _, reply = post(server, CHAT, {"messages": [{"role": "user", "content": "hi"}], "response_format": fmt,
-                                           "max_tokens": 2})
+                                           "max_tokens": 2}).parsed()
     assert status == 400, reply
     arguments = '{"a": ' * 300 + "1" + "}" * 300
     messages = [{"role": "user", "content": "hi"},
                 {"role": "assistant", "content": None, "tool_calls": [
                     {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": arguments}}]},
                 {"role": "tool", "tool_call_id": "call_1", "content": "ok"}]
-    status, _, reply = post(server, CHAT, {"messages": messages, "max_tokens": 2})
+    status, _, reply = post(server, CHAT, {"messages": messages, "max_tokens": 2}).parsed()
     assert status == 400 and assert_error_shape(reply)["param"] == "messages[1].tool_calls[0].function.arguments"
     # brackets inside strings (escaped quotes among them) are text, not nesting
     prompt = '\\"[{' * 150
-    status, _, reply = post(server, "/v1/completions", {"prompt": prompt, "max_tokens": 1, "stop": ['"]' * 200]})
+    status, _, reply = post(server, "/v1/completions",
+                            {"prompt": prompt, "max_tokens": 1, "stop": ['"]' * 200]}).parsed()
     assert status == 200, reply
     # 128 levels are JSON this server reads: the field's own check answers (a list of lists is no stop)
     raw = '{"prompt": "hi", "max_tokens": 1, "stop": ' + "[" * 127 + '"x"' + "]" * 127 + "}"
-    status, reply = _raw_post(server, "/v1/completions", raw)
+    status, _, reply = post(server, "/v1/completions", raw.encode()).parsed()
     assert status == 400 and assert_error_shape(reply)["param"] == "stop", reply
 
 
@@ -135,7 +126,8 @@ def test_tool_call_arguments_json_does_not_have_are_400(server, path, arguments,
                 {"role": "assistant", "content": None, "tool_calls": [
                     {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": arguments}}]},
                 {"role": "tool", "tool_call_id": "call_1", "content": "ok"}]
-    status, _, reply = post(server, path, {"messages": messages, **({"max_tokens": 2} if path == CHAT else {})})
+    status, _, reply = post(server, path,
+                            {"messages": messages, **({"max_tokens": 2} if path == CHAT else {})}).parsed()
     error = assert_error_shape(reply)
     assert status == 400 and error["param"] == "messages[1].tool_calls[0].function.arguments", reply
     assert reason in error["message"]
@@ -148,19 +140,19 @@ def test_a_responses_call_item_with_a_lone_surrogate_in_its_arguments_is_a_400(s
     items = [{"role": "user", "content": "hi"},
              {"type": "function_call", "call_id": "c1", "name": "f", "arguments": '{"a": "\\ud800"}'},
              {"type": "function_call_output", "call_id": "c1", "output": "ok"}]
-    status, _, reply = post(server, "/v1/responses", {"input": items, "max_output_tokens": 2})
+    status, _, reply = post(server, "/v1/responses", {"input": items, "max_output_tokens": 2}).parsed()
     assert status == 400 and "surrogate" in assert_error_shape(reply)["message"], reply
 
 
 def test_the_words_nan_and_infinity_in_text_are_text(server):
-    status, reply = _raw_post(server, "/v1/completions", json.dumps(
+    status, _, reply = post(server, "/v1/completions", json.dumps(
         {"prompt": "NaN, Infinity and 1e999 are not JSON numbers", "max_tokens": 1, "temperature": 0.5,
-         "stop": ["NaN"]}))
+         "stop": ["NaN"]}).encode()).parsed()
     assert status == 200, reply
 
 
 def test_paired_surrogate_escape_is_an_emoji(server):
-    status, _, reply = post(server, "/v1/completions", {"prompt": "\U0001F600", "max_tokens": 1})
+    status, _, reply = post(server, "/v1/completions", {"prompt": "\U0001F600", "max_tokens": 1}).parsed()
     assert status == 200, reply
 
 
@@ -177,7 +169,7 @@ def test_malformed_chunked_body_is_400(server):
 
 
 def test_n_beyond_capacity_is_400_not_503(single):
-    status, _, body = post(single, CHAT, {"messages": HI, "n": 3, "max_tokens": 2})
+    status, _, body = post(single, CHAT, {"messages": HI, "n": 3, "max_tokens": 2}).parsed()
     assert status == 400 and assert_error_shape(body)["param"] == "n"
 
 
@@ -186,13 +178,13 @@ def test_n_beyond_capacity_is_400_not_503(single):
     ({"messages": HI, "model": 123}, "model"),
 ])
 def test_more_invalid_fields(server, body, param):
-    status, _, reply = post(server, CHAT, body)
+    status, _, reply = post(server, CHAT, body).parsed()
     assert status == 400 and assert_error_shape(reply)["param"] == param
 
 
 @pytest.mark.parametrize("extra", [{"best_of": 2}, {"suffix": "end"}])
 def test_unsupported_legacy_options_are_refused(server, extra):
-    status, _, reply = post(server, "/v1/completions", {"prompt": "Hi", "max_tokens": 2, **extra})
+    status, _, reply = post(server, "/v1/completions", {"prompt": "Hi", "max_tokens": 2, **extra}).parsed()
     assert status == 400 and assert_error_shape(reply)["param"] == next(iter(extra))
 
 
@@ -212,24 +204,24 @@ def test_hang_up_after_pipelining_cancels(server):
     at_close = server.engine.step()
     server.wait_idle(timeout=60)
     assert server.engine.step() - at_close <= 3
-    status, _, reply = post(server, "/v1/completions", {"prompt": "Hi", "max_tokens": 2})
+    status, _, reply = post(server, "/v1/completions", {"prompt": "Hi", "max_tokens": 2}).parsed()
     assert status == 200
 
 
 def test_seeded_choices_differ_but_repeat(server):
     body = {"prompt": "Once upon a time", "max_tokens": 12, "n": 3, "temperature": 1.5, "seed": 1,
             "ignore_eos": True}
-    status, _, first = post(server, "/v1/completions", body)
+    status, _, first = post(server, "/v1/completions", body).parsed()
     assert status == 200
     texts = [c["text"] for c in sorted(first["choices"], key=lambda c: c["index"])]
     assert len(set(texts)) > 1  # each choice has its own seed
-    status, _, again = post(server, "/v1/completions", body)
+    status, _, again = post(server, "/v1/completions", body).parsed()
     assert [c["text"] for c in sorted(again["choices"], key=lambda c: c["index"])] == texts
 
 
 def test_legacy_logprobs_byte_tokens_and_text_offsets(server):
     body = {"prompt": "Say 🌊🌊🌊🌊", "temperature": 0, "max_tokens": 8, "logprobs": 5}
-    status, _, reply = post(server, "/v1/completions", body)
+    status, _, reply = post(server, "/v1/completions", body).parsed()
     assert status == 200
     lp = reply["choices"][0]["logprobs"]
     assert all(len(top) == 5 for top in lp["top_logprobs"])  # byte tokens no longer collide
@@ -257,14 +249,14 @@ def test_legacy_logprobs_byte_tokens_and_text_offsets(server):
 ])
 def test_unimplemented_options_are_refused(server, path, extra, param):
     body = {"messages": HI} if path == CHAT else {"prompt": "Hi"}
-    status, _, reply = post(server, path, {**body, "max_tokens": 2, **extra})
+    status, _, reply = post(server, path, {**body, "max_tokens": 2, **extra}).parsed()
     assert status == 400 and assert_error_shape(reply)["param"] == param
 
 
 def _first_text(server, path, logit_bias=None) -> str:
     body = {"messages": HI} if path == CHAT else {"prompt": "The sea is"}
     body = {**body, "max_tokens": 1, "temperature": 0, **({"logit_bias": logit_bias} if logit_bias else {})}
-    status, _, reply = post(server, path, body)
+    status, _, reply = post(server, path, body).parsed()
     assert status == 200, reply
     choice = reply["choices"][0]
     return choice["message"]["content"] if path == CHAT else choice["text"]
@@ -283,7 +275,7 @@ def test_logit_bias_bans_the_greedy_token_and_forces_another(server, tokenizer, 
     # Leading zeros would name one token twice, and llama.cpp would add the biases up past 100.
     for bad in ({str(tokenizer.n_vocab): 5}, {"-1": 5}, {"x": 5}, {"5": 101}, {"5": "high"}, [5],
                 {"5": 8, "05": 8}, {"00000000001": 5}, {"1e3": 5}, {"\uff15": 5}):
-        status, _, reply = post(server, path, {**body, "max_tokens": 2, "logit_bias": bad})
+        status, _, reply = post(server, path, {**body, "max_tokens": 2, "logit_bias": bad}).parsed()
         assert status == 400 and assert_error_shape(reply)["param"] == "logit_bias", (bad, reply)
     server.wait_idle()
 
@@ -294,11 +286,11 @@ def test_a_banned_token_is_never_emitted_where_a_format_allows_only_it(server, t
     where the format allows it, and the request fails (400 ``constraint_failed``) where not."""
     (hello,) = tokenizer.encode("Hello", special=False, add_bos=False)
     ask = {"messages": HI, "max_tokens": 4, "logprobs": True, "logit_bias": {str(hello): -100}}
-    status, _, reply = post(server, CHAT, {**ask, "structured_outputs": {"choice": ["Hello", "Goodbye"]}})
+    status, _, reply = post(server, CHAT, {**ask, "structured_outputs": {"choice": ["Hello", "Goodbye"]}}).parsed()
     choice = reply["choices"][0]
     assert status == 200 and choice["message"]["content"] in ("Hello", "Goodbye"), reply
     assert "Hello" not in [t["token"] for t in choice["logprobs"]["content"]]
-    status, _, reply = post(server, CHAT, {**ask, "structured_outputs": {"choice": ["Hello"]}})
+    status, _, reply = post(server, CHAT, {**ask, "structured_outputs": {"choice": ["Hello"]}}).parsed()
     assert status == 400 and assert_error_shape(reply)["code"] == "constraint_failed", reply
     server.wait_idle()
 

@@ -19,7 +19,8 @@ import openai
 import pytest
 
 from shm import Finish, MailboxState
-from tests.conftest import free_port, running_server
+from tests.support.http import assert_error_shape, chat_body, get, post
+from tests.support.servers import free_port, running_server
 
 MODEL = "local-model"
 GREEDY = {"temperature": 0}
@@ -29,38 +30,6 @@ FIXED = {"ignore_eos": True}
 # -- helpers --------------------------------------------------------------------------------------
 def sdk(server) -> openai.OpenAI:
     return openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=120)
-
-
-def post(server, path: str, body, timeout: float = 120.0) -> tuple[int, dict, object]:
-    """POST JSON; returns ``(status, headers (lower-case names), parsed JSON body)``."""
-    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=timeout)
-    try:
-        conn.request("POST", path, body=json.dumps(body), headers={"Content-Type": "application/json"})
-        resp = conn.getresponse()
-        raw = resp.read()
-        return resp.status, {k.lower(): v for k, v in resp.getheaders()}, json.loads(raw)
-    finally:
-        conn.close()
-
-
-def get(server, path: str) -> tuple[int, dict, object]:
-    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
-    try:
-        conn.request("GET", path)
-        resp = conn.getresponse()
-        return resp.status, {k.lower(): v for k, v in resp.getheaders()}, json.loads(resp.read())
-    finally:
-        conn.close()
-
-
-def assert_error_shape(body, status_type: str | None = None) -> dict:
-    assert set(body) == {"error"}, body
-    err = body["error"]
-    assert set(err) == {"message", "type", "param", "code"}, err
-    assert isinstance(err["message"], str) and err["message"]
-    if status_type:
-        assert err["type"] == status_type, err
-    return err
 
 
 def wait_for(predicate, what: str, timeout: float = 30.0, interval: float = 0.001):
@@ -143,10 +112,6 @@ class SlotWatcher:
     def __exit__(self, *exc):
         self._stop.set()
         self._thread.join()
-
-
-def chat_body(content: str, **extra) -> dict:
-    return {"model": MODEL, "messages": [{"role": "user", "content": content}], **extra}
 
 
 # -- servers ---------------------------------------------------------------------------------------
@@ -388,7 +353,7 @@ def test_one_slot_one_queue_six_requests(single):
     def run(i):
         barrier.wait()
         t0 = time.monotonic()
-        status, headers, payload = post(single, "/v1/chat/completions", body)
+        status, headers, payload = post(single, "/v1/chat/completions", body).parsed()
         results[i] = (status, headers, payload, (time.monotonic() - t0) * 1000)
 
     threads = [threading.Thread(target=run, args=(i,)) for i in range(6)]
@@ -413,7 +378,7 @@ def test_one_slot_one_queue_six_requests(single):
 # -- /infer ----------------------------------------------------------------------------------------
 def test_infer_returns_text_tokens_and_timings(server):
     status, _, r = post(server, "/infer", {"tenant_id": "acme", "payload": "Write a long story about a dragon.",
-                                           "max_new_tokens": 8, "priority": "high"})
+                                           "max_new_tokens": 8, "priority": "high"}).parsed()
     assert status == 200, r
     assert set(r) == {"tenant_id", "text", "tokens", "cached_tokens", "finish_reason", "queue_wait_ms", "latency_ms"}
     assert r["tenant_id"] == "acme"
@@ -430,7 +395,7 @@ def test_infer_deadline_expires_while_queued(single):
                                                     "max_tokens": 200, "stream": True, **FIXED})
     try:
         blocker.first_token()
-        status, _, r = post(single, "/infer", {"payload": "Hi", "max_new_tokens": 20, "deadline_ms": 200})
+        status, _, r = post(single, "/infer", {"payload": "Hi", "max_new_tokens": 20, "deadline_ms": 200}).parsed()
         still_busy = single.engine.slot_mailboxes() != [-1]
     finally:
         blocker.close()
@@ -447,14 +412,14 @@ def test_a_deadline_that_passes_during_the_first_step_gets_no_token(single):
     single.wait_idle()
     for ms in (1, 5):
         status, _, r = post(single, "/infer", {"payload": "Write a long story about the sea.", "max_new_tokens": 20,
-                                               "deadline_ms": ms})
+                                               "deadline_ms": ms}).parsed()
         assert status == 200 and r["finish_reason"] == "deadline" and r["tokens"] == 0, (ms, r)
     single.wait_idle()
 
 
 @pytest.mark.parametrize("priority", ["urgent", 1, "", ["high"]])
 def test_infer_bad_priority(server, priority):
-    status, headers, r = post(server, "/infer", {"payload": "Hi", "max_new_tokens": 2, "priority": priority})
+    status, headers, r = post(server, "/infer", {"payload": "Hi", "max_new_tokens": 2, "priority": priority}).parsed()
     assert status == 400 and headers["content-type"].startswith("application/json")
     err = assert_error_shape(r, "invalid_request_error")
     assert err["param"] == "priority"
@@ -462,7 +427,7 @@ def test_infer_bad_priority(server, priority):
 
 # -- /health ---------------------------------------------------------------------------------------
 def test_health(server):
-    status, _, body = get(server, "/health")
+    status, _, body = get(server, "/health").parsed()
     assert status == 200 and body == {"status": "ok"}
 
 

@@ -10,8 +10,8 @@ import pathlib
 import numpy as np
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
-TASKS = ROOT / "tests" / "lm_eval"
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+TASKS = ROOT / "tests" / "e2e" / "lm_eval"
 #: Per-item tolerance on a loglikelihood (nats). Measured: about 1e-6 (float32 sums of
 #: identical logits); the issue allows 1e-3.
 TOLERANCE = 1e-4

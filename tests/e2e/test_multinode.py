@@ -25,9 +25,9 @@ from engine.supervisor import pid_alive
 from proto import inference_pb2 as pb
 from proto import inference_pb2_grpc
 from shm.segment import remove_orphans
-from tests.conftest import needs_redis, redis_server, running_replicas
-from tests.nginx import AFFINITY, FAIL_TIMEOUT_S, LEAST_CONN, Nginx, needs_nginx
-from tests.test_tenancy import write_tenants
+from tests.support.servers import needs_redis, redis_server, running_replicas
+from tests.support.nginx import AFFINITY, FAIL_TIMEOUT_S, LEAST_CONN, Nginx, needs_nginx
+from tests.support.tenants import write_tenants
 
 pytestmark = [needs_nginx, needs_redis]
 

@@ -12,7 +12,7 @@ import pytest
 
 from engine.client import EngineUnavailable, SamplingParams
 from shm import MailboxState
-from tests.conftest import assert_idle_and_clean, kill_engine_mid_stream, running_engine, running_server
+from tests.support.servers import assert_idle_and_clean, kill_engine_mid_stream, running_engine, running_server
 
 
 def test_engine_crash_fails_in_flight_requests_and_restarts():

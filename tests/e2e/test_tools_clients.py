@@ -15,7 +15,7 @@ import pytest
 
 from proto import inference_pb2 as pb
 from proto import inference_pb2_grpc
-from tests.conftest import running_server
+from tests.support.servers import running_server
 
 WEATHER_PARAMS = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 40},
                                                   "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
@@ -336,9 +336,9 @@ def test_the_log_line_counts_calls_and_holds_no_arguments(client, tool_server):
 def test_hermes_template_calls_are_read_out_of_the_text(app, tokenizer):
     from server.generation.pipeline import Generator
     from server.text.chat_template import ChatTemplate
-    from tests.conftest import AppServer
+    from tests.support.servers import AppServer
 
-    source = (pathlib.Path(__file__).parent / "templates" / "Qwen-Qwen2.5-7B-Instruct.jinja").read_text()
+    source = (pathlib.Path(__file__).parents[1] / "server" / "templates" / "Qwen-Qwen2.5-7B-Instruct.jinja").read_text()
     hermes = AppServer(app.config, Generator(app.engine, tokenizer, ChatTemplate(tokenizer, source)))
     assert hermes.generator.tool_format.name == "hermes"
     body = {"messages": ASK, "tools": TOOLS, "tool_choice": "required", "parallel_tool_calls": False,

@@ -10,8 +10,8 @@ import pytest
 
 from engine.errors import DeadlineExceeded, PromptTooLong
 from engine.request import Priority, SamplingParams
-from tests.conftest import assert_idle_and_clean, running_engine, wait_steps
-from tests.producers import generate_many
+from tests.support.servers import assert_idle_and_clean, running_engine, wait_steps
+from tests.support.producers import generate_many
 
 GREEDY = {"temperature": 0.0}
 SPAWN = mp.get_context("spawn")

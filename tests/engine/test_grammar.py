@@ -14,7 +14,7 @@ from engine.config import EngineConfig
 from engine.errors import ConstraintFailed, InvalidRequest
 from engine.llama.grammar import check
 from engine.request import SamplingParams
-from tests.conftest import inproc_engine
+from tests.support.servers import inproc_engine
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
                                            "age": {"type": "integer", "minimum": 0, "maximum": 120}},

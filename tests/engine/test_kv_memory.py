@@ -9,7 +9,7 @@ from engine.config import EngineConfig
 from engine.llama.batch import Batch
 from engine.llama.kv_pages import resident_bytes
 from engine.llama.model import Model
-from tests.conftest import suite_threads
+from tests.support.servers import suite_threads
 
 CELL_BYTES = 30 * 2 * 192 * 2  # SmolLM2-135M: 30 layers, K and V rows of 3 x 64 f16 values
 MIB = 1 << 20
@@ -114,7 +114,7 @@ def test_the_defaults_serve_the_models_whole_context_beyond_the_old_2048(model_p
 
     from engine.request import SamplingParams
     from server.config import from_args
-    from tests.conftest import assert_idle_and_clean, inproc_engine
+    from tests.support.servers import assert_idle_and_clean, inproc_engine
 
     config = from_args([], environ={"MODEL_PATH": model_path}).engine_config()
     assert config.max_seq_len == 8192 and config.kv_cache_tokens == 32768

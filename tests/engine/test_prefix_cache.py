@@ -13,8 +13,8 @@ from engine.core import MIN_REUSE_TOKENS
 from engine.llama.backend import CPU_DETERMINISTIC
 from engine.inproc import InprocEngine
 from engine.request import SamplingParams
-from tests.conftest import (AppServer, assert_idle_and_clean, inproc_engine, kill_engine_mid_stream, running_engine,
-                            wait_steps)
+from tests.support.servers import (AppServer, assert_idle_and_clean, inproc_engine, kill_engine_mid_stream,
+                                   running_engine, wait_steps)
 
 GREEDY = SamplingParams(max_new_tokens=12, temperature=0.0)
 # Long enough (about 300 tokens with the template) that contexts pass 256 cells, where llama.cpp's

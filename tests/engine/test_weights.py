@@ -75,7 +75,7 @@ def test_the_cache_falls_back_to_a_private_temporary_folder(tmp_path, monkeypatc
 def test_the_file_as_stored_is_served():
     """``--weights file``: the engine computes with the GGUF itself, no copy, and generates."""
     from engine.request import SamplingParams
-    from tests.conftest import inproc_engine
+    from tests.support.servers import inproc_engine
 
     source = default_model_path()
     config = EngineConfig(model_path=source, max_slots=1, max_seq_len=64, max_queued=1, weights="file")

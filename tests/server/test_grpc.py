@@ -17,37 +17,20 @@ import time
 
 import grpc
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from engine.client import EngineClient
 from proto import inference_pb2 as pb
 from proto import inference_pb2_grpc
-from tests.conftest import running_server, wait_steps
+from tests.support.grpc_channel import SERVICE, health_status, open_channel, wait_serving
+from tests.support.servers import running_server, wait_steps
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
-SERVICE = "inference.v1.InferenceService"
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 TENANTS = [{"id": "alpha", "api_keys": ["alpha-key"]},
            {"id": "beta", "api_keys": ["beta-key"]},
            {"id": "metered", "api_keys": ["metered-key"], "requests_per_second": {"rate": 0.001, "burst": 1}}]
 ALPHA = (("authorization", "Bearer alpha-key"),)
-
-
-def _channel(port: int, host: str = "127.0.0.1") -> grpc.Channel:
-    channel = grpc.insecure_channel(f"[{host}]:{port}" if ":" in host else f"{host}:{port}")
-    grpc.channel_ready_future(channel).result(timeout=60)
-    return channel
-
-
-def _health(channel, service: str = SERVICE) -> int:
-    return health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service), timeout=5).status
-
-
-def _wait_serving(channel, timeout: float = 120.0) -> None:
-    end = time.monotonic() + timeout
-    while _health(channel) != health_pb2.HealthCheckResponse.SERVING:
-        assert time.monotonic() < end, "gRPC health never became SERVING"
-        time.sleep(0.05)
 
 
 def _chat(content: str, max_tokens: int = 12, **kw) -> pb.ChatRequest:
@@ -62,8 +45,8 @@ def tenant_server(tmp_path_factory):
     path.write_text(json.dumps({"tenants": TENANTS}))
     with running_server("--max-slots", "4", "--max-seq-len", "512", "--max-queued", "40", "--workers", "2",
                         "--threads", "24", "--tenants", str(path), grpc=True) as server:
-        channel = _channel(server.grpc_port)
-        _wait_serving(channel)
+        channel = open_channel(server.grpc_port)
+        wait_serving(channel)
         yield server, inference_pb2_grpc.InferenceServiceStub(channel), channel
         channel.close()
 
@@ -73,8 +56,8 @@ def small_server():
     """One slot and no queue: a second request finds the server saturated."""
     with running_server("--max-slots", "1", "--max-queued", "0", "--max-seq-len", "256", "--workers", "1",
                         grpc=True) as server:
-        channel = _channel(server.grpc_port)
-        _wait_serving(channel)
+        channel = open_channel(server.grpc_port)
+        wait_serving(channel)
         yield server, inference_pb2_grpc.InferenceServiceStub(channel), channel
         channel.close()
 
@@ -244,7 +227,7 @@ def test_overload_is_unavailable_and_health_still_answers(small_server):
     futures = [stub.ChatComplete.future(_chat("Hi"), timeout=60) for _ in range(40)]
     try:
         for _ in range(10):
-            assert _health(channel) == health_pb2.HealthCheckResponse.SERVING
+            assert health_status(channel) == health_pb2.HealthCheckResponse.SERVING
         codes = [f.exception().code() if f.exception() else grpc.StatusCode.OK for f in futures]
         assert set(codes) == {grpc.StatusCode.UNAVAILABLE}, codes
         assert all(int(dict(f.exception().trailing_metadata())["retry-after-ms"]) >= 1000 for f in futures)
@@ -263,12 +246,12 @@ def test_reflection_lists_the_services(small_server):
 
 def test_health_follows_an_engine_restart(small_server):
     server, stub, channel = small_server
-    assert _health(channel) == health_pb2.HealthCheckResponse.SERVING
+    assert health_status(channel) == health_pb2.HealthCheckResponse.SERVING
     os.kill(server.engine.t.control.engine_pid, signal.SIGKILL)
     seen, end = set(), time.monotonic() + 60
     while not (health_pb2.HealthCheckResponse.NOT_SERVING in seen and
-               _health(channel) == health_pb2.HealthCheckResponse.SERVING):
-        seen.add(_health(channel))
+               health_status(channel) == health_pb2.HealthCheckResponse.SERVING):
+        seen.add(health_status(channel))
         assert time.monotonic() < end, seen
         time.sleep(0.01)
     assert stub.ChatComplete(_chat("Hi", 2)).usage.completion_tokens == 2
@@ -277,7 +260,7 @@ def test_health_follows_an_engine_restart(small_server):
 
 def test_sidecar_killed_mid_stream_restarts_and_leaks_nothing(small_server):
     server, _, _ = small_server
-    channel = _channel(server.grpc_port)
+    channel = open_channel(server.grpc_port)
     stub = inference_pb2_grpc.InferenceServiceStub(channel)
     (call,) = _blockers(stub, 1, metadata=())
     old = server.sidecar_pid()
@@ -290,8 +273,8 @@ def test_sidecar_killed_mid_stream_restarts_and_leaks_nothing(small_server):
     while server.sidecar_pid() in (None, old):
         assert time.monotonic() < end, "the sidecar was not restarted"
         time.sleep(0.05)
-    channel = _channel(server.grpc_port)
-    _wait_serving(channel)
+    channel = open_channel(server.grpc_port)
+    wait_serving(channel)
     stub = inference_pb2_grpc.InferenceServiceStub(channel)
     assert stub.ChatComplete(_chat("Hi", 3)).usage.completion_tokens == 3
     server.wait_idle()
@@ -344,7 +327,7 @@ def test_health_is_not_serving_until_the_engine_is_ready(model_path):
     from server.grpc.server import build, follow_engine
     from server.tenancy.tenants import TenantRegistry, Tenants
     from shm import EngineState, Transport
-    from tests.conftest import free_port
+    from tests.support.servers import free_port
 
     config = ServerConfig(model_path=model_path, max_slots=1, max_seq_len=256, grpc_port=free_port())
     transport = Transport.create(config.engine_config().layout())
@@ -355,14 +338,14 @@ def test_health_is_not_serving_until_the_engine_is_ready(model_path):
     follower = threading.Thread(target=follow_engine, args=(engine, health, stop))
     follower.start()
     try:
-        channel = _channel(config.grpc_port)
+        channel = open_channel(config.grpc_port)
         not_serving = health_pb2.HealthCheckResponse.NOT_SERVING
-        assert _health(channel) == not_serving and _health(channel, "") == not_serving
+        assert health_status(channel) == not_serving and health_status(channel, "") == not_serving
         transport.control.set_state(EngineState.READY, pid=os.getpid())
-        _wait_serving(channel, timeout=5)
+        wait_serving(channel, timeout=5)
         transport.control.set_state(EngineState.DEAD)
         end = time.monotonic() + 5
-        while _health(channel) != not_serving:
+        while health_status(channel) != not_serving:
             assert time.monotonic() < end
             time.sleep(0.02)
     finally:
@@ -478,8 +461,8 @@ def test_an_ipv6_host_serves_http_and_grpc_and_its_grpc_port_is_checked():
                         host="::1") as server:
         with urllib.request.urlopen(server.url + "/health", timeout=10) as r:
             assert r.status == 200
-        channel = _channel(server.grpc_port, "::1")
-        _wait_serving(channel)
+        channel = open_channel(server.grpc_port, "::1")
+        wait_serving(channel)
         channel.close()
         with pytest.raises(ConfigError, match=f"--grpc-port {server.grpc_port} is in use on ::1"):
             check_port(ServerConfig(host="[::1]").host, server.grpc_port)  # as the master passes it
@@ -508,7 +491,7 @@ def test_the_sidecar_does_not_share_its_port(model_path):
 
 def test_readme_python_client_example(small_server):
     """The Python client example of docs/grpc.md (once the README's) runs."""
-    from tests.docs import blocks
+    from tests.support.docs import blocks
 
     (code,) = [b.code for b in blocks(ROOT / "docs/grpc.md")
                if b.lang == "python" and "InferenceServiceStub" in b.code]
@@ -525,7 +508,7 @@ def test_stopping_the_server_stops_the_sidecar():
     with server as s:
         pid = s.sidecar_pid()
         assert pid is not None
-        _wait_serving(_channel(s.grpc_port))
+        wait_serving(open_channel(s.grpc_port))
     end = time.monotonic() + 10
     while _running(pid):
         assert time.monotonic() < end, "the sidecar outlived the server"

@@ -11,7 +11,6 @@ tokens' bytes, ``logprobs``) and builds its stop strings and expectations from t
 from __future__ import annotations
 
 import codecs
-import http.client
 import json
 import re
 import socket
@@ -19,68 +18,13 @@ import urllib.parse
 
 import pytest
 
-CHAT = "/v1/chat/completions"
-COMPLETIONS = "/v1/completions"
+from tests.support.http import (CHAT, COMPLETIONS, Reply, content, equal_streamed, error, ok, post, request,
+                                stream_chunks, streamed_texts)
+from tests.support.prompts import EMOJI_PROMPT, GREETING_PROMPT, MULTIBYTE_PROMPTS
+
 LIMIT = 512  # --max-seq-len of the shared server: tokens per sequence, prompt included
 MAX_BODY = 65536  # --max-body-bytes of the shared server
 IM_START = 1  # id of the special token <|im_start|>
-
-# Prompts whose greedy replies are in scripts of two or three tokens a character (CJK, emoji).
-MULTIBYTE_PROMPTS = ("Say hello in Chinese.", "Say hello in Japanese.", "Reply with only an emoji.")
-EMOJI_PROMPT = "Reply with only an emoji."
-# A prompt whose greedy reply starts with words of several letters, some of them one token each.
-GREETING_PROMPT = "Write a greeting in Chinese, Japanese and as an emoji."
-
-
-# -- HTTP helpers ---------------------------------------------------------------------------------
-class Reply:
-    """One HTTP response: ``status``, ``headers`` (lower-case names), raw ``body`` bytes."""
-
-    def __init__(self, status: int, headers: dict, body: bytes):
-        self.status, self.headers, self.body = status, headers, body
-
-    def json(self):
-        assert self.headers.get("content-type", "").startswith("application/json"), self.headers
-        return json.loads(self.body.decode("utf-8"))
-
-    def events(self) -> list:
-        """The SSE stream as its ``data:`` payloads, parsed; ``"[DONE]"`` stays a string."""
-        assert self.headers.get("content-type", "").startswith("text/event-stream"), self.headers
-        return parse_sse(self.body)
-
-
-def request(server, method: str, path: str, body: bytes | None = None, headers: dict | None = None) -> Reply:
-    """One request to a real server (over a socket) or to the in-process app (``AppServer``)."""
-    if hasattr(server, "client"):
-        return Reply(*server.request(method, path, body, headers))
-    u = urllib.parse.urlsplit(server.url)
-    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=120)
-    try:
-        conn.request(method, path, body, headers or {})
-        r = conn.getresponse()
-        data = r.read()
-        return Reply(r.status, {k.lower(): v for k, v in r.getheaders()}, data)
-    finally:
-        conn.close()
-
-
-def post(server, path: str, body, content_type: str | None = "application/json") -> Reply:
-    """POST ``body`` (a dict/list/... is sent as JSON; bytes as they are)."""
-    data = body if isinstance(body, bytes) else json.dumps(body).encode("utf-8")
-    return request(server, "POST", path, data, {"Content-Type": content_type} if content_type else {})
-
-
-def parse_sse(raw: bytes) -> list:
-    """``data:`` payloads of an SSE body. Every line must be strict UTF-8 and every payload JSON,
-    except a final ``[DONE]``; events are separated by one blank line."""
-    assert raw.endswith(b"\n\n"), raw[-200:]
-    out = []
-    for event in raw[:-2].split(b"\n\n"):
-        lines = event.split(b"\n")
-        assert len(lines) == 1 and lines[0].startswith(b"data: "), event
-        text = lines[0][len(b"data: "):].decode("utf-8")  # strict: raises on invalid UTF-8
-        out.append(text if text == "[DONE]" else json.loads(text))
-    return out
 
 
 def ask(server, content: str | list | None = None, *, messages=None, **fields) -> Reply:
@@ -88,68 +32,6 @@ def ask(server, content: str | list | None = None, *, messages=None, **fields) -
     body = {"messages": messages if messages is not None else [{"role": "user", "content": content}],
             "temperature": 0, **fields}
     return post(server, CHAT, body)
-
-
-def ok(reply: Reply) -> dict:
-    assert reply.status == 200, reply.body[:500]
-    return reply.json()
-
-
-def error(reply: Reply, status: int, param=..., code=...) -> dict:
-    """The OpenAI error object of ``reply``, after checking status, shape and JSON content type."""
-    assert reply.status == status, (reply.status, reply.body[:500])
-    body = reply.json()
-    assert set(body) == {"error"}, body
-    err = body["error"]
-    assert set(err) == {"message", "type", "param", "code"}, err
-    assert isinstance(err["message"], str) and err["message"], err
-    assert err["type"] == ("invalid_request_error" if status < 500 else "server_error"), err
-    if param is not ...:
-        assert err["param"] == param, err
-    if code is not ...:
-        assert err["code"] == code, err
-    return err
-
-
-def stream_chunks(events: list) -> list[dict]:
-    """The JSON chunks of a stream after checking it ends with exactly one ``[DONE]``."""
-    assert events and events[-1] == "[DONE]", events[-3:]
-    assert events.count("[DONE]") == 1, events
-    chunks = events[:-1]
-    for c in chunks:
-        assert "error" not in c, c
-    return chunks
-
-
-def streamed_texts(chunks: list[dict], chat_: bool = True) -> dict[int, list[str]]:
-    """Per choice index, the text pieces in order (``delta.content`` or ``text``)."""
-    out: dict[int, list[str]] = {}
-    for c in chunks:
-        for ch in c["choices"]:
-            piece = ch["delta"].get("content", "") if chat_ else ch["text"]
-            out.setdefault(ch["index"], []).append(piece or "")
-    return out
-
-
-def equal_streamed(server, path: str, body: dict) -> tuple[dict, list[dict]]:
-    """The equality property: the same request streamed and not gives byte-identical text.
-
-    Returns the non-streamed response and the stream's chunks."""
-    is_chat = path == CHAT
-    full = ok(post(server, path, {**body, "stream": False}))
-    r = post(server, path, {**body, "stream": True})
-    assert r.status == 200, r.body[:500]
-    chunks = stream_chunks(r.events())
-    pieces = streamed_texts(chunks, is_chat)
-    for choice in full["choices"]:
-        text = choice["message"]["content"] if is_chat else choice["text"]
-        joined = "".join(pieces[choice["index"]])
-        assert joined.encode("utf-8") == text.encode("utf-8"), (joined, text)
-    return full, chunks
-
-
-def content(resp: dict, i: int = 0) -> str:
-    return resp["choices"][i]["message"]["content"]
 
 
 def greedy(server, prompt: str, max_tokens: int, **fields) -> tuple[str, list[bytes], str]:

@@ -20,9 +20,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from proto import inference_pb2 as pb
 from proto import inference_pb2_grpc
-from tests.conftest import running_server
+from tests.support.servers import running_server
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 ORIGINAL_SIX = ("inference_kv_slot_utilization", "inference_latency_seconds", "inference_queue_wait_seconds",
                 "inference_batch_size", "inference_requests_deadline_exceeded_total",
                 "inference_requests_rate_limited_total")
@@ -299,7 +299,7 @@ def test_restart_over_old_files_starts_from_zero_and_metrics_port(tmp_path):
             assert post(s.url, "/v1/completions", {"prompt": "Hi", "max_tokens": 2})[0] == 200
         assert total(scrape(s.url), "inference_requests_total") == 3
     assert any(f.endswith(".db") for f in os.listdir(tmp_path))  # the operator's directory is kept
-    from tests.conftest import free_port
+    from tests.support.servers import free_port
     port = free_port()
     with running_server("--max-slots", "2", "--max-seq-len", "256", "--workers", "1", "--metrics-port", str(port),
                         "--log-prompts", env=env) as s:
@@ -324,7 +324,7 @@ def test_restart_over_old_files_starts_from_zero_and_metrics_port(tmp_path):
 def test_no_metrics_serves_no_metrics(app):
     import dataclasses
 
-    from tests.conftest import AppServer
+    from tests.support.servers import AppServer
     off = AppServer(dataclasses.replace(app.config, metrics=False), app.generator)
     assert off.request("GET", "/metrics")[0] == 404
     assert app.request("GET", "/metrics")[0] == 200

@@ -18,9 +18,11 @@ import urllib.request
 import jsonschema
 import pytest
 
-from tests.conftest import running_server
-from tests.test_openai_conformance import DOC, conforms
-from tests.test_tenancy import write_tenants
+from tests.support.http import RESPONSES, error, request
+from tests.support.openai_document import DOC, conforms
+from tests.support.responses import KEY, create
+from tests.support.servers import running_server
+from tests.support.tenants import write_tenants
 
 WEATHER = {"type": "function", "name": "get_weather", "description": "Current weather in a city",
            "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30}},
@@ -46,30 +48,10 @@ def client(server):
     return openai.OpenAI(base_url=server.url + "/v1", api_key="key-a", max_retries=0, timeout=120)
 
 
-def call(server, method: str, path: str, body: dict | None = None, key: str = "key-a"):
-    """``(status, headers, body bytes)`` of one request."""
-    req = urllib.request.Request(server.url + path, method=method, data=None if body is None else json.dumps(body).encode(),
-                                 headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=120) as r:
-            return r.status, {k.lower(): v for k, v in r.headers.items()}, r.read()
-    except urllib.error.HTTPError as e:
-        return e.code, {k.lower(): v for k, v in e.headers.items()}, e.read()
-
-
-def create(server, body: dict, key: str = "key-a") -> dict:
-    status, headers, raw = call(server, "POST", "/v1/responses", body, key)
-    assert status == 200, raw[:500]
-    assert headers["x-response-stored"] == ("false" if body.get("store") is False else "true")
-    r = json.loads(raw)
-    conforms("Response", r)
-    return r
-
-
-def stream(server, body: dict, key: str = "key-a") -> list[dict]:
+def stream(server, body: dict, key: str = KEY) -> list[dict]:
     """Every event of a streamed response, each validated as its component; sequence numbers
     count from 0; ``event:`` names the type."""
-    status, headers, raw = call(server, "POST", "/v1/responses", {**body, "stream": True}, key)
+    status, headers, raw = request(server, "POST", RESPONSES, {**body, "stream": True}, key=key)
     assert status == 200 and headers["content-type"].startswith("text/event-stream"), raw[:500]
     events = []
     for block in raw.decode().split("\n\n"):
@@ -83,14 +65,6 @@ def stream(server, body: dict, key: str = "key-a") -> list[dict]:
         events.append(e)
     assert [e["sequence_number"] for e in events] == list(range(len(events)))
     return events
-
-
-def error(status_and_body, status: int, param: str | None) -> dict:
-    got, _, raw = status_and_body
-    assert got == status, raw[:400]
-    err = json.loads(raw)["error"]
-    assert err["param"] == param, err
-    return err
 
 
 def text_of(r: dict) -> str:
@@ -144,7 +118,7 @@ def test_continuation_reuses_the_earlier_turns_kv_cells(server, client):
     mine = [r for r in logged if r["route"] == "/v1/responses" and r["tenant"] == "a"
             and r["prompt_tokens"] == second.usage.input_tokens and r["cached_tokens"] == cached]
     assert mine and mine[-1]["status"] == "200"
-    metrics = call(server, "GET", "/metrics")[2].decode()
+    metrics = request(server, "GET", "/metrics", key=KEY)[2].decode()
     assert 'route="/v1/responses"' in metrics and 'tenant="a"' in metrics
 
 
@@ -172,7 +146,7 @@ def test_function_call_then_its_output_in_a_second_turn(server, client):
                                                                   "call_id": calls[0].call_id, "output": "21 C"}],
                                 "tools": [WEATHER], "tool_choice": "none", "store": False, "temperature": 0, "max_output_tokens": 12})
     assert text_of(stateless)
-    error(call(server, "GET", f"/v1/responses/{stateless['id']}"), 404, "response_id")
+    error(request(server, "GET", f"/v1/responses/{stateless['id']}", key=KEY), 404, "response_id")
 
 
 def test_a_response_whose_call_was_cut_can_be_continued(server):
@@ -186,9 +160,9 @@ def test_a_response_whose_call_was_cut_can_be_continued(server):
                              "temperature": 0})
     assert follow["status"] in ("completed", "incomplete") and follow["output"]
     # the cut call was never made, so nothing may answer it
-    error(call(server, "POST", "/v1/responses", {"previous_response_id": r["id"], "tools": [WEATHER],
+    error(request(server, "POST", "/v1/responses", {"previous_response_id": r["id"], "tools": [WEATHER],
                                                  "input": [{"type": "function_call_output", "call_id": cut["call_id"],
-                                                            "output": "21 C"}]}), 400, "input[0].call_id")
+                                                            "output": "21 C"}]}, key=KEY), 400, "input[0].call_id")
 
 
 def test_streamed_function_call_events(server):
@@ -251,20 +225,21 @@ def test_get_input_items_delete(server):
                                                                 {"type": "input_text", "text": "there"}]},
                                   {"type": "message", "role": "assistant", "content": "Hello."},
                                   {"role": "user", "content": "Bye"}], "max_output_tokens": 4})
-    status, _, raw = call(server, "GET", f"/v1/responses/{r['id']}")
+    status, _, raw = request(server, "GET", f"/v1/responses/{r['id']}", key=KEY)
     assert status == 200 and json.loads(raw) == r
-    status, _, raw = call(server, "GET", f"/v1/responses/{r['id']}/input_items?order=asc&limit=2")
+    status, _, raw = request(server, "GET", f"/v1/responses/{r['id']}/input_items?order=asc&limit=2", key=KEY)
     items = json.loads(raw)
     conforms("ResponseItemList", items)
     assert [i["role"] for i in items["data"]] == ["user", "assistant"] and items["has_more"]
-    rest = json.loads(call(server, "GET", f"/v1/responses/{r['id']}/input_items?order=asc&after={items['last_id']}")[2])
+    rest = json.loads(request(server, "GET", f"/v1/responses/{r['id']}/input_items?order=asc&after={items['last_id']}",
+                              key=KEY)[2])
     assert [i["content"][0]["text"] for i in rest["data"]] == ["Bye"] and not rest["has_more"]
     # a decimal digit of another script is no limit (int() read "٣" as 3; a hostile helper's finding)
-    error(call(server, "GET", f"/v1/responses/{r['id']}/input_items?limit=%D9%A3"), 400, "limit")
-    assert call(server, "DELETE", f"/v1/responses/{r['id']}")[0] == 200
-    error(call(server, "GET", f"/v1/responses/{r['id']}"), 404, "response_id")
-    error(call(server, "DELETE", f"/v1/responses/{r['id']}"), 404, "response_id")
-    error(call(server, "POST", "/v1/responses", {"input": "x", "previous_response_id": r["id"]}), 404,
+    error(request(server, "GET", f"/v1/responses/{r['id']}/input_items?limit=%D9%A3", key=KEY), 400, "limit")
+    assert request(server, "DELETE", f"/v1/responses/{r['id']}", key=KEY)[0] == 200
+    error(request(server, "GET", f"/v1/responses/{r['id']}", key=KEY), 404, "response_id")
+    error(request(server, "DELETE", f"/v1/responses/{r['id']}", key=KEY), 404, "response_id")
+    error(request(server, "POST", "/v1/responses", {"input": "x", "previous_response_id": r["id"]}, key=KEY), 404,
           "previous_response_id")
 
 
@@ -274,11 +249,11 @@ def test_another_tenants_response_is_unknown(server):
     for rid in (r["id"], unknown):
         for method, path in (("GET", f"/v1/responses/{rid}"), ("GET", f"/v1/responses/{rid}/input_items"),
                              ("DELETE", f"/v1/responses/{rid}")):
-            err = error(call(server, method, path, key="key-b"), 404, "response_id")
+            err = error(request(server, method, path, key="key-b"), 404, "response_id")
             assert err["message"] == f"No response found with id {rid!r}"
-        error(call(server, "POST", "/v1/responses", {"input": "x", "previous_response_id": rid}, key="key-b"), 404,
+        error(request(server, "POST", "/v1/responses", {"input": "x", "previous_response_id": rid}, key="key-b"), 404,
               "previous_response_id")
-    assert call(server, "GET", f"/v1/responses/{r['id']}")[0] == 200  # still there for its tenant
+    assert request(server, "GET", f"/v1/responses/{r['id']}", key=KEY)[0] == 200  # still there for its tenant
 
 
 @pytest.mark.parametrize("extra,param", [
@@ -299,7 +274,8 @@ def test_another_tenants_response_is_unknown(server):
     ({"text": {"format": {"type": "json_schema", "name": "c", "schema": {"type": "object", "minProperties": "x"}}}},
      "text.format.schema")])
 def test_refusals_name_the_field(server, extra, param):
-    err = error(call(server, "POST", "/v1/responses", {"input": "Hi", **extra}), 404 if param == "model" else 400, param)
+    err = error(request(server, "POST", "/v1/responses", {"input": "Hi", **extra}, key=KEY),
+                404 if param == "model" else 400, param)
     # The message names Responses fields too, and the same one as param.
     assert not re.search(r"response_format|\bmax_tokens\b|\]\.function\b|messages\[", err["message"]), err
     item = re.match(r"input\[\d+\]", param)  # an item's fault: the message names that item
@@ -315,7 +291,7 @@ def test_chat_fields_sent_to_responses_are_named_as_sent(server, extra, param):
     """Found by a hostile helper: the renaming of the chat path's refusals to Responses fields
     was applied to the Responses request's own refusals too, so ``max_tokens`` was refused as
     an unrecognized ``max_output_tokens``."""
-    err = error(call(server, "POST", "/v1/responses", {"input": "Hi", **extra}), 400, param)
+    err = error(request(server, "POST", "/v1/responses", {"input": "Hi", **extra}, key=KEY), 400, param)
     assert param.split(".")[-1] in err["message"], err
 
 
@@ -390,6 +366,6 @@ def test_engine_failure_mid_stream_is_an_error_event(server):
     assert events[-1]["response"]["status"] == "failed" and events[-1]["response"]["error"]["code"] == "server_error"
     assert events[-2]["code"] == "engine_unavailable"
     end = time.monotonic() + 120
-    while call(server, "GET", "/health")[0] != 200:
+    while request(server, "GET", "/health", key=KEY)[0] != 200:
         assert time.monotonic() < end
         time.sleep(0.2)

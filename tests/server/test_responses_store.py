@@ -16,8 +16,9 @@ import redis
 
 from server.responses.store import (LocalStore, RedisStore, ResponseNotFound, StoreLimits, StoreUnavailable,
                                     create_database)
-from tests.conftest import free_port, needs_redis, redis_server, running_server
-from tests.test_responses import call, create, error
+from tests.support.http import error, request
+from tests.support.responses import KEY, create
+from tests.support.servers import free_port, needs_redis, redis_server, running_server
 
 LIMITS = StoreLimits(max_entries=500, max_bytes=400_000, ttl_s=3600)  # the entry bound bites first
 #: the entry bound (500 of ~700 bytes) or the byte bound (300,000: ~430 entries) bites first
@@ -150,7 +151,7 @@ def test_redis_store_down_is_unavailable_at_once():
 
 @needs_redis
 def test_two_replicas_share_the_store_and_redis_down_is_never_a_5xx(tmp_path):
-    from tests.test_tenancy import write_tenants
+    from tests.support.tenants import write_tenants
     path = write_tenants(tmp_path / "t.json", [{"id": "a", "api_keys": ["key-a"]}, {"id": "b", "api_keys": ["key-b"]}])
     flags = ["--tenants", path, "--max-slots", "2", "--max-seq-len", "512", "--workers", "1", "--threads", "8",
              "--engine-threads", "1"]
@@ -158,21 +159,21 @@ def test_two_replicas_share_the_store_and_redis_down_is_never_a_5xx(tmp_path):
     with redis_server(port) as (url, proc), running_server(*flags, "--redis-url", url) as s1, \
             running_server(*flags, "--redis-url", url) as s2:
         first = create(s1, {"input": "Hello", "max_output_tokens": 4, "temperature": 0})
-        assert call(s2, "GET", f"/v1/responses/{first['id']}")[0] == 200
+        assert request(s2, "GET", f"/v1/responses/{first['id']}", key=KEY)[0] == 200
         second = create(s2, {"input": "Again", "previous_response_id": first["id"], "max_output_tokens": 4})
         assert second["usage"]["input_tokens"] > first["usage"]["input_tokens"] + first["usage"]["output_tokens"]
-        error(call(s2, "GET", f"/v1/responses/{first['id']}", key="key-b"), 404, "response_id")
+        error(request(s2, "GET", f"/v1/responses/{first['id']}", key="key-b"), 404, "response_id")
         proc.kill()
         proc.wait()
-        status, headers, _ = call(s1, "POST", "/v1/responses", {"input": "Hi", "max_output_tokens": 2})
+        status, headers, _ = request(s1, "POST", "/v1/responses", {"input": "Hi", "max_output_tokens": 2}, key=KEY)
         assert status == 200 and headers["x-response-stored"] == "false"
-        err = error(call(s1, "POST", "/v1/responses", {"input": "Hi", "previous_response_id": first["id"]}), 424,
-                    "previous_response_id")
+        err = error(request(s1, "POST", "/v1/responses", {"input": "Hi", "previous_response_id": first["id"]}, key=KEY),
+                    424, "previous_response_id")
         assert "unavailable" in err["message"]
-        error(call(s2, "GET", f"/v1/responses/{first['id']}"), 424, None)
+        error(request(s2, "GET", f"/v1/responses/{first['id']}", key=KEY), 424, None)
         with redis_server(port):  # back: the breaker's probe closes it within PROBE_S
             end = time.monotonic() + 10
-            while call(s1, "POST", "/v1/responses", {"input": "Hi", "max_output_tokens": 1})[1][
+            while request(s1, "POST", "/v1/responses", {"input": "Hi", "max_output_tokens": 1}, key=KEY)[1][
                     "x-response-stored"] != "true":
                 assert time.monotonic() < end
                 time.sleep(0.2)

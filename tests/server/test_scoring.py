@@ -8,7 +8,7 @@ import json
 import pytest
 
 from server.http.completions import token_text
-from tests.test_http_contract import parse_sse, post, request
+from tests.support.http import parse_sse, post, request
 
 COMPLETIONS = "/v1/completions"
 
@@ -218,7 +218,7 @@ def test_tokenizer_routes_take_the_model_routes_keys(app):
     """With a tenant file, no key (or an unknown one) is a 401 on every tokenizer route; a
     tenant's key is served."""
     from server.tenancy.tenants import TenantRegistry, Tenants, parse
-    from tests.conftest import AppServer
+    from tests.support.servers import AppServer
 
     keyed = AppServer(app.config, app.generator,
                       TenantRegistry(Tenants(parse({"tenants": [{"id": "t", "api_keys": ["key-t"]}]}))))

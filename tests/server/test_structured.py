@@ -16,7 +16,7 @@ import httpx
 import jsonschema
 import pytest
 
-from tests.conftest import running_server
+from tests.support.servers import running_server
 
 CORPUS = json.loads((Path(__file__).parent / "structured" / "schemas.json").read_text())
 MAX_TOKENS = 28
@@ -176,11 +176,10 @@ def test_over_grpc(srv):
 
     from proto import inference_pb2 as pb
     from proto import inference_pb2_grpc
-    from tests.test_grpc import _wait_serving
+    from tests.support.grpc_channel import open_channel, wait_serving
 
-    channel = grpc.insecure_channel(f"127.0.0.1:{srv.grpc_port}")
-    grpc.channel_ready_future(channel).result(timeout=60)
-    _wait_serving(channel)
+    channel = open_channel(srv.grpc_port)
+    wait_serving(channel)
     stub = inference_pb2_grpc.InferenceServiceStub(channel)
     person = CORPUS[0]["schema"]
     date = r"20[0-9]{2}-(0[1-9]|1[0-2])-(0[1-9]|[12][0-9])"

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from tests.test_http_contract import error, post
+from tests.support.http import error, post
 
 CHAT, LEGACY = "/v1/chat/completions", "/v1/completions"
 

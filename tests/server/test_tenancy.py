@@ -2,7 +2,7 @@
 share and the tenant limits through HTTP, SIGHUP reloads.
 
 Every Redis is a real ``redis-server`` started here on a free port: the system's, else the one the
-test extra installs (``tests.conftest.redis_server_executable``); only the tests marked
+test extra installs (``tests.support.servers.redis_server_executable``); only the tests marked
 ``needs_redis`` start one. Rates are checked by counting (requests admitted, tokens charged),
 never by asserting on wall-clock durations; the one bound on time is a generous safety net
 against a request hanging on a dead Redis.
@@ -28,17 +28,13 @@ from server.errors import http_error
 from server.tenancy.ratelimit import RateLimiter
 from server.tenancy.tenants import Rate, Tenant, Tenants
 from shm import Layout, Transport
-from tests.conftest import AppServer, free_port, inproc_engine, needs_redis, redis_server, running_server
+from tests.support.servers import AppServer, free_port, inproc_engine, needs_redis, redis_server, running_server
+from tests.support.tenants import write_tenants
 
 COMPLETIONS = "/v1/completions"
 
 
 # -- helpers ----------------------------------------------------------------------------------------
-def write_tenants(path, tenants: list[dict]) -> str:
-    path.write_text(json.dumps({"tenants": tenants}))
-    return str(path)
-
-
 class Clock:
     def __init__(self):
         self.now = 1000.0

@@ -21,7 +21,7 @@ from server.gunicorn_conf import RESPONSES_DIR_PREFIX
 from server.observability import metrics_dir
 from shm import segment
 from shm.transport import Transport
-from tests.conftest import free_port, running_server
+from tests.support.servers import free_port, running_server
 
 
 def _unshare_works() -> bool:

@@ -1,8 +1,8 @@
 """Requests schemathesis generates from the two OpenAPI documents, sent to real servers: this
 server's own (``server/http/openapi.json``; positive, streamed and negative cases) and OpenAI's
-(``tests/openai/openapi-subset.json``; positive cases).
+(``tests/spec/openai/openapi-subset.json``; positive cases).
 
-Not collected by ``make test``: ``tests/test_generated_requests.py`` runs this module in a pytest
+Not collected by ``make test``: ``tests/spec/test_generated_requests.py`` runs this module in a pytest
 of its own, without xdist, for two reasons:
 
 * schemathesis gives every operation's test one node id (``generated_requests.py::test_...``,
@@ -24,12 +24,15 @@ from schemathesis.specs.openapi.checks import (content_type_conformance, negativ
                                                response_headers_conformance, response_schema_conformance,
                                                status_code_conformance)
 
-from tests.conftest import running_server
-from tests.test_openai_conformance import DOC as OPENAI_DOC
-from tests.test_openapi import CHAT, COMPLETIONS, DOC, MODEL
+from server.http.openapi import load
+from tests.support.http import CHAT, COMPLETIONS, MODEL
+from tests.support.openai_document import DOC as OPENAI_DOC
+from tests.support.servers import running_server
+
+DOC = load()  # this server's document, as tests/spec/test_openapi.py checks it
 
 
-# -- this server's own document (tests/test_openapi.py) ----------------------------------------------------------------
+# -- this server's own document (tests/spec/test_openapi.py) -------------------------------------------------------
 @pytest.fixture(scope="module")
 def doc_server():
     """Short sequences and little capacity, so generated requests stay cheap."""
@@ -130,7 +133,7 @@ def test_schemathesis_negative(case, doc_server):
     _call(case, doc_server)
 
 
-# -- OpenAI's document (tests/test_openai_conformance.py) ------------------------------------------------------
+# -- OpenAI's document (tests/spec/test_openai_conformance.py) ---------------------------------------------
 def _openai_pinned_document() -> dict:
     """The document with every request's ``model`` pinned to the served name."""
     doc = copy.deepcopy(OPENAI_DOC)

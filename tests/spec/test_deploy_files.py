@@ -10,7 +10,7 @@ import yaml
 
 from server.config import OPTIONS
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def load_all(name: str) -> list[dict]:
@@ -169,7 +169,7 @@ def test_compose_runs_prometheus_and_grafana_on_the_provisioned_files():
 
 
 def test_compose_runs_three_replicas_behind_nginx_from_the_shipped_template():
-    from tests.nginx import placeholders
+    from tests.support.nginx import placeholders
 
     services = yaml.safe_load((ROOT / "docker" / "compose.yaml").read_text())["services"]
     replicas = [services[f"inference-{i}"] for i in (1, 2, 3)]

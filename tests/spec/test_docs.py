@@ -9,9 +9,9 @@ import pathlib
 import re
 
 from server.config import OPTIONS, parser
-from tests.docs import PAGES, README, all_blocks, anchor, headings
+from tests.support.docs import PAGES, README, all_blocks, anchor, headings
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 SOURCES = [p for d in ("engine", "shm", "server", "bench", "tests", "proto") for p in (ROOT / d).rglob("*.py")]
 MARKDOWN = [*PAGES, *sorted((ROOT / "bench").glob("*.md")), *sorted((ROOT / "k8s").glob("*.md"))]
 CITING = [*MARKDOWN, ROOT / "proto" / "inference.proto", ROOT / "server" / "http" / "openapi.json",

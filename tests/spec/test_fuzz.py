@@ -50,7 +50,8 @@ from server.http.body import read_json
 from server.tenancy.tenants import DEFAULT_TENANT, Tenant, TenantRegistry, Tenants
 from server.text.chat_template import ROLE_ALIASES, ChatTemplate
 from server.text.detokenizer import Detokenizer
-from tests.test_http_contract import GREETING_PROMPT, MULTIBYTE_PROMPTS, equal_streamed, parse_sse, post
+from tests.support.http import equal_streamed, parse_sse, post
+from tests.support.prompts import GREETING_PROMPT, MULTIBYTE_PROMPTS
 
 CORPUS = Path(__file__).with_name("fuzz_corpus")
 CHAT, COMPLETIONS, INFER = "/v1/chat/completions", "/v1/completions", "/infer"

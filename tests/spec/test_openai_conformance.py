@@ -1,49 +1,23 @@
-"""Conformance to OpenAI's own OpenAPI document (``tests/openai/openapi-subset.json``), and the
+"""Conformance to OpenAI's own OpenAPI document (``tests/spec/openai/openapi-subset.json``), and the
 faults public bug reports found in OpenAI-compatible servers, each as a kind.
 
 Responses are validated with ``jsonschema`` against the document's components; schemathesis'
-requests generated from it are sent to a real server by tests/generated_requests.py.
+requests generated from it are sent to a real server by tests/spec/generated_requests.py.
 """
 from __future__ import annotations
 
 import http.client
 import json
-import pathlib
 import time
 
 import openai
 import pytest
-from jsonschema import Draft202012Validator
-from referencing import Registry, Resource
-from referencing.jsonschema import DRAFT202012
 
-from tests.conftest import AppServer, running_server
-from tests.test_http_contract import content, error, ok, post, request, stream_chunks
+from tests.support.http import CHAT, COMPLETIONS, MODEL, content, error, ok, post, request, stream_chunks
+from tests.support.openai_document import DOC, conforms
+from tests.support.servers import AppServer, running_server
 
-DOC = json.loads((pathlib.Path(__file__).parent / "openai" / "openapi-subset.json").read_text())
-CHAT, COMPLETIONS, MODEL = "/v1/chat/completions", "/v1/completions", "local-model"
 GREEDY = {"temperature": 0}
-
-
-def _nullable(node):
-    """OpenAPI 3.0's ``nullable: true`` (kept in places of this 3.1 document) as JSON Schema."""
-    if isinstance(node, list):
-        return [_nullable(x) for x in node]
-    if not isinstance(node, dict):
-        return node
-    node = {k: _nullable(v) for k, v in node.items()}
-    if node.pop("nullable", False) is True:
-        return {"anyOf": [node, {"type": "null"}]}
-    return node
-
-
-REGISTRY = Registry().with_resource(
-    "urn:openai", Resource.from_contents(_nullable(DOC), default_specification=DRAFT202012))
-
-
-def conforms(component: str, instance) -> None:
-    """Raise ``jsonschema.ValidationError`` unless ``instance`` is a valid ``component``."""
-    Draft202012Validator({"$ref": f"urn:openai#/components/schemas/{component}"}, registry=REGISTRY).validate(instance)
 
 
 def events(reply) -> list[dict]:

@@ -4,7 +4,7 @@ Its routes are the app's routes (read from the Falcon app); it is a valid OpenAP
 its request fields and bounds are those the parsers take; each documented status is answered
 as documented (bodies, SSE chunks and headers validated with ``jsonschema``, including 401, 403,
 429 and 503, which need tenants or a full server). schemathesis' requests generated from it are
-sent to a real server by tests/generated_requests.py.
+sent to a real server by tests/spec/generated_requests.py.
 """
 from __future__ import annotations
 
@@ -29,12 +29,11 @@ from server.api import requests as params
 from server.api.infer import INFER_FIELDS, MAX_NEW_TOKENS_BOUNDS
 from server.responses import request as responses
 from server.http.openapi import load
-from tests.conftest import AppServer, running_server
-from tests.test_http_contract import Reply, parse_sse, post, request
+from tests.support.http import CHAT, COMPLETIONS, MODEL, Reply, parse_sse, post, request
+from tests.support.servers import AppServer, running_server
 
 DOC = load()
-ROOT = pathlib.Path(__file__).resolve().parent.parent
-CHAT, COMPLETIONS, MODEL = "/v1/chat/completions", "/v1/completions", "local-model"
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 REGISTRY = Registry().with_resource("urn:doc", Resource.from_contents(DOC, default_specification=DRAFT202012))
 
 

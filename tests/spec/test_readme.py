@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from server.tenancy.tenants import Tenants
-from tests.docs import EXAMPLE_URL, README, ROOT, blocks, curl_commands
+from tests.support.docs import EXAMPLE_URL, README, ROOT, blocks, curl_commands
 
 BLOCKS = blocks(README)
 TENANTS_PAGE = ROOT / "docs/tenants.md"

@@ -20,9 +20,9 @@ import time
 
 import pytest
 
-from tests.conftest import free_port
+from tests.support.servers import free_port
 
-TEMPLATE = pathlib.Path(__file__).resolve().parent.parent / "docker" / "nginx" / "nginx.conf.template"
+TEMPLATE = pathlib.Path(__file__).resolve().parents[2] / "docker" / "nginx" / "nginx.conf.template"
 
 NO_NGINX = ("no nginx: install Debian's nginx package (`apt-get install nginx`, as .ci/run does) to run the "
             "load-balancer test, which starts the shipped docker/nginx/nginx.conf.template")
