@@ -1,5 +1,5 @@
 """Multi-node: nginx from the shipped template (``docker/nginx/nginx.conf.template``, run by
-``tests/nginx.py``) in front of one and of three replicas, and least connections against
+``tests/support/nginx.py``) in front of one and of three replicas, and least connections against
 consistent hashing on multi-turn conversations, in one run.
 
     python -m bench.multinode [--clients 12 --requests 48 --rounds 1 --parts all] [--json out.json]

@@ -22,7 +22,7 @@ def test_quick_run(tmp_path):
     # The default setting only (adaptive: no ceiling of its own), on the fixed workload, idle, in a
     # suite whose other files keep the CPUs busy: the suite's time goes to what can fail here
     # (errors, restarts, the output's shape). The comparison between settings and conditions is
-    # the full run's; an engine started beside a busy process is tests/test_resilience.py's.
+    # the full run's; an engine started beside a busy process is tests/e2e/test_resilience.py's.
     subprocess.run([sys.executable, "-m", "bench.threads", "--quick", "--settings", "adaptive", "--no-mix",
                     "--conditions", "idle", "--json", str(out)], check=True, timeout=900,
                    stdout=subprocess.DEVNULL)

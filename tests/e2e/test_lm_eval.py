@@ -1,6 +1,6 @@
 """lm-evaluation-harness end to end, offline: ``local-completions`` against the shared real server,
 with the tokenizer it finds at ``GET /tokenizer_info`` (no Hugging Face download), runs a
-multiple-choice task and a generation task kept in ``tests/lm_eval/`` (``dataset_path: json``
+multiple-choice task and a generation task kept in ``tests/e2e/lm_eval/`` (``dataset_path: json``
 over ``items.jsonl``). Every loglikelihood it reports is checked against one computed here
 directly with llama-cpp-python on the weights the engine computes with."""
 from __future__ import annotations

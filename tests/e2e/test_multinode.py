@@ -1,6 +1,6 @@
 """The multi-node path on one machine: a real Redis, three real replicas on 127.0.0.2, .3 and .4
 sharing it, and nginx started from the shipped ``docker/nginx/nginx.conf.template`` in front of
-them (``tests/nginx.py``; least connections). Streams pass through unbuffered with their
+them (``tests/support/nginx.py``; least connections). Streams pass through unbuffered with their
 keep-alive comments; 48 requests at once reach every replica; one tenant's quota holds across
 the three; gRPC goes through the same proxy; a replica SIGKILLed under load ends its own streams
 with an error event while no new request fails and none is sent to it again; a replica drained

@@ -2,7 +2,7 @@
 ``response_format`` json_schema / json_object (and instructor's ``schema``), vLLM's
 ``structured_outputs`` json / regex / choice / grammar, on chat and legacy completions, streamed
 and not, n = 2, at temperature 0 and 1. Every choice that ends with ``stop`` is valid; every
-other ending is ``length``. The corpus of schemas is tests/structured/schemas.json.
+other ending is ``length``. The corpus of schemas is tests/server/structured/schemas.json.
 
 One module server; the requests of a run go concurrently, so its sequences share batches."""
 from __future__ import annotations

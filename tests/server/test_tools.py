@@ -1,6 +1,6 @@
 """Tool calling without a server: the request's tool fields and their refusals, chat templates
 rendered with tools against Hugging Face's reference rendering (the templates of
-``tests/templates/``), and each format's parser on recorded model answers, streamed in pieces
+``tests/server/templates/``), and each format's parser on recorded model answers, streamed in pieces
 and whole."""
 from __future__ import annotations
 

@@ -72,7 +72,7 @@ def test_markdown_links_resolve():
 
 def test_every_shell_block_is_run_or_marked():
     """The rule at the top of docs/development.md: a ``sh`` block holds only curl commands (run by
-    tests/test_readme.py) or follows ``<!-- not run here: REASON -->``; every fence names its
+    tests/spec/test_readme.py) or follows ``<!-- not run here: REASON -->``; every fence names its
     language, and shell is always ``sh``."""
     found = all_blocks()
     assert sum(b.lang == "sh" for b in found) >= 6

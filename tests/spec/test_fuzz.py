@@ -1,5 +1,5 @@
 """Fuzzing (issue 15, item 8): hypothesis on the request parser, the chat-template renderer and
-the incremental detokenizer, with a corpus kept in ``tests/fuzz_corpus/<target>/``.
+the incremental detokenizer, with a corpus kept in ``tests/spec/fuzz_corpus/<target>/``.
 
 Properties checked:
 

@@ -1,5 +1,5 @@
 """schemathesis' requests from both OpenAPI documents against real servers
-(``tests/generated_requests.py``), in a pytest of their own: so that every operation runs (under
+(``tests/spec/generated_requests.py``), in a pytest of their own: so that every operation runs (under
 xdist one did per test) and only the worker that runs them builds their cases (that module's
 docstring says more)."""
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The README's and docs/'s examples are tests: every curl command of their shell blocks and the
 README's OpenAI SDK snippet run against a real server, and the tenant-file examples of
 docs/tenants.md load, all extracted from the pages themselves, so the first thing a new user
-copies cannot rot. Which shell blocks run: docs/development.md (checked in tests/test_docs.py)."""
+copies cannot rot. Which shell blocks run: docs/development.md (checked in tests/spec/test_docs.py)."""
 from __future__ import annotations
 
 import json

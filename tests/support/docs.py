@@ -41,7 +41,7 @@ class Block:
 
     @property
     def runnable(self) -> bool:
-        """A ``sh`` block that tests/test_readme.py runs: only curl commands."""
+        """A ``sh`` block that tests/spec/test_readme.py runs: only curl commands."""
         return self.lang == "sh" and bool(self.commands()) and all(c.startswith("curl ") for c in self.commands())
 
 

@@ -1,5 +1,5 @@
 """The shipped load balancer, ``docker/nginx/nginx.conf.template``, filled in and run in front of
-real replicas (``tests/conftest.py``'s ``RunningServer``), for ``tests/test_multinode.py`` and
+real replicas (``tests/support/servers.py``'s ``RunningServer``), for ``tests/e2e/test_multinode.py`` and
 ``python -m bench.multinode``.
 
 The template's ``${NAME}`` placeholders are what the nginx image's entrypoint fills with
