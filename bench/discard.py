@@ -27,7 +27,7 @@ def _cpu_s(pids: list[int]) -> float:
 
 def main(argv=None) -> int:
     from bench.common import save
-    from tests.conftest import running_server
+    from tests.support.servers import running_server
 
     p = argparse.ArgumentParser(prog="python -m bench.discard", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)

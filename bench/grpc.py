@@ -78,7 +78,7 @@ def main(argv=None) -> int:
     from engine.config import default_model_path
     from proto import inference_pb2_grpc
     from engine.llama.tokenizer import Tokenizer
-    from tests.conftest import running_server
+    from tests.support.servers import running_server
 
     p = argparse.ArgumentParser(prog="python -m bench.grpc", description=__doc__.split("\n")[0])
     p.add_argument("--clients", type=int, default=16)

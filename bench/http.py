@@ -96,7 +96,7 @@ def main(argv=None) -> int:
     from bench.common import limit, parser, report
     from engine.config import default_model_path
     from engine.llama.tokenizer import Tokenizer
-    from tests.conftest import running_server
+    from tests.support.servers import running_server
 
     p = parser("python -m bench.http", __doc__, "--clients")
     p.add_argument("--ttft-runs", type=int, default=15)

@@ -72,7 +72,7 @@ def run_many(port: int, prompts: Prompts, engine) -> dict:
 def main(argv=None) -> int:
     from engine.config import default_model_path
     from engine.llama.tokenizer import Tokenizer
-    from tests.conftest import running_server
+    from tests.support.servers import running_server
 
     p = argparse.ArgumentParser(prog="python -m bench.kv_memory", description=__doc__.split("\n")[0])
     p.add_argument("--rounds", type=int, default=1)

@@ -74,7 +74,7 @@ def post(url: str, prompt: str) -> None:
 
 def main(argv=None) -> int:
     from bench.common import concurrently, parser, save
-    from tests.conftest import running_server
+    from tests.support.servers import running_server
 
     p = parser("python -m bench.metrics", __doc__, "--clients")
     p.add_argument("--workers", type=int, default=2, help="workers of the throughput servers")

@@ -1,5 +1,5 @@
 """Multi-node: nginx from the shipped template (``docker/nginx/nginx.conf.template``, run by
-``tests/nginx.py``) in front of one and of three replicas, and least connections against
+``tests/support/nginx.py``) in front of one and of three replicas, and least connections against
 consistent hashing on multi-turn conversations, in one run.
 
     python -m bench.multinode [--clients 12 --requests 48 --rounds 1 --parts all] [--json out.json]
@@ -32,8 +32,8 @@ import tempfile
 
 from bench.common import concurrently, save
 from bench.prefix import QUESTIONS, SYSTEM, chat_stream
-from tests.conftest import RunningServer, running_replicas
-from tests.nginx import AFFINITY, LEAST_CONN, Nginx
+from tests.support.nginx import AFFINITY, LEAST_CONN, Nginx
+from tests.support.servers import RunningServer, running_replicas
 
 HOSTS = ("127.0.0.2", "127.0.0.3", "127.0.0.4")
 TENANTS = 3

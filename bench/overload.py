@@ -109,7 +109,7 @@ def _ms(s: float | None) -> float | None:
 
 
 def run(server, n: int, max_tokens: int, ramp_s: float, slots: int) -> dict:
-    """Drive ``server`` (a ``tests.conftest.RunningServer``) with one burst; sample its workers."""
+    """Drive ``server`` (a ``tests.support.servers.RunningServer``) with one burst; sample its workers."""
     peak: dict = {}
     done = threading.Event()
 
@@ -142,7 +142,7 @@ def run(server, n: int, max_tokens: int, ramp_s: float, slots: int) -> dict:
 def main(argv=None) -> int:
     from bench.common import save
     from server.config import ServerConfig, from_args
-    from tests.conftest import running_server
+    from tests.support.servers import running_server
 
     p = argparse.ArgumentParser(prog="python -m bench.overload", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -241,7 +241,7 @@ def peer(binary: str, requests: list[Request], a, max_seq_len: int, threads: int
     """llama.cpp's server at its defaults but slots, context and threads (ours)."""
     from bench.common import wait_healthy
     from engine.config import default_model_path
-    from tests.conftest import free_port
+    from tests.support.servers import free_port
 
     port = free_port()
     proc = subprocess.Popen([binary, "-m", default_model_path(), "--port", str(port), "-np", str(a.slots),
@@ -288,7 +288,7 @@ def main(argv=None) -> int:
     from bench.common import limit, limit_mix, save
     from engine.config import default_model_path, default_threads
     from engine.llama.tokenizer import Tokenizer
-    from tests.conftest import running_server
+    from tests.support.servers import running_server
 
     p = argparse.ArgumentParser(prog="bench/run_bench.sh", description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="a smaller run (under 3 minutes here)")

@@ -172,7 +172,7 @@ def main(argv=None) -> int:
     from engine.llama.library import amx_faults
     from engine.llama.tokenizer import Tokenizer
     from engine.llama.weights import weights_path
-    from tests.conftest import free_port, running_server
+    from tests.support.servers import free_port, running_server
 
     p = argparse.ArgumentParser(prog="python -m bench.prefill", description=__doc__.split("\n")[0])
     p.add_argument("--llama-server", default=None, help="path of a llama-server binary to compare with")

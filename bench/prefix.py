@@ -146,7 +146,7 @@ def main(argv=None) -> int:
 
     from engine.config import default_model_path
     from engine.llama.tokenizer import Tokenizer
-    from tests.conftest import free_port, running_server
+    from tests.support.servers import free_port, running_server
 
     p = argparse.ArgumentParser(prog="python -m bench.prefix", description=__doc__.split("\n")[0])
     p.add_argument("--clients", type=int, default=16)

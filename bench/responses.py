@@ -101,7 +101,7 @@ def main(argv=None) -> dict:
     p.add_argument("--gen-tokens", type=int, default=48)
     p.add_argument("--json")
     args = p.parse_args(argv)
-    from tests.conftest import running_server
+    from tests.support.servers import running_server
 
     with running_server("--max-slots", "2", "--max-seq-len", "2048", "--workers", "1", "--threads", "8") as s:
         port = s.port

@@ -144,7 +144,7 @@ def main() -> None:
     p.add_argument("--engine-threads", type=int, default=0, help="the server's --engine-threads (0: adaptive)")
     p.add_argument("--json", default=None)
     args = p.parse_args()
-    from tests.conftest import running_server
+    from tests.support.servers import running_server
 
     c = args.clients
     both = prompt_tokens(2 * args.prompts, args.prompt_tokens, 49152)  # distinct: no prefix cache hits

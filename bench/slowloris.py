@@ -122,7 +122,7 @@ def main(argv=None) -> int:
     if a.url:
         results = run(a.url)
     else:
-        from tests.conftest import running_server
+        from tests.support.servers import running_server
         with running_server() as server:
             results = run(server.url)
     save({"interval_s": a.interval, "seconds": a.seconds, "levels": results}, a.json)

@@ -61,6 +61,8 @@ import tempfile
 import threading
 import time
 
+from tests.support.servers import cmdline
+
 SHM = "/dev/shm"
 TIMEOUT_S = 60.0  # a request with no answer for this long is a hang
 ENGINE_GRACE_S = 2.0  # after the new engine is ready, 503 engine_unavailable is still expected this long
@@ -367,17 +369,9 @@ def rss_kb(pid: int) -> int | None:
     return None
 
 
-def _cmdline(pid: int) -> bytes | None:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return f.read()
-    except OSError:
-        return None
-
-
 def role(pid: int, master_cmdline: bytes) -> str:
     """master's child ``pid`` as worker, engine, sidecar, resource_tracker or other."""
-    cmd = _cmdline(pid) or b""
+    cmd = cmdline(pid) or b""
     if cmd == master_cmdline:
         return "worker"
     if b"engine.process" in cmd:
@@ -394,7 +388,7 @@ class Memory:
 
     def __init__(self, server, t0: float, period: float = 1.0):
         self.server, self.t0, self.period = server, t0, period
-        self.master_cmdline = _cmdline(server.proc.pid)
+        self.master_cmdline = cmdline(server.proc.pid)
         self.procs: dict[int, dict] = {}  # pid -> {"role", "first_seen", "samples": [(t, kb)]}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="rss", daemon=True)
@@ -408,12 +402,12 @@ class Memory:
             children = []
         for pid in [self.server.proc.pid, *children]:
             p = self.procs.setdefault(pid, {"role": None, "cmdline": None, "first_seen": now, "samples": []})
-            kb, cmdline = rss_kb(pid), _cmdline(pid)
-            if kb is None or not cmdline:
+            kb, command = rss_kb(pid), cmdline(pid)
+            if kb is None or not command:
                 continue
             # Looked at every time: a child between fork and exec still has the master's command
             # line (the engine and the sidecar would pass for workers).
-            p["cmdline"] = cmdline
+            p["cmdline"] = command
             p["role"] = "master" if pid == self.server.proc.pid else role(pid, self.master_cmdline)
             p["samples"].append((now, kb))
 
@@ -530,7 +524,7 @@ def prime(port: int, slots: int) -> None:
 
 def run(a) -> dict:
     """The soak (module docstring); returns the result dictionary (``passed`` among it)."""
-    from tests.conftest import RunningServer
+    from tests.support.servers import RunningServer
 
     with tempfile.NamedTemporaryFile("w", prefix="soak-tenants-", suffix=".json") as tenants:
         json.dump(TENANTS, tenants)
@@ -644,7 +638,7 @@ def _traffic(server, a) -> dict:
 
     def left() -> list[dict]:  # still running the same program (not a reused pid)
         return [{"pid": pid, "role": p["role"]} for pid, p in sorted(memory.procs.items())
-                if p["cmdline"] and _cmdline(pid) == p["cmdline"]]
+                if p["cmdline"] and cmdline(pid) == p["cmdline"]]
 
     _wait(lambda: not left(), 10)
     processes_left = left()

@@ -157,7 +157,7 @@ def main() -> None:
     p.add_argument("--ttft-rounds", type=int, default=20)
     p.add_argument("--json")
     a = p.parse_args()
-    from tests.conftest import running_server
+    from tests.support.servers import running_server
 
     alone = constraint_alone()
     print(f"constraint alone: check {alone['check_us']:.1f} us, allowed set on a refusal "

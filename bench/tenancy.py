@@ -21,7 +21,7 @@ def main(argv=None) -> int:
     from bench.http import prompt_text, stream_completion, throughput
     from engine.config import default_model_path
     from engine.llama.tokenizer import Tokenizer
-    from tests.conftest import redis_server, running_server
+    from tests.support.servers import redis_server, running_server
 
     p = parser("python -m bench.tenancy", __doc__, "--clients")
     p.add_argument("--repeat", type=int, default=3)

@@ -13,7 +13,7 @@ import pytest
 from server.tenancy.ratelimit import RateLimiter
 from server.tenancy.tenants import Rate, Tenant
 from shm import Layout, Transport
-from tests.conftest import needs_redis, redis_server
+from tests.support.servers import needs_redis, redis_server
 
 ROUNDS = 5000
 TENANT = Tenant("bench", 42, requests_per_second=Rate(1e9, 1e9), tokens_per_second=Rate(1e12, 1e12))
@@ -44,7 +44,11 @@ def shared_buckets():
 
 
 def test_local_fallback_latency(benchmark, shared_buckets):
-    measure(benchmark, RateLimiter(shared_buckets), "node's shared buckets")
+    limiter = RateLimiter(shared_buckets)
+    measure(benchmark, limiter, "node's shared buckets")
+    decision = limiter.admit(TENANT, 32)  # the path measured: the node's buckets, both limits reported
+    assert not limiter.using_redis and decision.allowed and decision.retry_after_s == 0.0
+    assert {kind: bucket[0] for kind, bucket in decision.buckets.items()} == {"requests": 1e9, "tokens": 1e12}
 
 
 @needs_redis

@@ -193,7 +193,7 @@ def settle(bins: list[int], change: float, until: float) -> float:
 
 def main(argv=None) -> int:
     from bench.common import save
-    from tests.conftest import running_server
+    from tests.support.servers import running_server
 
     p = argparse.ArgumentParser(prog="python -m bench.threads", description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="a short run (CI checks that it runs)")
@@ -294,7 +294,7 @@ def _conditions(a, conditions: list[str], flags: list[str], env: dict, fixed: li
 
 @contextlib.contextmanager
 def _server(a, flags: list[str], env: dict, quota: CpuQuota | None = None):
-    from tests.conftest import RunningServer
+    from tests.support.servers import RunningServer
 
     with quota.joined() if quota else contextlib.nullcontext():
         server = RunningServer(*_server_flags(a, *flags), env=env)

@@ -94,7 +94,7 @@ def main(argv=None) -> dict:
     p.add_argument("--ttft-rounds", type=int, default=2)
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
-    from tests.conftest import running_server
+    from tests.support.servers import running_server
 
     system = "You are a careful archivist."
     tool = Tool("file_note", "File a note in the archive", NOTE)

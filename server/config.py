@@ -3,7 +3,7 @@
 Every option is a field of :class:`ServerConfig`, and its metadata names the command-line flag
 and the environment variable; the defaults of the engine's share are :class:`EngineConfig`'s. So
 each default lives in one place, and the ``--help`` text and the table in docs/configuration.md are checked
-against it (``tests/test_docs.py``). The gunicorn config module (``server.gunicorn_conf``)
+against it (``tests/spec/test_docs.py``). The gunicorn config module (``server.gunicorn_conf``)
 reads the same variables, so ``gunicorn -c python:server.gunicorn_conf server.wsgi:app`` serves
 the same configuration.
 """

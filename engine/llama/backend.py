@@ -27,7 +27,7 @@ The GPU profile offloads every layer, prefills 512 tokens of a sequence a step, 
 count fixed (the CPU threads only feed the device) and loads weights as they are; its KV cache
 is device memory, all of it allocated. Its kernels
 have other numerics and no deterministic profile: ``--deterministic`` is refused there. Nothing
-here has run on a GPU yet (``tests/test_units.py`` checks the choice of profile with a faked
+here has run on a GPU yet (``tests/engine/test_backend.py`` checks the choice of profile with a faked
 device report).
 """
 from __future__ import annotations

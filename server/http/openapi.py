@@ -1,7 +1,7 @@
 """``GET /openapi.json``: this server's own OpenAPI 3.1 document.
 
 The document is ``server/http/openapi.json`` (package data), written by hand and kept true by
-``tests/test_openapi.py``: its routes are the app's, its request fields are those
+``tests/spec/test_openapi.py``: its routes are the app's, its request fields are those
 ``server/api/requests.py`` and ``server/api/infer.py`` take, with their bounds, and schemathesis runs it
 against a real server. It is served as it is, except for routes this app does not serve on its
 port (``/metrics`` with ``--no-metrics`` or ``--metrics-port``), so it describes what a client

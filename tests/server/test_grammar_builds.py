@@ -12,7 +12,7 @@ import pytest
 
 from server.structured import check as checks
 from server.structured.check import CheckedGrammars
-from tests.test_http_contract import error, post
+from tests.support.http import error, post
 
 CHAT = "/v1/chat/completions"
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from engine.request import EngineRequest
-from tests.test_http_contract import error, post
+from tests.support.http import error, post
 
 
 @pytest.fixture

@@ -1,0 +1,138 @@
+"""SIGTERM drains: readiness turns 503 at once, new requests are refused with 503, running
+streams finish (or, past ``--drain-timeout``, end with an error event and ``[DONE]``), and the
+server exits 0 leaving nothing in /dev/shm. A real server, real streams."""
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import signal
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from tests.support.servers import running_server
+
+
+def stream(port: int, max_tokens: int, out: list, started: threading.Event | None = None) -> None:
+    """One streaming completion; appends ``(events, done)``: the parsed data events and whether
+    ``[DONE]`` came last."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+    conn.request("POST", "/v1/completions", json.dumps({"prompt": "Tell a story", "max_tokens": max_tokens,
+                                                        "ignore_eos": True, "stream": True}),
+                 {"Content-Type": "application/json"})
+    events, done = [], False
+    for line in conn.getresponse():
+        if not line.startswith(b"data: "):
+            continue
+        if line.strip() == b"data: [DONE]":
+            done = True
+            break
+        events.append(json.loads(line[6:]))
+        if started is not None and len(events) == 1:
+            started.set()
+    conn.close()
+    out.append((events, done))
+
+
+def get(url: str) -> tuple[int, object, dict]:
+    try:
+        with urllib.request.urlopen(url, timeout=10) as r:
+            return r.status, r.headers, json.loads(r.read() or b"{}")
+    except urllib.error.HTTPError as e:
+        return e.code, e.headers, json.loads(e.read() or b"{}")
+
+
+def post(url: str, body: dict) -> tuple[int, object, dict]:
+    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return r.status, r.headers, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, e.headers, json.loads(e.read())
+
+
+def start_streams(port: int, n: int, max_tokens: int) -> tuple[list, list[threading.Thread]]:
+    results, threads, started = [], [], []
+    for _ in range(n):
+        ev = threading.Event()
+        t = threading.Thread(target=stream, args=(port, max_tokens, results, ev))
+        t.start()
+        threads.append(t)
+        started.append(ev)
+    for ev in started:
+        assert ev.wait(120), "a stream did not start"
+    return results, threads
+
+
+def leftovers(server) -> list[str]:
+    return [f for f in os.listdir("/dev/shm") if f.startswith(server.shm)]
+
+
+def test_sigterm_drains_running_streams_to_their_end():
+    with running_server("--max-slots", "8", "--max-seq-len", "256", "--threads", "16", "--drain-timeout", "120",
+                        grpc=True) as server:
+        results, threads = start_streams(server.port, 8, 120)
+        server.proc.send_signal(signal.SIGTERM)
+        t0 = time.monotonic()
+        while get(server.url + "/health/ready")[0] != 503:
+            assert time.monotonic() - t0 < 5
+        readiness_s = time.monotonic() - t0
+        status, headers, body = post(server.url + "/v1/completions", {"prompt": "new", "max_tokens": 2})
+        assert status == 503 and body["error"]["code"] == "server_shutting_down" and headers["Retry-After"]
+        assert get(server.url + "/health")[0] == 503
+        assert get(server.url + "/health/live")[0] == 200
+        with grpc.insecure_channel(f"127.0.0.1:{server.grpc_port}") as channel:
+            check = health_pb2_grpc.HealthStub(channel).Check
+            deadline = time.monotonic() + 5
+            not_serving = health_pb2.HealthCheckResponse.NOT_SERVING
+            while check(health_pb2.HealthCheckRequest(), timeout=5).status != not_serving:
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+        for t in threads:
+            t.join(120)
+        assert server.proc.wait(60) == 0
+        assert len(results) == 8
+        for events, done in results:
+            assert done and events[-1]["choices"][0]["finish_reason"] == "length"
+            assert sum(1 for e in events if e["choices"] and e["choices"][0]["text"]) > 80
+        assert not leftovers(server)
+    assert readiness_s < 0.1, readiness_s  # measured once: the master handles SIGTERM at once
+
+
+def test_drain_timeout_ends_what_still_runs_with_an_error_and_done():
+    with running_server("--max-slots", "4", "--max-seq-len", "512", "--drain-timeout", "1") as server:
+        results, threads = start_streams(server.port, 3, 450)
+        plain: list = []
+        waiter = threading.Thread(target=lambda: plain.append(
+            post(server.url + "/v1/completions", {"prompt": "Go", "max_tokens": 450, "ignore_eos": True})))
+        waiter.start()
+        time.sleep(0.5)
+        server.proc.send_signal(signal.SIGTERM)
+        for t in (*threads, waiter):
+            t.join(60)
+        assert server.proc.wait(60) == 0
+        for events, done in results:
+            assert done, "no [DONE] after the error event"
+            assert events[-1]["error"]["code"] == "server_shutting_down"
+            assert events[-1]["error"]["type"] == "server_error"
+        (status, _, body), = plain
+        assert status == 503 and body["error"]["code"] == "server_shutting_down"
+        assert not leftovers(server)
+
+
+def test_a_second_sigterm_stops_now():
+    with running_server("--max-slots", "2", "--max-seq-len", "512", "--drain-timeout", "600") as server:
+        results, threads = start_streams(server.port, 1, 480)
+        server.proc.send_signal(signal.SIGTERM)
+        while get(server.url + "/health/ready")[0] != 503:
+            time.sleep(0.01)
+        assert server.proc.poll() is None  # draining: the stream still runs
+        server.proc.send_signal(signal.SIGTERM)
+        server.proc.wait(30)  # gunicorn's own stop: workers get graceful_timeout (5 s), not 600
+        threads[0].join(30)
+        assert not leftovers(server)

