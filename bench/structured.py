@@ -113,7 +113,7 @@ def constraint_alone(tokens: int = 200) -> dict:
     from engine.config import default_model_path
     from engine.llama.grammar import Grammars
     from engine.llama.tokenizer import Tokenizer
-    from server.structured.parse import parse_structured
+    from server.api.structured import parse_structured
 
     tok = Tokenizer(default_model_path())
     eog = frozenset(t for t in range(tok.n_vocab) if llama_cpp.llama_vocab_is_eog(tok.vocab, t))

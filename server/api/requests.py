@@ -16,7 +16,7 @@ from server.api.fields import FieldPolicy, boolean, check_number, number, priori
 from server.api.tools import message_tool_fields, parse_tools
 from server.generation.request import GenerationRequest
 from server.structured.constraint import OutputConstraint
-from server.structured.parse import parse_structured
+from server.api.structured import parse_structured
 from server.tools.spec import ToolRequest
 
 CHAT_ROLES = ("system", "developer", "user", "assistant")

@@ -16,7 +16,7 @@ from server.api.infer import parse_infer
 from server.api.requests import check_model, generation_request, parse_role, render_options
 from server.api.tools import answered, call_arguments, choice_mode, function_tool, tool_array, tool_request
 from server.generation.request import GenerationRequest
-from server.structured.parse import parse_structured
+from server.api.structured import parse_structured
 from server.tenancy.tenants import Tenant, TenantRegistry
 from server.tools.spec import AUTO, NAMED
 

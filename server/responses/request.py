@@ -34,7 +34,7 @@ from server.api.tools import (FUNCTION_FIELDS, call_arguments, answered, choice_
                               tool_request)
 from server.generation.request import GenerationRequest
 from server.structured.constraint import OutputConstraint
-from server.structured.parse import parse_text_format
+from server.api.structured import parse_text_format
 from server.tools.spec import AUTO, NAMED
 
 #: Fields this route implements, or accepts because they cannot change what is generated.

@@ -1,6 +1,6 @@
 """What a request's answer must be, as parsed from its fields: :class:`OutputConstraint`
 (OpenAI's ``response_format``, the Responses API's ``text.format``, vLLM's
-``structured_outputs``; made by ``server/structured/parse.py``). It carries the client's value
+``structured_outputs``; made by ``server/api/structured.py``). It carries the client's value
 itself (a schema, a regex, choices, a grammar's text) and the field it came from; the llguidance
 grammar is written from it once, by the generator (:meth:`OutputConstraint.grammar` alone, or
 with tools by ``server/tools/grammar.py``, which inlines :attr:`OutputConstraint.schema`)."""

@@ -35,7 +35,7 @@ def test_a_responses_body_becomes_the_typed_request_it_means():
     g = rr.generation
     assert (g.max_tokens, g.max_tokens_param, g.sampling.max_new_tokens, g.sampling.top_p) == \
         (9, "max_output_tokens", 9, 0.5)
-    assert g.grammar_param == "text.format.schema" and g.sampling.grammar is not None
+    assert g.constraint.param == "text.format.schema" and g.constraint.schema is not None
     assert [t.name for t in g.tools.tools] == ["f"] and g.tools.tools[0].path == "tools[0]"
     assert (g.tools.choice, g.tools.name, g.tools.parallel) == (NAMED, "f", False)
     assert g.tools.tools[0].parameters == {"type": "object"} and g.tools.tools[0].strict

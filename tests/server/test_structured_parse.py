@@ -1,4 +1,4 @@
-"""The structured-output parsers without a server (server/structured/parse.py): the Responses
+"""The structured-output parsers without a server (server/api/structured.py): the Responses
 API's ``text.format`` refused in its own terms (what its clients were sent when it was renamed
 from chat's ``response_format``), and a JSON constraint's grammar the one llguidance writes from
 the client's schema with the server's options."""
@@ -10,7 +10,7 @@ import llguidance
 import pytest
 
 from engine.errors import InvalidRequest
-from server.structured.parse import parse_structured, parse_text_format
+from server.api.structured import parse_structured, parse_text_format
 from server.structured.schema import EXACT, JSON_OPTIONS, closed_objects
 
 TEXT_FORMAT_REFUSED = [
