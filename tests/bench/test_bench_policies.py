@@ -1,11 +1,18 @@
 """The policy benchmark's own arithmetic and workload (bench/policies.py), and its measure of the
-physical limit on a short mix; the benchmark itself (``bench/run_bench.sh``) is run by hand."""
+physical limit on a short mix, and the benchmark itself (``bench/run_bench.sh``) end to end on a
+small workload."""
 from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from bench.policies import Sample, percentile, ratios, summarize, workload
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_workload_is_deterministic_for_a_seed_and_heavy_tailed():
@@ -51,6 +58,19 @@ def test_the_replayed_ceiling_generates_exactly_the_lists_tokens():
     r = measure_mix(default_model_path(), 2, requests, threads=1)
     assert r["generated"] == 5 + 1 + 9 + 3 and r["requests"] == 4
     assert 0 < r["busy_s"] <= r["seconds"] and r["tokens_per_s"] > 0
+
+
+def test_run_bench_end_to_end(tmp_path):
+    """``bench/run_bench.sh`` as a user runs it, on a workload small enough for the suite (four
+    requests, two at a time: some 20 s here): every policy answers every request, and the
+    ceiling it is set against was measured."""
+    out = tmp_path / "bench.json"
+    subprocess.run([str(ROOT / "bench" / "run_bench.sh"), "--requests", "4", "--concurrency", "2", "--slots", "2",
+                    "--json", str(out)], check=True, timeout=300, capture_output=True)
+    result = json.loads(out.read_text())
+    assert set(result["policies"]) == {"continuous", "static", "fifo"} and result["limit"]["gen_tok_per_s"] > 0
+    for p in result["policies"].values():
+        assert p["errors"] == 0 and p["req_per_s"] > 0
 
 
 def test_sustained_rates_count_only_the_busy_window():
