@@ -42,7 +42,7 @@ class PromptTooLong(InvalidRequest):
                    f"limit of "
                    f"{limit - 1} prompt tokens ({limit} tokens in all)")
         else:
-            msg = (f"prompt ({n_prompt} tokens) + max_tokens ({max_new_tokens}) = "
+            msg = (f"prompt ({n_prompt} tokens) + {param or 'max_tokens'} ({max_new_tokens}) = "
                    f"{n_prompt + max_new_tokens} tokens exceeds the per-sequence limit of {limit}")
         super().__init__(msg, param)
 

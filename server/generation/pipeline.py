@@ -120,7 +120,7 @@ class Generator:
         self._fits_at_all(texts, prompt_param, len(messages) * self.template.tokens_per_message,
                           fmt.prompt_chars(offered) if offered else 0)
         return self.template.encode(fmt.prompt_messages(messages, offered, json_answer),
-                                    tools=fmt.template_tools(offered), **render)
+                                    tools=fmt.template_tools(offered), param=prompt_param, **render)
 
     def _check_logit_bias(self, req: GenerationRequest) -> None:
         """Every token ``logit_bias`` names is in the vocabulary.

@@ -75,15 +75,17 @@ class ChatTemplate:
             return 0
 
     def encode(self, messages: list[dict], add_generation_prompt: bool = True,
-               continue_final_message: bool = False, tools: list[dict] | None = None) -> list[int]:
+               continue_final_message: bool = False, tools: list[dict] | None = None,
+               param: str = "messages") -> list[int]:
         """Prompt token ids for ``messages``: :meth:`render`'s pieces, the template's with
         special tokens parsed, the data's without.
 
         Raises:
-            InvalidRequest: the template refuses the messages (its ``raise_exception``).
+            InvalidRequest: naming ``param``, the request field the messages came from: the
+                template refuses them (its ``raise_exception``).
         """
         ids: list[int] = []
-        for k, part in enumerate(self.render(messages, add_generation_prompt, continue_final_message, tools)):
+        for k, part in enumerate(self.render(messages, add_generation_prompt, continue_final_message, tools, param)):
             if k % 2:
                 ids += self.tokenizer.encode(part, special=False)
             elif part:
@@ -91,7 +93,8 @@ class ChatTemplate:
         return ids
 
     def render(self, messages: list[dict], add_generation_prompt: bool = True,
-               continue_final_message: bool = False, tools: list[dict] | None = None) -> list[str]:
+               continue_final_message: bool = False, tools: list[dict] | None = None,
+               param: str = "messages") -> list[str]:
         """The prompt's text as ``[template text, datum, template text, ..., template text]``.
 
         Args:
@@ -104,7 +107,8 @@ class ChatTemplate:
                 a template that takes them; None: the variable is left undefined.
 
         Raises:
-            InvalidRequest: the template refuses the messages (its ``raise_exception``).
+            InvalidRequest: naming ``param``: the template refuses the messages (its
+                ``raise_exception``).
         """
         marks = _Marks(self.tokenizer.special_texts)
         marked = []
@@ -116,8 +120,11 @@ class ChatTemplate:
             entry.update((k, marks.data(m[k])) for k in ("name", "tool_calls", "tool_call_id") if k in m)
             marked.append(entry)
         extra = {"tools": marks.data(tools)} if tools else {}
-        rendered = self.template.render(messages=marked, add_generation_prompt=add_generation_prompt,
-                                        bos_token="", eos_token="", **extra)
+        try:
+            rendered = self.template.render(messages=marked, add_generation_prompt=add_generation_prompt,
+                                            bos_token="", eos_token="", **extra)
+        except TemplateRefusal as e:
+            raise InvalidRequest(str(e), param) from None
         parts = marks.split(rendered)
         return parts[:-1] if continue_final_message else parts  # drop what follows the final text
 
@@ -155,7 +162,11 @@ class _Marks:
         return parts
 
 
-def _raise(message: str):
+class TemplateRefusal(Exception):
     """The template's ``raise_exception``: it refuses these messages (roles out of order, a role
-    it has no rendering for), a client error (400), not a server one."""
-    raise InvalidRequest(message, "messages")
+    it has no rendering for), a client error (400) that :meth:`ChatTemplate.render` names by the
+    request field the messages came from."""
+
+
+def _raise(message: str):
+    raise TemplateRefusal(message)

@@ -18,7 +18,7 @@ import urllib.parse
 
 import pytest
 
-from tests.support.http import (CHAT, COMPLETIONS, Reply, content, equal_streamed, error, ok, post, request,
+from tests.support.http import (CHAT, COMPLETIONS, RESPONSES, Reply, content, equal_streamed, error, ok, post, request,
                                 stream_chunks, streamed_texts)
 from tests.support.prompts import EMOJI_PROMPT, GREETING_PROMPT, MULTIBYTE_PROMPTS
 
@@ -313,6 +313,12 @@ def test_12_prompt_plus_max_tokens_too_long(app, chat):
                     param="max_tokens", code="context_length_exceeded")
         assert str(n_prompt) in err["message"] and str(max_tokens) in err["message"], err
         assert str(LIMIT) in err["message"]
+    # The message names the field as each route's client sent it.
+    err = error(ask(app, text, max_completion_tokens=max_tokens), 400, param="max_completion_tokens")
+    assert f"max_completion_tokens ({max_tokens})" in err["message"], err
+    err = error(post(app, RESPONSES, {"input": text, "max_output_tokens": max_tokens + 8}), 400,
+                param="max_output_tokens", code="context_length_exceeded")
+    assert f"max_output_tokens ({max_tokens + 8})" in err["message"], err
     # One fewer fits exactly.
     full = ok(ask(app, text, max_tokens=max_tokens - 1, ignore_eos=True))
     assert full["usage"]["total_tokens"] == LIMIT

@@ -505,6 +505,9 @@ def test_template_refusing_role_orders_loads_and_refuses_with_400(tokenizer):
     with pytest.raises(RequestError) as refused:
         template.encode([{"role": "user", "content": "a"}, {"role": "user", "content": "b"}])
     assert http_error(refused.value)[0] == 400 and refused.value.param == "messages"
+    with pytest.raises(RequestError) as refused:  # named by the field the messages came from
+        template.encode([{"role": "user", "content": "a"}, {"role": "user", "content": "b"}], param="input")
+    assert refused.value.param == "input" and "alternate" in refused.value.message
 
 
 @fuzz(200)
