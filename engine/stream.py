@@ -97,6 +97,12 @@ class Stream:
             self.finish_reason = outcome.finish.name.lower()
         return tokens
 
+    @property
+    def missed_deadline(self) -> bool:
+        """Its deadline passed before its first token: the request is ``DEADLINE_EXCEEDED`` (a
+        choice with tokens answers with them, ``finish_reason: deadline``)."""
+        return self.finish_reason == "deadline" and self.n_generated == 0
+
     def __iter__(self) -> Iterator[Token]:
         """Tokens as they come; closes the stream at the end.
 
@@ -107,7 +113,7 @@ class Stream:
         try:
             for _, tokens in follow([self], self.watch_socket):
                 yield from tokens
-            if self.finish_reason == "deadline" and self.n_generated == 0:
+            if self.missed_deadline:
                 raise DeadlineExceeded("deadline passed before the first token")
         finally:
             self.close()

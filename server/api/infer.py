@@ -15,7 +15,7 @@ from engine.errors import InvalidRequest
 from engine.request import DEADLINE_MS_BOUNDS, SamplingParams
 from server.api.errors import PermissionDenied
 from server.api.fields import FieldPolicy, number, priority
-from server.generation.pipeline import Generation
+from server.generation.generation import Generation
 from server.generation.request import Choice, GenerationRequest
 from server.tenancy.tenants import Tenant, TenantRegistry
 

@@ -12,6 +12,7 @@ that went away) cancels its sequences, queued or running.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 import secrets
@@ -26,7 +27,8 @@ from server.api.errors import Unauthenticated
 from server.api.infer import infer_result
 from server.config import ServerConfig
 from server.errors import grpc_error
-from server.generation.pipeline import Generation, Generator
+from server.generation.generation import Generation
+from server.generation.pipeline import Generator
 from server.generation.request import Delta
 from server.grpc.convert import chat_request, infer_request
 from server.observability.telemetry import RequestRecord, Telemetry
@@ -154,7 +156,7 @@ class InferenceService(inference_pb2_grpc.InferenceServiceServicer):
     def _infer(self, request: pb.InferRequest, context, record: RequestRecord) -> tuple[str, Generation]:
         tenant = record.tenant = self._tenant(context)
         tenant_id, greq, messages = infer_request(request, tenant, self.tenants)
-        greq.deadline_ms = _call_deadline_ms(context, greq.deadline_ms)
+        greq = dataclasses.replace(greq, deadline_ms=_call_deadline_ms(context, greq.deadline_ms))
         gen = self.generator.chat(messages, greq, "payload", tenant=tenant)
         record.attach(gen, request.payload)
         _cancel_with_call(gen, context)
@@ -163,7 +165,7 @@ class InferenceService(inference_pb2_grpc.InferenceServiceServicer):
     def _chat(self, request: pb.ChatRequest, context, record: RequestRecord) -> tuple[str, Generation]:
         tenant = record.tenant = self._tenant(context)
         model, greq, messages, render = chat_request(request, self.config.model_ids, self.config.max_messages)
-        greq.deadline_ms = _call_deadline_ms(context, greq.deadline_ms)
+        greq = dataclasses.replace(greq, deadline_ms=_call_deadline_ms(context, greq.deadline_ms))
         gen = self.generator.chat(messages, greq, render=render, tenant=tenant)
         record.attach(gen, messages)
         _cancel_with_call(gen, context)
@@ -198,7 +200,7 @@ def _cancel_with_call(gen: Generation, context) -> None:
 def _check_deadline(gen: Generation) -> None:
     """A deadline that passed before any choice's first token is ``DEADLINE_EXCEEDED`` (with
     tokens, the answer is what was generated, ``finish_reason: deadline``, as over HTTP)."""
-    if any(s.finish_reason == "deadline" for s in gen.streams) and not any(s.n_generated for s in gen.streams):
+    if any(s.missed_deadline for s in gen.streams) and not any(s.n_generated for s in gen.streams):
         raise DeadlineExceeded("deadline passed before the first token")
 
 

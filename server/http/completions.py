@@ -13,7 +13,8 @@ from engine.errors import ClientDisconnected
 from server.api.requests import check_model, parse_generation, parse_messages, parse_prompt, render_options
 from server.config import ServerConfig
 from server.errors import http_error
-from server.generation.pipeline import Generation, Generator
+from server.generation.generation import Generation
+from server.generation.pipeline import Generator
 from server.generation.request import Choice, Delta, GenerationRequest, ToolCallDelta
 from server.http.body import read_json
 from server.http.json import dumps, sse, sse_headers

@@ -20,7 +20,8 @@ from engine.errors import ClientDisconnected, InvalidRequest
 from server.api.requests import check_model
 from server.config import ServerConfig
 from server.errors import http_error
-from server.generation.pipeline import Generation, Generator
+from server.generation.generation import Generation
+from server.generation.pipeline import Generator
 from server.http.body import read_json
 from server.http.json import dumps, obfuscated, sse_headers
 from server.responses.output import ResponseBuilder
