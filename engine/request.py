@@ -116,7 +116,7 @@ class SamplingParams:
         grammar: what the sequence may generate, as an llguidance grammar (its JSON form,
             ``{"grammars": [...]}``: Lark, JSON schema or regex; ``engine/llama/grammar.py``),
             or None: anything. Each sequence walks it on its own; when it is complete the
-            sequence stops. Checked by the front end (``engine.llama.grammar.check``).
+            sequence stops. Checked by the front end (``server.structured.check``).
     Raises:
         InvalidRequest: a value out of its bounds (the same bounds the HTTP parser checks).
     """

@@ -9,7 +9,6 @@
 * :mod:`engine.llama.sampler`: per-sequence sampler chains and the constraint slot;
 * :mod:`engine.llama.logprobs`: log-probabilities of generated and prompt tokens, many rows at once;
 * :mod:`engine.llama.grammar`: grammar constraints (llguidance) compiled over the vocabulary;
-* :mod:`engine.llama.grammar_checker`: the front end's grammar check, in a child process;
 * :mod:`engine.llama.tokenizer`: the front ends' tokenizer (the GGUF loaded ``vocab_only``): the
   engine sees token ids only, but every call into llama.cpp lives in this package.
 """
