@@ -4,8 +4,8 @@
 
 Order in ``continuous``: priority class (``high`` > ``normal`` > ``low``), then tenant fair
 share, then earliest deadline, then arrival: a deadline orders its own tenant's requests, never
-another tenant's (it ordered them before fair share, so a tenant that put a far deadline on
-every request starved the others of its class: a hostile helper's finding). Fair share follows
+another tenant's (ordered before fair share, a tenant that put a far deadline on every request
+would starve the others of its class). Fair share follows
 the Virtual Token Counter of Sheng et al., "Fairness in Serving Large Language Models" (OSDI
 2024): each tenant's counter grows by the tokens it is served divided by its weight, the tenant
 with the smallest counter goes first, and a tenant that becomes backlogged is lifted to the

@@ -261,7 +261,7 @@ return doc
 _DELETE = """
 local gone = redis.call('DEL', KEYS[1])
 local size = redis.call('HGET', KEYS[3], ARGV[1])
-if size then  -- a DECRBY of nothing made a total key with no expiry (a hostile helper's finding)
+if size then  -- a DECRBY of a missing total would create it with no expiry
   redis.call('DECRBY', KEYS[4], tonumber(size))
 end
 redis.call('ZREM', KEYS[2], ARGV[1])
