@@ -3,64 +3,46 @@ streams finish (or, past ``--drain-timeout``, end with an error event and ``[DON
 server exits 0 leaving nothing in /dev/shm. A real server, real streams."""
 from __future__ import annotations
 
-import http.client
 import json
 import os
 import signal
 import threading
 import time
-import urllib.error
-import urllib.request
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from tests.support.http import COMPLETIONS, get, open_stream, post
 from tests.support.servers import running_server
 
 
-def stream(port: int, max_tokens: int, out: list, started: threading.Event | None = None) -> None:
+def stream(server, max_tokens: int, out: list, started: threading.Event | None = None) -> None:
     """One streaming completion; appends ``(events, done)``: the parsed data events and whether
     ``[DONE]`` came last."""
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
-    conn.request("POST", "/v1/completions", json.dumps({"prompt": "Tell a story", "max_tokens": max_tokens,
-                                                        "ignore_eos": True, "stream": True}),
-                 {"Content-Type": "application/json"})
     events, done = [], False
-    for line in conn.getresponse():
-        if not line.startswith(b"data: "):
-            continue
-        if line.strip() == b"data: [DONE]":
-            done = True
-            break
-        events.append(json.loads(line[6:]))
-        if started is not None and len(events) == 1:
-            started.set()
-    conn.close()
+    with open_stream(server, COMPLETIONS, {"prompt": "Tell a story", "max_tokens": max_tokens, "ignore_eos": True,
+                                           "stream": True}) as response:
+        for line in response:
+            if not line.startswith(b"data: "):
+                continue
+            if line.strip() == b"data: [DONE]":
+                done = True
+                break
+            events.append(json.loads(line[6:]))
+            if started is not None and len(events) == 1:
+                started.set()
     out.append((events, done))
 
 
-def get(url: str) -> tuple[int, object, dict]:
-    try:
-        with urllib.request.urlopen(url, timeout=10) as r:
-            return r.status, r.headers, json.loads(r.read() or b"{}")
-    except urllib.error.HTTPError as e:
-        return e.code, e.headers, json.loads(e.read() or b"{}")
+def health(server, path: str = "/health") -> int:
+    return get(server, path, timeout=10).status
 
 
-def post(url: str, body: dict) -> tuple[int, object, dict]:
-    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=120) as r:
-            return r.status, r.headers, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, e.headers, json.loads(e.read())
-
-
-def start_streams(port: int, n: int, max_tokens: int) -> tuple[list, list[threading.Thread]]:
+def start_streams(server, n: int, max_tokens: int) -> tuple[list, list[threading.Thread]]:
     results, threads, started = [], [], []
     for _ in range(n):
         ev = threading.Event()
-        t = threading.Thread(target=stream, args=(port, max_tokens, results, ev))
+        t = threading.Thread(target=stream, args=(server, max_tokens, results, ev))
         t.start()
         threads.append(t)
         started.append(ev)
@@ -76,16 +58,16 @@ def leftovers(server) -> list[str]:
 def test_sigterm_drains_running_streams_to_their_end():
     with running_server("--max-slots", "8", "--max-seq-len", "256", "--threads", "16", "--drain-timeout", "120",
                         grpc=True) as server:
-        results, threads = start_streams(server.port, 8, 120)
+        results, threads = start_streams(server, 8, 120)
         server.proc.send_signal(signal.SIGTERM)
         t0 = time.monotonic()
-        while get(server.url + "/health/ready")[0] != 503:
+        while health(server, "/health/ready") != 503:
             assert time.monotonic() - t0 < 5
         readiness_s = time.monotonic() - t0
-        status, headers, body = post(server.url + "/v1/completions", {"prompt": "new", "max_tokens": 2})
-        assert status == 503 and body["error"]["code"] == "server_shutting_down" and headers["Retry-After"]
-        assert get(server.url + "/health")[0] == 503
-        assert get(server.url + "/health/live")[0] == 200
+        status, headers, body = post(server, COMPLETIONS, {"prompt": "new", "max_tokens": 2}).parsed()
+        assert status == 503 and body["error"]["code"] == "server_shutting_down" and headers["retry-after"]
+        assert health(server) == 503
+        assert health(server, "/health/live") == 200
         with grpc.insecure_channel(f"127.0.0.1:{server.grpc_port}") as channel:
             check = health_pb2_grpc.HealthStub(channel).Check
             deadline = time.monotonic() + 5
@@ -106,10 +88,10 @@ def test_sigterm_drains_running_streams_to_their_end():
 
 def test_drain_timeout_ends_what_still_runs_with_an_error_and_done():
     with running_server("--max-slots", "4", "--max-seq-len", "512", "--drain-timeout", "1") as server:
-        results, threads = start_streams(server.port, 3, 450)
+        results, threads = start_streams(server, 3, 450)
         plain: list = []
         waiter = threading.Thread(target=lambda: plain.append(
-            post(server.url + "/v1/completions", {"prompt": "Go", "max_tokens": 450, "ignore_eos": True})))
+            post(server, COMPLETIONS, {"prompt": "Go", "max_tokens": 450, "ignore_eos": True}).parsed()))
         waiter.start()
         time.sleep(0.5)
         server.proc.send_signal(signal.SIGTERM)
@@ -127,9 +109,9 @@ def test_drain_timeout_ends_what_still_runs_with_an_error_and_done():
 
 def test_a_second_sigterm_stops_now():
     with running_server("--max-slots", "2", "--max-seq-len", "512", "--drain-timeout", "600") as server:
-        results, threads = start_streams(server.port, 1, 480)
+        results, threads = start_streams(server, 1, 480)
         server.proc.send_signal(signal.SIGTERM)
-        while get(server.url + "/health/ready")[0] != 503:
+        while health(server, "/health/ready") != 503:
             time.sleep(0.01)
         assert server.proc.poll() is None  # draining: the stream still runs
         server.proc.send_signal(signal.SIGTERM)

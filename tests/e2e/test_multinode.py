@@ -9,14 +9,11 @@ without nginx (``.ci/run`` installs Debian's) or without a redis-server."""
 from __future__ import annotations
 
 import concurrent.futures
-import http.client
 import json
 import os
 import signal
 import threading
 import time
-import urllib.error
-import urllib.request
 
 import grpc
 import pytest
@@ -25,6 +22,7 @@ from engine.supervisor import pid_alive
 from proto import inference_pb2 as pb
 from proto import inference_pb2_grpc
 from shm.segment import remove_orphans
+from tests.support.http import CHAT, STREAM_CUT, chat_body, get, open_stream, post
 from tests.support.servers import needs_redis, redis_server, running_replicas
 from tests.support.nginx import AFFINITY, FAIL_TIMEOUT_S, LEAST_CONN, Nginx, needs_nginx
 from tests.support.tenants import write_tenants
@@ -47,7 +45,7 @@ def cluster(tmp_path_factory):
     with redis_server() as (url, _), \
             running_replicas(HOSTS, *FLAGS, "--tenants", tenants, "--redis-url", url, grpc=True) as replicas:
         # a first decode pays once for the memory it touches first: not in any test's figures
-        assert [post(r.port, "Hi", 2, "warm-up", host=r.host)[0] for r in replicas] == [200] * 3
+        assert [ask(r, "Hi", 2, "warm-up")[0] for r in replicas] == [200] * 3
         proxy = Nginx(replicas, LEAST_CONN, max_body_bytes=65536)
         try:
             yield proxy, replicas
@@ -56,34 +54,30 @@ def cluster(tmp_path_factory):
 
 
 class SSE:
-    """One streaming chat completion through ``port`` on 127.0.0.1, read in a thread; ``lines``
-    holds ``(seconds since the request, line)``, comments included."""
+    """One streaming chat completion through ``target`` (the proxy or a replica), read in a
+    thread; ``lines`` holds ``(seconds since the request, line)``, comments included."""
 
-    def __init__(self, port: int, content: str, max_tokens: int, tag: str = "-", host: str = "127.0.0.1"):
+    def __init__(self, target, content: str, max_tokens: int, tag: str = "-"):
         self.lines: list[tuple[float, bytes]] = []
         self.first_content = threading.Event()
-        body = {"messages": [{"role": "user", "content": content}], "max_tokens": max_tokens, "temperature": 0,
-                "ignore_eos": True, "stream": True}
-        self.thread = threading.Thread(target=self._read, args=(host, port, body, tag))
+        body = chat_body(content, max_tokens=max_tokens, temperature=0, ignore_eos=True, stream=True)
+        self.thread = threading.Thread(target=self._read, args=(target, body, tag))
         self.thread.start()
 
-    def _read(self, host, port, body, tag) -> None:
-        conn = http.client.HTTPConnection(host, port, timeout=120)
+    def _read(self, target, body, tag) -> None:
         t0 = time.perf_counter()
-        conn.request("POST", "/v1/chat/completions", json.dumps(body), headers(tag))
-        self.status = conn.getresponse()
-        try:
-            for line in self.status:
-                self.lines.append((time.perf_counter() - t0, line.rstrip(b"\n")))
-                if self.text():
-                    self.first_content.set()
-                if line.strip() == b"data: [DONE]":
-                    break
-        except (http.client.IncompleteRead, ConnectionError):
-            pass  # cut: finish() reports what came
-        finally:
-            conn.close()
-            self.first_content.set()
+        with open_stream(target, CHAT, body, headers=tagged(tag), key=KEY) as response:
+            try:
+                for line in response:
+                    self.lines.append((time.perf_counter() - t0, line.rstrip(b"\n")))
+                    if self.text():
+                        self.first_content.set()
+                    if line.strip() == b"data: [DONE]":
+                        break
+            except STREAM_CUT:
+                pass  # cut: finish() reports what came
+            finally:
+                self.first_content.set()
 
     @staticmethod
     def content(line: bytes) -> str:
@@ -112,29 +106,22 @@ class SSE:
         return self.chunks()
 
 
-def headers(tag: str, key: str = KEY) -> dict:
-    """A request's headers; ``tag`` (X-Conversation-ID, which the access log records) finds its
-    log entry."""
-    return {"Content-Type": "application/json", "Authorization": f"Bearer {key}", "X-Conversation-ID": tag}
+def tagged(tag: str) -> dict:
+    """A request's header ``tag`` (X-Conversation-ID, which the access log records): it finds
+    the request's log entry."""
+    return {"X-Conversation-ID": tag}
 
 
-def post(port: int, content: str, max_tokens: int, tag: str, key: str = KEY, host: str = "127.0.0.1"
-         ) -> tuple[int, dict]:
-    conn = http.client.HTTPConnection(host, port, timeout=120)
-    try:
-        conn.request("POST", "/v1/chat/completions",
-                     json.dumps({"messages": [{"role": "user", "content": content}], "max_tokens": max_tokens,
-                                 "temperature": 0}),
-                     headers(tag, key))
-        resp = conn.getresponse()
-        return resp.status, json.loads(resp.read())
-    finally:
-        conn.close()
+def ask(target, content: str, max_tokens: int, tag: str, key: str = KEY) -> tuple[int, dict, dict]:
+    """A greedy chat completion through ``target`` (the proxy or a replica), tagged ``tag``;
+    ``(status, headers, the JSON body)``."""
+    return post(target, CHAT, chat_body(content, max_tokens=max_tokens, temperature=0), headers=tagged(tag),
+                key=key).parsed()
 
 
 def streaming(proxy: Nginx, n: int, max_tokens: int) -> list[SSE]:
     """``n`` long streams through ``proxy``, each past its first token."""
-    streams = [SSE(proxy.port, f"Tell a long story, number {i}.", max_tokens) for i in range(n)]
+    streams = [SSE(proxy, f"Tell a long story, number {i}.", max_tokens) for i in range(n)]
     for s in streams:
         assert s.first_content.wait(60)
     return streams
@@ -147,14 +134,6 @@ def attempts(log: list[dict]) -> list[list[tuple[str, str]]]:
 
 def address(replica) -> str:
     return f"{replica.host}:{replica.port}"
-
-
-def _status(url: str) -> int:
-    try:
-        with urllib.request.urlopen(url, timeout=5) as r:
-            return r.status
-    except urllib.error.HTTPError as e:
-        return e.code
 
 
 def in_flight(replica) -> int:
@@ -175,7 +154,7 @@ def test_the_shipped_configuration_passes_nginx_t_and_with_no_replica_answers_50
     for balance in (LEAST_CONN, AFFINITY):
         proxy = Nginx([Absent] * 3, balance)  # raises with nginx's message if -t refuses it
         try:
-            status, body = post(proxy.port, "Hi", 1, "absent")
+            status, _, body = ask(proxy, "Hi", 1, "absent")
         finally:
             proxy.stop()
         # every replica refused: the replicas' own overload answer, not nginx's HTML 502
@@ -186,9 +165,9 @@ def test_streams_pass_through_unbuffered_with_their_keepalive_comments(cluster):
     proxy, replicas = cluster
     # The first token comes through while its sequence is still being decoded (a buffering
     # proxy would hold the events back), and the text equals the replica's own answer.
-    direct = SSE(replicas[0].port, "Tell a story about a fox.", 24, host=replicas[0].host)
+    direct = SSE(replicas[0], "Tell a story about a fox.", 24)
     direct.finish()
-    through = SSE(proxy.port, "Tell a story about a fox.", 24)
+    through = SSE(proxy, "Tell a story about a fox.", 24)
     assert through.first_content.wait(60)
     assert sum(in_flight(r) for r in replicas) == 1, "the first token came after the replica sent the end"
     through.finish()
@@ -198,7 +177,7 @@ def test_streams_pass_through_unbuffered_with_their_keepalive_comments(cluster):
     # Six long streams fill the six slots; a seventh waits in a queue, and its keep-alive
     # comments reach the client through the proxy before its first token.
     running = streaming(proxy, 6, 32)
-    queued = SSE(proxy.port, "Say hello.", 4)
+    queued = SSE(proxy, "Say hello.", 4)
     queued.finish()
     waited = [line for _, line in queued.lines[:queued.first_token()]]
     assert b": keep-alive" in waited, waited
@@ -209,7 +188,7 @@ def test_streams_pass_through_unbuffered_with_their_keepalive_comments(cluster):
 def test_48_concurrent_requests_reach_every_replica(cluster):
     proxy, replicas = cluster
     with concurrent.futures.ThreadPoolExecutor(48) as pool:
-        statuses = list(pool.map(lambda i: post(proxy.port, f"What is {i} plus {i}?", 1, f"many-{i}")[0], range(48)))
+        statuses = list(pool.map(lambda i: ask(proxy, f"What is {i} plus {i}?", 1, f"many-{i}")[0], range(48)))
     assert statuses == [200] * 48
     served = [r["upstreams"][-1] for r in proxy.logged("many-", 48)]
     assert set(served) == {address(r) for r in replicas}
@@ -218,7 +197,7 @@ def test_48_concurrent_requests_reach_every_replica(cluster):
 
 def test_one_tenants_quota_holds_across_the_three(cluster):
     proxy, replicas = cluster
-    statuses = [post(proxy.port, "Hi", 1, f"quota-{i}", key="metered-key")[0] for i in range(9)]
+    statuses = [ask(proxy, "Hi", 1, f"quota-{i}", key="metered-key")[0] for i in range(9)]
     # burst 6 in one Redis bucket; each replica alone would have let all 9 through
     assert statuses == [200] * 6 + [429] * 3
     log = proxy.logged("quota-", 9)
@@ -256,7 +235,7 @@ def test_a_replica_killed_under_load_ends_its_streams_with_an_error_and_fails_no
     started = []
     for i in range(6):  # new requests while the other streams run
         started.append(time.monotonic())
-        assert post(proxy.port, f"Quick question {i}?", 2, f"after-kill-{i}")[0] == 200
+        assert ask(proxy, f"Quick question {i}?", 2, f"after-kill-{i}")[0] == 200
     errors = []
     for s in streams:
         chunks = s.finish()  # every stream ends with [DONE]: the victim's too, after its error event
@@ -286,11 +265,11 @@ def test_a_replica_drained_with_sigterm_finishes_its_streams_and_refuses_nothing
     # Until its master has seen the signal a request it gets is served (not new to a drain):
     # the new ones are sent once it refuses.
     deadline = time.monotonic() + 5
-    while _status(drained.url + "/health/ready") != 503:
+    while get(drained, "/health/ready", timeout=5).status != 503:
         assert time.monotonic() < deadline
         time.sleep(0.01)
     for i in range(6):
-        assert post(proxy.port, f"Another question {i}?", 2, f"after-term-{i}")[0] == 200
+        assert ask(proxy, f"Another question {i}?", 2, f"after-term-{i}")[0] == 200
     for s in streams:  # the drained replica's included
         assert s.finish()[-1]["choices"][0]["finish_reason"] == "length"
     assert drained.proc.wait(60) == 0

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import filecmp
-import http.client
 import json
 import os
 import pathlib
@@ -24,6 +23,7 @@ from engine.client import EngineClient
 from proto import inference_pb2 as pb
 from proto import inference_pb2_grpc
 from tests.support.grpc_channel import SERVICE, health_status, open_channel, wait_serving
+from tests.support.http import CHAT, chat_body, get, post, stream_chunks
 from tests.support.servers import running_server, wait_steps
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -105,11 +105,9 @@ def test_unary_and_streaming_calls_agree(tenant_server):
     assert streamed[-1].usage.prompt_tokens == chat.usage.prompt_tokens > 0
 
     # The same answer as HTTP gives for the same body.
-    conn = http.client.HTTPConnection("127.0.0.1", tenant_server[0].port, timeout=60)
-    conn.request("POST", "/v1/chat/completions", json.dumps(
-        {"messages": [{"role": "user", "content": "Write a haiku about rain."}], "max_tokens": 20, "temperature": 0}),
-        {"Content-Type": "application/json", "Authorization": "Bearer alpha-key"})
-    assert json.loads(conn.getresponse().read())["choices"][0]["message"]["content"] == chat.choices[0].text
+    reply = post(tenant_server[0], CHAT, chat_body("Write a haiku about rain.", max_tokens=20, temperature=0),
+                 key="alpha-key", timeout=60)
+    assert reply.json()["choices"][0]["message"]["content"] == chat.choices[0].text
 
 
 @pytest.mark.parametrize("request_, metadata, code, param", [
@@ -294,13 +292,10 @@ def test_16_grpc_and_16_http_streams_together(tenant_server):
 
     def http_client(i):
         try:
-            conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=300)
-            conn.request("POST", "/v1/chat/completions", json.dumps(
-                {"messages": [{"role": "user", "content": f"Count to ten, try {i}."}], "max_tokens": 16,
-                 "temperature": 0, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}),
-                {"Content-Type": "application/json", "Authorization": "Bearer alpha-key"})
-            events = [json.loads(line[6:]) for line in conn.getresponse().read().decode().splitlines()
-                      if line.startswith("data: {")]
+            reply = post(server, CHAT, chat_body(f"Count to ten, try {i}.", max_tokens=16, temperature=0,
+                                                 ignore_eos=True, stream=True, stream_options={"include_usage": True}),
+                         key="alpha-key", timeout=300)
+            events = stream_chunks(reply.events(comments=True))
             pieces = sum(1 for ev in events for c in ev["choices"] if c["delta"].get("content"))
             results[("http", i)] = (pieces, events[-1]["usage"]["completion_tokens"])
         except Exception as e:  # noqa: BLE001 - reported below
@@ -445,8 +440,6 @@ def test_an_ipv6_host_serves_http_and_grpc_and_its_grpc_port_is_checked():
     """``--host ::1`` (or ``[::1]``, as a URL writes it): gunicorn and gRPC bind ``[::1]:port``
     (``ServerConfig.address``; ``::1:8080`` was a gunicorn error), and a used gRPC port on that
     address stops the start (the check did not resolve ``[::1]``, so it let it through)."""
-    import urllib.request
-
     from engine.config import ConfigError
     from server.config import ServerConfig
     from server.grpc.keeper import check_port
@@ -459,8 +452,7 @@ def test_an_ipv6_host_serves_http_and_grpc_and_its_grpc_port_is_checked():
             ServerConfig(host=host)
     with running_server("--max-slots", "1", "--max-seq-len", "128", "--workers", "1", grpc=True,
                         host="::1") as server:
-        with urllib.request.urlopen(server.url + "/health", timeout=10) as r:
-            assert r.status == 200
+        assert get(server, "/health", timeout=10).status == 200
         channel = open_channel(server.grpc_port, "::1")
         wait_serving(channel)
         channel.close()

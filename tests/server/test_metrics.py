@@ -11,8 +11,6 @@ import shutil
 import signal
 import subprocess
 import time
-import urllib.error
-import urllib.request
 
 import grpc
 import pytest
@@ -20,6 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from proto import inference_pb2 as pb
 from proto import inference_pb2_grpc
+from tests.support.http import CHAT, COMPLETIONS, chat_body, get, open_stream, post, stream_chunks
 from tests.support.servers import running_server
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -30,16 +29,17 @@ TENANTS = [{"id": "team-a", "api_keys": ["key-a"]}, {"id": "team-b", "api_keys":
            {"id": "limited", "api_keys": ["key-c"], "requests_per_second": {"rate": 0.001, "burst": 1}}]
 
 
-def scrape_text(url: str) -> str:
-    with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
-        assert r.status == 200 and r.headers["Content-Type"].startswith("text/plain")
-        return r.read().decode()
+def scrape_text(target) -> str:
+    """The /metrics text of ``target`` (a server, or the base URL of its ``--metrics-port``)."""
+    r = get(target, "/metrics", timeout=10)
+    assert r.status == 200 and r.headers["content-type"].startswith("text/plain")
+    return r.body.decode()
 
 
-def scrape(url: str) -> dict:
+def scrape(target) -> dict:
     """``{(sample name, frozenset(labels)): value}`` as prometheus-client's parser reads it."""
     return {(s.name, frozenset(s.labels.items())): s.value
-            for fam in text_string_to_metric_families(scrape_text(url)) for s in fam.samples}
+            for fam in text_string_to_metric_families(scrape_text(target)) for s in fam.samples}
 
 
 def total(samples: dict, name: str, **labels) -> float:
@@ -51,22 +51,8 @@ def delta(before: dict, after: dict, name: str, **labels) -> float:
     return total(after, name, **labels) - total(before, name, **labels)
 
 
-def post(url: str, path: str, body: dict, key: str | None = None, headers: dict | None = None):
-    hdrs = {"Content-Type": "application/json", **(headers or {})}
-    if key:
-        hdrs["Authorization"] = f"Bearer {key}"
-    req = urllib.request.Request(url + path, json.dumps(body).encode(), hdrs)
-    try:
-        with urllib.request.urlopen(req, timeout=60) as r:
-            return r.status, dict(r.headers), r.read()
-    except urllib.error.HTTPError as e:
-        return e.code, dict(e.headers), e.read()
-
-
-def sse_usage(raw: bytes) -> dict:
-    events = [json.loads(line[6:]) for line in raw.decode().splitlines()
-              if line.startswith("data: ") and line != "data: [DONE]"]
-    return next(e["usage"] for e in events if e.get("usage"))
+def sse_usage(reply) -> dict:
+    return next(e["usage"] for e in stream_chunks(reply.events()) if e.get("usage"))
 
 
 def infer_usage(chat, payload: str, out: dict) -> dict:
@@ -95,19 +81,17 @@ def test_counters_and_histograms_equal_what_was_served(metered, chat):
         usage[tenant][2] += u["completion_tokens"]
 
     for i in range(3):
-        status, _, body = post(url, "/v1/completions", {"prompt": f"Count {i}:", "max_tokens": 5}, "key-a")
+        status, _, body = post(url, COMPLETIONS, {"prompt": f"Count {i}:", "max_tokens": 5}, key="key-a").parsed()
         assert status == 200
-        add("team-a", json.loads(body)["usage"])
+        add("team-a", body["usage"])
     for _ in range(2):
-        status, _, raw = post(url, "/v1/chat/completions",
-                              {"messages": [{"role": "user", "content": "Name a color."}], "max_tokens": 6,
-                               "stream": True, "stream_options": {"include_usage": True}}, "key-a")
-        assert status == 200
-        add("team-a", sse_usage(raw))
+        reply = post(url, CHAT, chat_body("Name a color.", max_tokens=6, stream=True,
+                                          stream_options={"include_usage": True}), key="key-a")
+        assert reply.status == 200
+        add("team-a", sse_usage(reply))
     payload = "Say hi."
-    status, _, body = post(url, "/infer", {"payload": payload, "max_new_tokens": 4}, "key-b")
+    status, _, out = post(url, "/infer", {"payload": payload, "max_new_tokens": 4}, key="key-b").parsed()
     assert status == 200
-    out = json.loads(body)
     add("team-b", infer_usage(chat, payload, out))
     with grpc.insecure_channel(f"127.0.0.1:{metered.grpc_port}") as channel:
         stub = inference_pb2_grpc.InferenceServiceStub(channel)
@@ -116,12 +100,12 @@ def test_counters_and_histograms_equal_what_was_served(metered, chat):
         add("team-b", {"prompt_tokens": r.usage.prompt_tokens, "completion_tokens": r.usage.completion_tokens,
                        "prompt_tokens_details": {"cached_tokens": r.usage.cached_tokens}})
     served = 7  # every request above generated tokens
-    assert post(url, "/v1/completions", {"prompt": "x", "max_tokens": 2}, "key-c")[0] == 200
-    assert post(url, "/v1/completions", {"prompt": "x", "max_tokens": 2}, "key-c")[0] == 429
-    assert post(url, "/v1/completions", {"prompt": "x", "max_tokens": 2})[0] == 401
+    assert post(url, COMPLETIONS, {"prompt": "x", "max_tokens": 2}, key="key-c").status == 200
+    assert post(url, COMPLETIONS, {"prompt": "x", "max_tokens": 2}, key="key-c").status == 429
+    assert post(url, COMPLETIONS, {"prompt": "x", "max_tokens": 2}).status == 401
     story = "Write a long story about the sea. " * 8
-    status, _, body = post(url, "/infer", {"payload": story, "max_new_tokens": 200, "deadline_ms": 1}, "key-a")
-    out = json.loads(body)
+    status, _, out = post(url, "/infer", {"payload": story, "max_new_tokens": 200, "deadline_ms": 1},
+                          key="key-a").parsed()
     assert status == 200 and out["finish_reason"] == "deadline"
     add("team-a", infer_usage(chat, story, out))
     after = scrape(url)
@@ -160,61 +144,56 @@ def test_batch_histograms_count_every_decoded_token(metered):
     """Tokens per llama_decode add up to the prefill (prompt - cached) plus every token fed
     back (each generated token but the last) of the requests served."""
     metered.wait_idle()
-    before = scrape(metered.url)
+    before = scrape(metered)
     expected = 0
     for i in range(4):
-        status, _, body = post(metered.url, "/v1/completions",
-                               {"prompt": f"Fruit number {i} is", "max_tokens": 7, "ignore_eos": True}, "key-a")
-        u = json.loads(body)["usage"]
+        u = post(metered, COMPLETIONS, {"prompt": f"Fruit number {i} is", "max_tokens": 7, "ignore_eos": True},
+                 key="key-a").json()["usage"]
         expected += u["prompt_tokens"] - u["prompt_tokens_details"]["cached_tokens"] + u["completion_tokens"] - 1
     metered.wait_idle()
-    after = scrape(metered.url)
+    after = scrape(metered)
     assert delta(before, after, "inference_batch_tokens_sum") == expected
     assert delta(before, after, "inference_batch_size_sum") >= delta(before, after, "inference_batch_size_count")
 
 
 def test_gauges_read_the_engine_at_scrape_time(metered):
     metered.wait_idle()
-    samples = scrape(metered.url)
+    samples = scrape(metered)
     assert total(samples, "inference_engine_up") == 1
     assert total(samples, "inference_kv_slot_utilization") == 0 and total(samples, "inference_queue_depth") == 0
-    stream = urllib.request.urlopen(urllib.request.Request(
-        metered.url + "/v1/completions",
-        json.dumps({"prompt": "Once", "max_tokens": 400, "stream": True, "ignore_eos": True}).encode(),
-        {"Content-Type": "application/json", "Authorization": "Bearer key-a"}), timeout=60)
-    try:
+    with open_stream(metered, COMPLETIONS, {"prompt": "Once", "max_tokens": 400, "stream": True, "ignore_eos": True},
+                     key="key-a", timeout=60) as stream:
+        assert stream.status == 200
         stream.readline()
         # The first token can reach the client before the engine publishes the step's control
         # block (end of step): wait for that, do not race it.
         end = time.monotonic() + 10
-        while (utilization := total(scrape(metered.url), "inference_kv_slot_utilization")) != 0.25 \
+        while (utilization := total(scrape(metered), "inference_kv_slot_utilization")) != 0.25 \
                 and time.monotonic() < end:
             time.sleep(0.02)
         assert utilization == 0.25  # 1 of 4 slots
-    finally:
-        stream.close()
 
 
 def test_scrape_passes_promtool(metered):
     if shutil.which("promtool") is None:
         pytest.skip("promtool is not installed (.ci/run installs Debian's prometheus package)")
-    text = scrape_text(metered.url)
+    text = scrape_text(metered)
     check = subprocess.run(["promtool", "check", "metrics"], input=text, capture_output=True, text=True)
     assert check.returncode == 0, check.stdout + check.stderr
 
 
 def test_request_log_lines_carry_the_id_and_no_secrets(metered):
     secret = "The secret prompt text 4711"
-    status, headers, _ = post(metered.url, "/v1/chat/completions",
-                              {"messages": [{"role": "user", "content": secret}], "max_tokens": 3}, "key-a",
-                              {"X-Request-ID": "trace-abc-123"})
+    status, headers, _ = post(metered, CHAT, chat_body(secret, max_tokens=3), key="key-a",
+                              headers={"X-Request-ID": "trace-abc-123"})
     assert status == 200 and headers["x-request-id"] == "trace-abc-123"
-    status, headers, _ = post(metered.url, "/v1/completions", {"prompt": "x", "max_tokens": 1}, "key-a",
-                              {"X-Request-ID": "bad id with spaces"})
+    status, headers, _ = post(metered, COMPLETIONS, {"prompt": "x", "max_tokens": 1}, key="key-a",
+                              headers={"X-Request-ID": "bad id with spaces"})
     generated = headers["x-request-id"]
     assert status == 200 and re.fullmatch(r"[0-9a-f]{32}", generated)
-    with urllib.request.urlopen(metered.url + "/health") as r:
-        assert re.fullmatch(r"[0-9a-f]{32}", r.headers["X-Request-ID"])
+    health = get(metered, "/health")
+    assert health.status == 200
+    assert re.fullmatch(r"[0-9a-f]{32}", health.headers["x-request-id"])
     deadline = time.monotonic() + 10
     while True:
         lines = [json.loads(line) for line in open(metered.log) if line.startswith("{")]
@@ -244,11 +223,11 @@ def test_grpc_calls_get_a_request_id(metered):
 
 def test_killing_a_worker_neither_breaks_the_scrape_nor_double_counts(metered):
     for _ in range(4):  # both workers are likely to have served some
-        assert post(metered.url, "/v1/completions", {"prompt": "Hi", "max_tokens": 2}, "key-b")[0] == 200
+        assert post(metered, COMPLETIONS, {"prompt": "Hi", "max_tokens": 2}, key="key-b").status == 200
     # The engine records a step's batch size after publishing its tokens: a client can have its
     # answer a moment before. Idle (the slot table published after the last step), it has.
     metered.wait_idle()
-    before = scrape(metered.url)
+    before = scrape(metered)
     workers = metered.worker_pids()
     victim = workers[0]
     os.kill(victim, signal.SIGKILL)
@@ -256,7 +235,7 @@ def test_killing_a_worker_neither_breaks_the_scrape_nor_double_counts(metered):
     while victim in metered.worker_pids() or len(metered.worker_pids()) < len(workers):
         assert time.monotonic() < deadline
         time.sleep(0.1)
-    after = scrape(metered.url)
+    after = scrape(metered)
     metrics_dir = next(line.split()[-1] for line in open(metered.log) if "multiprocess directory" in line)
     left = set(os.listdir(metrics_dir))
     assert not {f"counter_{victim}.db", f"histogram_{victim}.db"} & left and "counter_retired.db" in left
@@ -264,24 +243,24 @@ def test_killing_a_worker_neither_breaks_the_scrape_nor_double_counts(metered):
                  "inference_prompt_tokens_total", "inference_time_to_first_token_seconds_count",
                  "inference_inter_token_latency_seconds_bucket", "inference_batch_size_count"):
         assert total(after, name) == total(before, name), name
-    assert post(metered.url, "/v1/completions", {"prompt": "Hi", "max_tokens": 2}, "key-b")[0] == 200
-    assert delta(after, scrape(metered.url), "inference_requests_total") == 1
+    assert post(metered, COMPLETIONS, {"prompt": "Hi", "max_tokens": 2}, key="key-b").status == 200
+    assert delta(after, scrape(metered), "inference_requests_total") == 1
 
 
 def test_engine_restart_is_counted_and_up_returns(metered):
-    before = scrape(metered.url)
+    before = scrape(metered)
     os.kill(metered.engine.t.control.engine_pid, signal.SIGKILL)
     deadline = time.monotonic() + 60
-    while urllib.request.urlopen(metered.url + "/health/live").status == 200:  # live throughout
-        try:
-            urllib.request.urlopen(metered.url + "/health/ready")
-        except urllib.error.HTTPError as e:
-            assert e.code == 503
+    while True:
+        assert get(metered, "/health/live").status == 200  # live throughout
+        ready = get(metered, "/health/ready").status
+        if ready != 200:
+            assert ready == 503
             break  # not ready while the engine restarts, yet alive
         assert time.monotonic() < deadline, "readiness never saw the engine down"
     deadline = time.monotonic() + 120
     while True:
-        samples = scrape(metered.url)
+        samples = scrape(metered)
         if delta(before, samples, "inference_engine_restarts_total") == 1 and total(samples, "inference_engine_up"):
             break
         assert time.monotonic() < deadline, "restart not counted"
@@ -296,8 +275,8 @@ def test_restart_over_old_files_starts_from_zero_and_metrics_port(tmp_path):
     env = {"PROMETHEUS_MULTIPROC_DIR": str(tmp_path)}
     with running_server("--max-slots", "2", "--max-seq-len", "256", "--workers", "1", env=env) as s:
         for _ in range(3):
-            assert post(s.url, "/v1/completions", {"prompt": "Hi", "max_tokens": 2})[0] == 200
-        assert total(scrape(s.url), "inference_requests_total") == 3
+            assert post(s, COMPLETIONS, {"prompt": "Hi", "max_tokens": 2}).status == 200
+        assert total(scrape(s), "inference_requests_total") == 3
     assert any(f.endswith(".db") for f in os.listdir(tmp_path))  # the operator's directory is kept
     from tests.support.servers import free_port
     port = free_port()
@@ -307,13 +286,9 @@ def test_restart_over_old_files_starts_from_zero_and_metrics_port(tmp_path):
         samples = scrape(metrics_url)
         assert total(samples, "inference_requests_total") == 0
         assert total(samples, "inference_batch_size_count") == 0 and total(samples, "inference_engine_up") == 1
-        with pytest.raises(urllib.error.HTTPError) as e:
-            urllib.request.urlopen(s.url + "/metrics")
-        assert e.value.code == 404
-        with pytest.raises(urllib.error.HTTPError) as e:
-            urllib.request.urlopen(metrics_url + "/health")
-        assert e.value.code == 404
-        assert post(s.url, "/v1/completions", {"prompt": "Logged prompt 99", "max_tokens": 2})[0] == 200
+        assert get(s, "/metrics").status == 404
+        assert get(metrics_url, "/health").status == 404
+        assert post(s, COMPLETIONS, {"prompt": "Logged prompt 99", "max_tokens": 2}).status == 200
         assert total(scrape(metrics_url), "inference_requests_total") == 1
         deadline = time.monotonic() + 10
         while not any('"prompt":"Logged prompt 99"' in line for line in open(s.log)):
@@ -331,8 +306,8 @@ def test_no_metrics_serves_no_metrics(app):
 
 
 def test_dashboard_queries_name_exported_metrics(metered):
-    assert post(metered.url, "/v1/completions", {"prompt": "Hi", "max_tokens": 2}, "key-a")[0] == 200
-    exported = {name for name, _ in scrape(metered.url)}
+    assert post(metered, COMPLETIONS, {"prompt": "Hi", "max_tokens": 2}, key="key-a").status == 200
+    exported = {name for name, _ in scrape(metered)}
     dashboard = json.loads((ROOT / "docker/grafana/dashboards/inference.json").read_text())
     panels = dashboard["panels"]
     titles = " ".join(p["title"].lower() for p in panels)

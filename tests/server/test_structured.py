@@ -12,16 +12,15 @@ import re
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import httpx
 import jsonschema
 import pytest
 
+from tests.support.http import CHAT, COMPLETIONS, chat_body, post, stream_chunks
 from tests.support.servers import running_server
 
 CORPUS = json.loads((Path(__file__).parent / "structured" / "schemas.json").read_text())
 MAX_TOKENS = 28
 N = 2  # n > 1: every choice constrained on its own; greedy choices must be one text
-CHAT, LEGACY = "/v1/chat/completions", "/v1/completions"
 FORMATS = jsonschema.Draft202012Validator.FORMAT_CHECKER
 
 
@@ -32,33 +31,26 @@ def srv():
         yield s
 
 
-def post(srv, path: str, body: dict) -> tuple[int, dict]:
-    """One request; a streamed one is reassembled into the non-streamed shape (text joined
-    per choice, the last finish_reason), after checking every event is JSON."""
-    with httpx.Client(timeout=300) as client:
-        if not body.get("stream"):
-            r = client.post(srv.url + path, json=body)
-            return r.status_code, r.json()
-        texts, reasons = {}, {}
-        with client.stream("POST", srv.url + path, json=body) as r:
-            if r.status_code != 200:
-                r.read()
-                return r.status_code, r.json()
-            for line in r.iter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                event = json.loads(line[6:])
-                assert "error" not in event, event
-                for c in event["choices"]:
-                    piece = c["delta"].get("content") if path == CHAT else c["text"]
-                    texts[c["index"]] = texts.get(c["index"], "") + (piece or "")
-                    if c["finish_reason"]:
-                        reasons[c["index"]] = c["finish_reason"]
-        key = "message" if path == CHAT else "text"
-        choices = [{"index": i, "finish_reason": reasons.get(i),
-                    key: {"content": texts.get(i, ""), "refusal": None} if path == CHAT else texts.get(i, "")}
-                   for i in range(body.get("n", 1))]
-        return 200, {"choices": choices}
+def answer(srv, path: str, body: dict) -> tuple[int, dict]:
+    """One request (:func:`tests.support.http.post`); a streamed one is reassembled into the
+    non-streamed shape (text joined per choice, the last finish_reason), after checking every
+    event is JSON, none is an error and the stream ends with one ``[DONE]``. (A stream that
+    waits in the queue gets keep-alive comments: skipped.)"""
+    r = post(srv, path, body, timeout=300)
+    if not body.get("stream") or r.status != 200:
+        return r.status, r.json()
+    texts, reasons = {}, {}
+    for event in stream_chunks(r.events(comments=True)):
+        for c in event["choices"]:
+            piece = c["delta"].get("content") if path == CHAT else c["text"]
+            texts[c["index"]] = texts.get(c["index"], "") + (piece or "")
+            if c["finish_reason"]:
+                reasons[c["index"]] = c["finish_reason"]
+    key = "message" if path == CHAT else "text"
+    choices = [{"index": i, "finish_reason": reasons.get(i),
+                key: {"content": texts.get(i, ""), "refusal": None} if path == CHAT else texts.get(i, "")}
+               for i in range(body.get("n", 1))]
+    return 200, {"choices": choices}
 
 
 def texts(path: str, reply: dict) -> list[tuple[str, str]]:
@@ -77,7 +69,7 @@ def run_all(srv, jobs: list[tuple[str, dict]]) -> list[list[tuple[str, str]]]:
     """Every ``(path, body)`` at once (20 threads: with n = 2, 40 sequences, more than the
     server's 32 slots, so some wait in its queue), each 200; their choices' ``(text, finish_reason)``."""
     def one(job):
-        status, reply = post(srv, *job)
+        status, reply = answer(srv, *job)
         assert status == 200, (job, reply)
         return texts(job[0], reply)
     with ThreadPoolExecutor(20) as pool:
@@ -92,10 +84,6 @@ def variants(body: dict, k: int) -> list[dict]:
     combos = [[(0, False)], [(1, True)], [(0, True)], [(1, False)]][k % 4]
     combos += [(0, not combos[0][1])] if k % 8 == 0 else []
     return [{**body, "temperature": t, "stream": s, "n": N, "max_tokens": MAX_TOKENS, "seed": 7} for t, s in combos]
-
-
-def chat_body(text: str, **fields) -> dict:
-    return {"messages": [{"role": "user", "content": text}], **fields}
 
 
 def check_endings(outputs: list[list[tuple[str, str]]], valid) -> float:
@@ -157,7 +145,7 @@ def test_json_object_regex_and_choice_on_both_routes(srv):
     ]
     jobs, checks, of_case = [], [], []
     for k, (fields, valid) in enumerate(cases):
-        for path, base in ((CHAT, chat_body("Answer.", **fields)), (LEGACY, {"prompt": "Answer:", **fields})):
+        for path, base in ((CHAT, chat_body("Answer.", **fields)), (COMPLETIONS, {"prompt": "Answer:", **fields})):
             for body in variants(base, k):
                 jobs.append((path, body))
                 checks.append(valid)
@@ -243,7 +231,7 @@ def test_an_object_that_names_its_keys_takes_no_others(srv):
             "required": ["pt"], "type": "object"}
     body = chat_body("Make up an example.", max_tokens=100, temperature=0,
                      response_format={"type": "json_schema", "json_schema": {"name": "WithTuple", "schema": pair}})
-    status, reply = post(srv, CHAT, body)
+    status, reply = answer(srv, CHAT, body)
     assert status == 200, reply
     choice = reply["choices"][0]
     assert choice["finish_reason"] == "stop" and set(json.loads(choice["message"]["content"])) == {"pt"}, choice

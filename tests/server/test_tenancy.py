@@ -10,7 +10,6 @@ against a request hanging on a dead Redis.
 from __future__ import annotations
 
 import contextlib
-import http.client
 import json
 import os
 import signal
@@ -28,6 +27,7 @@ from server.errors import http_error
 from server.tenancy.ratelimit import RateLimiter
 from server.tenancy.tenants import Rate, Tenant, Tenants
 from shm import Layout, Transport
+from tests.support.http import open_stream, post
 from tests.support.servers import AppServer, free_port, inproc_engine, needs_redis, redis_server, running_server
 from tests.support.tenants import write_tenants
 
@@ -48,28 +48,6 @@ def buckets():
     t = Transport.create(Layout(1, 1, 8, 4))
     yield t.buckets
     t.close()
-
-
-def call(server, path: str, body: dict, key: str | None = None, header: str = "Authorization",
-         timeout: float = 120):
-    """POST JSON to a real server or an in-process app; ``(status, headers, parsed body)``.
-
-    Raises TimeoutError when a real server has not answered within ``timeout`` seconds."""
-    headers = {"Content-Type": "application/json"}
-    if key is not None:
-        headers[header] = f"Bearer {key}" if header == "Authorization" else key
-    data = json.dumps(body).encode()
-    if isinstance(server, AppServer):
-        status, hdrs, raw = server.request("POST", path, data, headers)
-    else:
-        conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=timeout)
-        try:
-            conn.request("POST", path, data, headers)
-            r = conn.getresponse()
-            status, hdrs, raw = r.status, {k.lower(): v for k, v in r.getheaders()}, r.read()
-        finally:
-            conn.close()
-    return status, hdrs, json.loads(raw)
 
 
 def hi(max_tokens: int = 1, **extra) -> dict:
@@ -242,21 +220,21 @@ def tenant_app(tmp_path_factory, model_path, tokenizer, chat):
 def test_keys_bearer_and_x_tenant_id(tenant_app):
     body = hi(2)
     for key, header in [(None, "Authorization"), ("nope", "Authorization"), ("nope", "X-Tenant-ID")]:
-        status, headers, err = call(tenant_app, COMPLETIONS, body, key, header)
+        status, headers, err = post(tenant_app, COMPLETIONS, body, key=key, key_header=header).parsed()
         assert status == 401 and err["error"]["code"] == "invalid_api_key", err
         assert "nope" not in json.dumps(err) and headers.get("www-authenticate") == "Bearer"
-    assert call(tenant_app, COMPLETIONS, body, "gold-key-2")[0] == 200
-    assert call(tenant_app, COMPLETIONS, body, "gold-key-1", "X-Tenant-ID")[0] == 200
+    assert post(tenant_app, COMPLETIONS, body, key="gold-key-2").parsed()[0] == 200
+    assert post(tenant_app, COMPLETIONS, body, key="gold-key-1", key_header="X-Tenant-ID").parsed()[0] == 200
     assert tenant_app.request("GET", "/v1/models")[0] == 401
     assert tenant_app.request("GET", "/health")[0] == 200
     tenant_app.wait_idle()
 
 
 def test_infer_tenant_id_must_be_the_keys(tenant_app):
-    status, _, err = call(tenant_app, "/infer", {"payload": "Hi", "tenant_id": "gold", "max_new_tokens": 2},
-                          "bronze-key-1")
+    status, _, err = post(tenant_app, "/infer", {"payload": "Hi", "tenant_id": "gold", "max_new_tokens": 2},
+                          key="bronze-key-1").parsed()
     assert status == 403 and err["error"]["param"] == "tenant_id" and "bronze-key-1" not in json.dumps(err)
-    status, _, ok = call(tenant_app, "/infer", {"payload": "Hi", "max_new_tokens": 2}, "bronze-key-1")
+    status, _, ok = post(tenant_app, "/infer", {"payload": "Hi", "max_new_tokens": 2}, key="bronze-key-1").parsed()
     assert status == 200 and ok["tenant_id"] == "bronze"
     tenant_app.wait_idle()
 
@@ -267,8 +245,8 @@ def test_priority_is_capped_at_the_tenants(tenant_app):
     results = {}
 
     def infer(name, key, priority, n):
-        results[name] = call(tenant_app, "/infer", {"payload": "Hi", "priority": priority,
-                                                    "max_new_tokens": n}, key)
+        results[name] = post(tenant_app, "/infer", {"payload": "Hi", "priority": priority,
+                                                    "max_new_tokens": n}, key=key).parsed()
 
     blocker = threading.Thread(target=infer, args=("blocker", "gold-key-1", "high", 30))
     blocker.start()
@@ -290,14 +268,14 @@ def test_low_tenant_completes_while_high_tenants_keep_the_slot_busy(tenant_app):
 
     def flood():
         while not stop.is_set():
-            call(tenant_app, COMPLETIONS, hi(6, ignore_eos=True), "gold-key-1")
+            post(tenant_app, COMPLETIONS, hi(6, ignore_eos=True), key="gold-key-1").parsed()
             high_done.append(time.monotonic())
 
     flooders = [threading.Thread(target=flood) for _ in range(3)]
     for f in flooders:
         f.start()
     wait_until(lambda: len(high_done) >= 3)
-    status, _, body = call(tenant_app, "/infer", {"payload": "Hi", "max_new_tokens": 3}, "bronze-key-1")
+    status, _, body = post(tenant_app, "/infer", {"payload": "Hi", "max_new_tokens": 3}, key="bronze-key-1").parsed()
     low_done = time.monotonic()
     wait_until(lambda: sum(t > low_done for t in high_done) >= 2)  # the flood was still going
     stop.set()
@@ -308,19 +286,19 @@ def test_low_tenant_completes_while_high_tenants_keep_the_slot_busy(tenant_app):
 
 
 def test_max_concurrent_is_per_tenant(tenant_app):
-    status, _, err = call(tenant_app, COMPLETIONS, hi(2, n=2), "single-key")  # could never run
+    status, _, err = post(tenant_app, COMPLETIONS, hi(2, n=2), key="single-key").parsed()  # could never run
     assert status == 400 and err["error"]["param"] == "n", err
     results = []
     first = threading.Thread(target=lambda: results.append(
-        call(tenant_app, COMPLETIONS, hi(40, ignore_eos=True), "single-key")))
+        post(tenant_app, COMPLETIONS, hi(40, ignore_eos=True), key="single-key").parsed()))
     first.start()
     wait_until(lambda: tenant_app.engine.mailboxes_in_use() == 1)
-    status, headers, err = call(tenant_app, COMPLETIONS, hi(2), "single-key")
+    status, headers, err = post(tenant_app, COMPLETIONS, hi(2), key="single-key").parsed()
     assert status == 429 and err["error"]["code"] == "concurrency_limit_exceeded" and headers["retry-after"] == "1"
-    assert call(tenant_app, COMPLETIONS, hi(2), "gold-key-1")[0] == 200  # another tenant is not limited
+    assert post(tenant_app, COMPLETIONS, hi(2), key="gold-key-1").parsed()[0] == 200  # another tenant is not limited
     first.join(60)
     assert results[0][0] == 200
-    assert call(tenant_app, COMPLETIONS, hi(2), "single-key")[0] == 200
+    assert post(tenant_app, COMPLETIONS, hi(2), key="single-key").parsed()[0] == 200
     tenant_app.wait_idle()
 
 
@@ -333,7 +311,7 @@ def test_token_rate_holds_with_max_tokens_far_above_it(tenant_app):
     end = time.monotonic() + 10
     while time.monotonic() < end:
         sent = time.monotonic()
-        status, headers, body = call(tenant_app, COMPLETIONS, hi(36, ignore_eos=True), "metered-key")
+        status, headers, body = post(tenant_app, COMPLETIONS, hi(36, ignore_eos=True), key="metered-key").parsed()
         if status == 429:
             time.sleep(int(headers["retry-after-ms"]) / 1000)
             continue
@@ -372,7 +350,7 @@ def test_two_servers_share_one_redis_bucket(tmp_path):
 
         def hammer(server):
             while time.monotonic() < end:
-                status = call(server, COMPLETIONS, hi(1), "key-a")[0]
+                status = post(server, COMPLETIONS, hi(1), key="key-a").parsed()[0]
                 codes.append(status)
                 if status == 200:
                     ok[0] += 1
@@ -406,7 +384,7 @@ def test_redis_outage_under_load_fails_open_and_recovers(tmp_path, outage):
             ok = 0
             while time.monotonic() < end:
                 t0 = time.monotonic()
-                status = call(server, COMPLETIONS, hi(1), "key-a")[0]
+                status = post(server, COMPLETIONS, hi(1), key="key-a").parsed()[0]
                 latencies.append(time.monotonic() - t0)
                 codes.append(status)
                 ok += status == 200
@@ -437,7 +415,7 @@ def test_redis_outage_under_load_fails_open_and_recovers(tmp_path, outage):
             wait_until(lambda: "Redis answers again" in open(server.log).read(), timeout=5.0)
             r = redis.Redis(port=port)
             r.delete("ratelimit:{a}:requests")
-            call(server, COMPLETIONS, hi(1), "key-a")
+            post(server, COMPLETIONS, hi(1), key="key-a").parsed()
             assert r.exists("ratelimit:{a}:requests")  # the request went through Redis again
             print(f"limits shared again {time.monotonic() - back:.2f} s after Redis came back")
 
@@ -446,37 +424,33 @@ def test_sighup_reloads_keys_without_dropping_streams(tmp_path):
     path = tmp_path / "t.json"
     write_tenants(path, [{"id": "a", "api_keys": ["old-key"]}])
     with running_server("--tenants", str(path), "--workers", "2", "--threads", "4", "--max-seq-len", "256") as server:
-        conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=120)
-        conn.request("POST", COMPLETIONS, json.dumps(hi(120, ignore_eos=True, stream=True)),
-                     {"Content-Type": "application/json", "Authorization": "Bearer old-key"})
-        stream = conn.getresponse()
-        assert stream.status == 200
-        stream.readline()
-        write_tenants(path, [{"id": "a", "api_keys": ["new-key"]}])
-        server.proc.send_signal(signal.SIGHUP)
-        wait_until(lambda: open(server.log).read().count("tenant file reloaded") >= 2)  # both workers
-        for _ in range(4):
-            assert call(server, COMPLETIONS, hi(1), "new-key")[0] == 200
-            assert call(server, COMPLETIONS, hi(1), "old-key")[0] == 401
-        rest = stream.read().decode()
-        conn.close()
+        with open_stream(server, COMPLETIONS, hi(120, ignore_eos=True, stream=True), key="old-key") as stream:
+            assert stream.status == 200
+            stream.readline()
+            write_tenants(path, [{"id": "a", "api_keys": ["new-key"]}])
+            server.proc.send_signal(signal.SIGHUP)
+            wait_until(lambda: open(server.log).read().count("tenant file reloaded") >= 2)  # both workers
+            for _ in range(4):
+                assert post(server, COMPLETIONS, hi(1), key="new-key").parsed()[0] == 200
+                assert post(server, COMPLETIONS, hi(1), key="old-key").parsed()[0] == 401
+            rest = stream.read().decode()
         assert rest.rstrip().endswith("data: [DONE]") and '"finish_reason":"length"' in rest
         path.write_text("{not json")  # a bad file on reload keeps the old one ...
         server.proc.send_signal(signal.SIGHUP)
         wait_until(lambda: "not reloaded" in open(server.log).read())
-        assert call(server, COMPLETIONS, hi(1), "new-key")[0] == 200
+        assert post(server, COMPLETIONS, hi(1), key="new-key").parsed()[0] == 200
         worker = next(p for p in server.worker_pids())  # ... even in a worker started after it
         os.kill(worker, signal.SIGKILL)
         wait_until(lambda: worker not in server.worker_pids() and len(server.worker_pids()) == 2)
         for _ in range(4):
-            assert call(server, COMPLETIONS, hi(1), "new-key")[0] == 200
+            assert post(server, COMPLETIONS, hi(1), key="new-key").parsed()[0] == 200
         # A HUP that reaches a worker still booting is carried out once it has booted.
         write_tenants(path, [{"id": "a", "api_keys": ["newest-key"]}])
         worker = server.worker_pids()[0]
         os.kill(worker, signal.SIGKILL)
         wait_until(lambda: len(set(server.worker_pids()) - {worker}) == 2)
         server.proc.send_signal(signal.SIGHUP)
-        wait_until(lambda: all(call(server, COMPLETIONS, hi(1), "newest-key")[0] == 200 for _ in range(4)))
+        wait_until(lambda: all(post(server, COMPLETIONS, hi(1), key="newest-key").parsed()[0] == 200 for _ in range(4)))
         log = open(server.log).read()
         assert "was sent SIGHUP" not in log
         assert "old-key" not in log and "new-key" not in log
@@ -493,8 +467,8 @@ def generated_share(server, keys: dict[str, str], clients: dict[str, int], secon
     def client(name):
         while time.monotonic() < end:
             try:
-                status, _, body = call(server, COMPLETIONS, hi(16, ignore_eos=True), keys[name],
-                                       timeout=max(0.1, end - time.monotonic() + 0.5))
+                status, _, body = post(server, COMPLETIONS, hi(16, ignore_eos=True), key=keys[name],
+                                       timeout=max(0.1, end - time.monotonic() + 0.5)).parsed()
             except TimeoutError:
                 return
             if status == 200 and time.monotonic() < end:

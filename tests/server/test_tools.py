@@ -18,6 +18,7 @@ from server.text.chat_template import ChatTemplate
 from server.tools import formats
 from server.tools.parser import ToolCallParser
 from server.tools.spec import NAMED, Tool
+from tests.support.http import chat_body
 
 TEMPLATES = pathlib.Path(__file__).parent / "templates"
 
@@ -218,10 +219,6 @@ def test_one_call_when_parallel_calls_are_off():
 
 
 # -- the request's fields ---------------------------------------------------------------------------
-def chat_body(**fields) -> dict:
-    return {"messages": [{"role": "user", "content": "hi"}], **fields}
-
-
 @pytest.mark.parametrize("fields,param", [
     ({"tools": {}}, "tools"),
     ({"tools": [{"type": "custom", "custom": {"name": "x"}}]}, "tools[0].type"),

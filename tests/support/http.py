@@ -6,10 +6,11 @@ stream's framing, a stream's text against the same request not streamed).
 A support module, not a test module."""
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import urllib.parse
-from typing import NamedTuple
+from typing import Iterator, NamedTuple
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
@@ -33,30 +34,50 @@ class Reply(NamedTuple):
         """``(status, headers, the JSON body)``, for a test that unpacks the three."""
         return self.status, self.headers, self.json()
 
-    def events(self) -> list:
-        """The SSE stream as its ``data:`` payloads, parsed; ``"[DONE]"`` stays a string."""
+    def events(self, comments: bool = False) -> list:
+        """The SSE stream as its ``data:`` payloads, parsed; ``"[DONE]"`` stays a string;
+        ``comments`` as :func:`parse_sse`'s."""
         assert self.headers.get("content-type", "").startswith("text/event-stream"), self.headers
-        return parse_sse(self.body)
+        return parse_sse(self.body, comments)
 
 
-def request(target, method: str, path: str, body=None, headers: dict | None = None, *, key: str | None = None,
-            timeout: float = 120.0) -> Reply:
-    """One request to ``target``: the in-process app (an object with ``client``, as ``AppServer``),
-    a real server (an object with ``url``, as ``RunningServer`` or ``Nginx``) or a base URL
-    (``http://host:port``). ``body``: bytes as they are, None for none, anything else as JSON
-    (with ``Content-Type: application/json`` unless ``headers`` name one); ``key``: sent as
-    ``Authorization: Bearer <key>``. ``timeout`` in seconds, per socket operation."""
+#: What reading a stream raises when the server (or a proxy before it) cut it: see
+#: :func:`open_stream`.
+STREAM_CUT = (http.client.IncompleteRead, ConnectionError)
+
+
+def _prepared(body, headers: dict | None, key: str | None, key_header: str) -> tuple[bytes | None, dict]:
+    """``body`` as bytes and the headers to send: a non-bytes body as JSON (with ``Content-Type:
+    application/json`` unless ``headers`` name one); ``key`` in ``key_header``."""
     headers = dict(headers or {})
     if body is not None and not isinstance(body, bytes):
         body = json.dumps(body).encode("utf-8")
         if not any(name.lower() == "content-type" for name in headers):
             headers["Content-Type"] = "application/json"
-    if key:
-        headers["Authorization"] = f"Bearer {key}"
+    if key is not None:
+        headers[key_header] = f"Bearer {key}" if key_header.lower() == "authorization" else key
+    return body, headers
+
+
+def _connection(target, timeout: float) -> http.client.HTTPConnection:
+    u = urllib.parse.urlsplit(target if isinstance(target, str) else target.url)
+    return http.client.HTTPConnection(u.hostname, u.port, timeout=timeout)
+
+
+def request(target, method: str, path: str, body=None, headers: dict | None = None, *, key: str | None = None,
+            key_header: str = "Authorization", timeout: float = 120.0) -> Reply:
+    """One request to ``target``: the in-process app (an object with ``client``, as ``AppServer``),
+    a real server (an object with ``url``, as ``RunningServer`` or ``Nginx``) or a base URL
+    (``http://host:port``, any host: a replica on 127.0.0.2 is ``replica.url`` or
+    ``f"http://127.0.0.2:{port}"``). ``body``: bytes as they are, None for none, anything else as
+    JSON (with ``Content-Type: application/json`` unless ``headers`` name one); ``key``: sent as
+    ``Authorization: Bearer <key>``, or, with ``key_header`` another header (``X-Tenant-ID``), as
+    that header's whole value. ``timeout`` in seconds, per socket operation (a real server that
+    has not answered within it raises :class:`TimeoutError`)."""
+    body, headers = _prepared(body, headers, key, key_header)
     if hasattr(target, "client"):
         return Reply(*target.request(method, path, body, headers))
-    u = urllib.parse.urlsplit(target if isinstance(target, str) else target.url)
-    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=timeout)
+    conn = _connection(target, timeout)
     try:
         conn.request(method, path, body, headers)
         r = conn.getresponse()
@@ -67,18 +88,39 @@ def request(target, method: str, path: str, body=None, headers: dict | None = No
 
 
 def post(target, path: str, body, content_type: str | None = "application/json", *, headers: dict | None = None,
-         key: str | None = None, timeout: float = 120.0) -> Reply:
+         key: str | None = None, key_header: str = "Authorization", timeout: float = 120.0) -> Reply:
     """POST ``body`` (a dict/list/... is sent as JSON; bytes as they are) with ``content_type``
-    (None: no Content-Type header) and ``headers``; ``target``, ``key`` and ``timeout`` as
-    :func:`request`'s."""
+    (None: no Content-Type header) and ``headers``; ``target``, ``key``, ``key_header`` and
+    ``timeout`` as :func:`request`'s."""
     data = body if isinstance(body, bytes) else json.dumps(body).encode("utf-8")
     return request(target, "POST", path, data, {**({"Content-Type": content_type} if content_type else {}),
-                                                **(headers or {})}, key=key, timeout=timeout)
+                                                **(headers or {})}, key=key, key_header=key_header, timeout=timeout)
 
 
-def get(target, path: str, *, key: str | None = None, timeout: float = 30.0) -> Reply:
-    """GET ``path``; as :func:`request`."""
-    return request(target, "GET", path, key=key, timeout=timeout)
+def get(target, path: str, *, headers: dict | None = None, key: str | None = None, key_header: str = "Authorization",
+        timeout: float = 30.0) -> Reply:
+    """GET ``path``; as :func:`request`. An error status is a :class:`Reply` like any other."""
+    return request(target, "GET", path, None, headers, key=key, key_header=key_header, timeout=timeout)
+
+
+@contextlib.contextmanager
+def open_stream(target, path: str, body, *, headers: dict | None = None, key: str | None = None,
+                key_header: str = "Authorization", timeout: float = 120.0
+                ) -> Iterator[http.client.HTTPResponse]:
+    """POST ``body`` to a real server (``target`` as :func:`request`'s, not the in-process app)
+    and yield the response as soon as its head came, its body unread: for a test that reads a
+    stream while it comes (``readline()``, or iterating its lines, ``b"\\n"`` kept), holds it open
+    while it does something else, or times its lines. ``status`` and ``getheader()`` as
+    ``http.client``'s. Reading a stream that was cut raises one of :data:`STREAM_CUT`. The
+    connection is closed on leaving. ``body``, ``headers``, ``key``, ``key_header`` and
+    ``timeout`` as :func:`request`'s."""
+    body, headers = _prepared(body, headers, key, key_header)
+    conn = _connection(target, timeout)
+    try:
+        conn.request("POST", path, body, headers)
+        yield conn.getresponse()
+    finally:
+        conn.close()
 
 
 def chat_body(content: str = "hi", **fields) -> dict:
@@ -86,13 +128,17 @@ def chat_body(content: str = "hi", **fields) -> dict:
     return {"messages": [{"role": "user", "content": content}], **fields}
 
 
-def parse_sse(raw: bytes) -> list:
+def parse_sse(raw: bytes, comments: bool = False) -> list:
     """``data:`` payloads of an SSE body. Every line must be strict UTF-8 and every payload JSON,
-    except a final ``[DONE]``; events are separated by one blank line."""
+    except a final ``[DONE]``; events are separated by one blank line. With ``comments``, an
+    event that is one comment line (``: keep-alive``, which a stream that waits in the queue
+    gets every ``--sse-keepalive-s``) is skipped; without, it fails."""
     assert raw.endswith(b"\n\n"), raw[-200:]
     out = []
     for event in raw[:-2].split(b"\n\n"):
         lines = event.split(b"\n")
+        if comments and len(lines) == 1 and lines[0].startswith(b":"):
+            continue
         assert len(lines) == 1 and lines[0].startswith(b"data: "), event
         text = lines[0][len(b"data: "):].decode("utf-8")  # strict: raises on invalid UTF-8
         out.append(text if text == "[DONE]" else json.loads(text))

@@ -201,15 +201,14 @@ class RunningServer:
             raise
 
     def _wait_healthy(self, timeout: float = 120.0) -> None:
-        import urllib.request
+        from tests.support.http import get
         end = time.monotonic() + timeout
         while time.monotonic() < end:
             assert self.proc.poll() is None, "server exited:\n" + open(self.log).read()[-3000:]
             try:
-                with urllib.request.urlopen(self.url + "/health", timeout=1) as r:
-                    if r.status == 200:
-                        self.engine = EngineClient.attach(self.shm)
-                        return
+                if get(self, "/health", timeout=1).status == 200:
+                    self.engine = EngineClient.attach(self.shm)
+                    return
             except OSError:
                 pass
             time.sleep(0.1)
