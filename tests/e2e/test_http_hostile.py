@@ -31,12 +31,8 @@ def test_penalties_work_and_change_greedy_text(server, penalty):
 @pytest.mark.parametrize("field", ["max_tokens", "temperature", "seed", "n", "top_k", "deadline_ms"])
 def test_integers_too_big_for_a_float_are_400(server, field):
     raw = '{"messages": [{"role": "user", "content": "hi"}], "%s": 1%s}' % (field, "0" * 400)
-    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
-    conn.request("POST", CHAT, raw, {"Content-Type": "application/json"})
-    resp = conn.getresponse()
-    body = json.loads(resp.read())
-    conn.close()
-    assert resp.status == 400
+    status, _, body = post(server, CHAT, raw.encode()).parsed()
+    assert status == 400
     assert assert_error_shape(body)["param"] == field
 
 
@@ -46,12 +42,8 @@ def test_integers_too_big_for_a_float_are_400(server, field):
     ("/infer", '{"payload": "hi", "tenant_id": "\\ud800", "max_new_tokens": 2}'),
 ])
 def test_unpaired_surrogate_escapes_are_400(server, path, body):
-    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
-    conn.request("POST", path, body, {"Content-Type": "application/json"})
-    resp = conn.getresponse()
-    reply = json.loads(resp.read())
-    conn.close()
-    assert resp.status == 400 and "surrogate" in assert_error_shape(reply)["message"]
+    status, _, reply = post(server, path, body.encode()).parsed()
+    assert status == 400 and "surrogate" in assert_error_shape(reply)["message"]
 
 
 @pytest.mark.parametrize("raw", [
@@ -230,16 +222,12 @@ def test_legacy_logprobs_byte_tokens_and_text_offsets(server):
     text = reply["choices"][0]["text"]
     assert lp["text_offset"] == sorted(lp["text_offset"]) and lp["text_offset"][-1] <= len(text)
     # Streamed: offsets continue across chunks and equal the non-streamed ones.
-    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
-    conn.request("POST", "/v1/completions", json.dumps({**body, "stream": True}),
-                 {"Content-Type": "application/json"})
     offsets = []
-    for line in conn.getresponse():
+    for line in post(server, "/v1/completions", {**body, "stream": True}).body.split(b"\n"):
         if line.startswith(b"data: {"):
             chunk = json.loads(line[6:])
             if chunk["choices"][0]["logprobs"]:
                 offsets += chunk["choices"][0]["logprobs"]["text_offset"]
-    conn.close()
     assert offsets == lp["text_offset"]
 
 

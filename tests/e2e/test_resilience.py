@@ -7,11 +7,13 @@ import json
 import os
 import signal
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
 from engine.client import EngineUnavailable, SamplingParams
 from shm import MailboxState
+from tests.support.http import CHAT, COMPLETIONS, open_stream, post
 from tests.support.servers import assert_idle_and_clean, kill_engine_mid_stream, running_engine, running_server
 
 
@@ -52,58 +54,43 @@ def test_stalled_engine_is_killed_and_replaced():
 
 def test_killed_worker_leases_are_reclaimed_and_its_slot_freed():
     with running_server("--max-slots", "2", "--max-seq-len", "512", "--workers", "2", "--threads", "4") as server:
-        conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
         body = {"messages": [{"role": "user", "content": "Tell me a story."}], "max_tokens": 400,
                 "ignore_eos": True, "stream": True, "temperature": 0}
-        conn.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"})
-        resp = conn.getresponse()
-        resp.readline()  # the stream has started: its mailbox is leased and its slot busy
-        boxes = server.engine.t.mailboxes.boxes
-        leased = [i for i in range(len(boxes)) if int(boxes["state"][i]) != MailboxState.FREE]
-        assert len(leased) == 1
-        os.kill(int(boxes["owner_pid"][leased[0]]), signal.SIGKILL)
-        server.wait_idle(timeout=30)
-        conn.close()
+        with open_stream(server, CHAT, body, timeout=60) as resp:
+            resp.readline()  # the stream has started: its mailbox is leased and its slot busy
+            boxes = server.engine.t.mailboxes.boxes
+            leased = [i for i in range(len(boxes)) if int(boxes["state"][i]) != MailboxState.FREE]
+            assert len(leased) == 1
+            os.kill(int(boxes["owner_pid"][leased[0]]), signal.SIGKILL)
+            server.wait_idle(timeout=30)
         # The server still answers (gunicorn started a new worker).
-        conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
         deadline = time.monotonic() + 30
         while True:
             try:
-                conn.request("POST", "/v1/completions", json.dumps({"prompt": "Hi", "max_tokens": 2}),
-                             {"Content-Type": "application/json"})
-                assert conn.getresponse().status == 200
+                assert post(server, COMPLETIONS, {"prompt": "Hi", "max_tokens": 2}, timeout=60).status == 200
                 break
             except (ConnectionError, http.client.HTTPException):
                 assert time.monotonic() < deadline
-                conn.close()
-                conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
-        conn.close()
 
 
 def test_engine_killed_under_gunicorn_fails_requests_then_comes_back():
     """gunicorn's master reaps every child, the engine included: the restart must not depend
     on the engine's exit status."""
     with running_server("--max-slots", "2", "--max-seq-len", "512", "--workers", "1", "--threads", "4") as server:
-        conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
         body = {"messages": [{"role": "user", "content": "Tell me a story."}], "max_tokens": 400,
                 "ignore_eos": True, "temperature": 0}
-        conn.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"})
-        deadline = time.monotonic() + 30
-        while all(m == -1 for m in server.engine.slot_mailboxes()):  # until it runs
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
-        os.kill(server.engine.t.control.engine_pid, signal.SIGKILL)
-        resp = conn.getresponse()
-        reply = json.loads(resp.read())
-        assert resp.status == 503 and reply["error"]["code"] == "engine_unavailable"
-        assert resp.getheader("Retry-After")
-        conn.close()
+        with ThreadPoolExecutor(1) as pool:  # the request waits for its answer while the engine is killed
+            pending = pool.submit(post, server, CHAT, body, timeout=60)
+            deadline = time.monotonic() + 30
+            while all(m == -1 for m in server.engine.slot_mailboxes()):  # until it runs
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+            os.kill(server.engine.t.control.engine_pid, signal.SIGKILL)
+            reply = pending.result()
+        assert reply.status == 503 and reply.json()["error"]["code"] == "engine_unavailable"
+        assert reply.headers.get("retry-after")
         server._wait_healthy(timeout=60)  # a new engine loaded
-        conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
-        conn.request("POST", "/v1/completions", json.dumps({"prompt": "Hi", "max_tokens": 2}),
-                     {"Content-Type": "application/json"})
-        assert conn.getresponse().status == 200
-        conn.close()
+        assert post(server, COMPLETIONS, {"prompt": "Hi", "max_tokens": 2}, timeout=60).status == 200
         server.wait_idle()
 
 
@@ -162,7 +149,6 @@ def test_a_busy_neighbour_from_before_the_start_fails_no_request():
     "Threads")."""
     import subprocess
     import sys
-    from concurrent.futures import ThreadPoolExecutor
 
     busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
     try:
@@ -179,11 +165,8 @@ def test_a_busy_neighbour_from_before_the_start_fails_no_request():
                                   f"old lighthouse keeper who watched them all, please", "max_tokens": 24,
                         "ignore_eos": True, "temperature": 0, "stream": True,
                         "stream_options": {"include_usage": True}}
-                conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=300)
-                conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
-                resp = conn.getresponse()
-                events = [line for line in resp.read().decode().splitlines() if line.startswith("data: {")]
-                conn.close()
+                resp = post(server, COMPLETIONS, body, timeout=300)
+                events = [line for line in resp.body.decode().splitlines() if line.startswith("data: {")]
                 usage = [json.loads(e[6:])["usage"] for e in events if json.loads(e[6:]).get("usage")]
                 return resp.status, usage[-1]["completion_tokens"] if usage else 0
 

@@ -12,13 +12,11 @@ import os
 import re
 import signal
 import time
-import urllib.error
-import urllib.request
 
 import jsonschema
 import pytest
 
-from tests.support.http import RESPONSES, error, request
+from tests.support.http import RESPONSES, error, open_stream, request
 from tests.support.openai_document import DOC, conforms
 from tests.support.responses import KEY, create
 from tests.support.servers import running_server
@@ -339,13 +337,10 @@ def test_langchain_on_the_responses_api(server):
 
 # -- failure mid-stream (last: the engine restarts) -------------------------------------------------------
 def test_engine_failure_mid_stream_is_an_error_event(server):
-    status, headers, _ = None, None, None
-    req = urllib.request.Request(server.url + "/v1/responses", method="POST", data=json.dumps({
-        "input": "Write a long story.", "max_output_tokens": 1500, "stream": True,
-        "text": {"format": {"type": "text"}}}).encode(),
-        headers={"Authorization": "Bearer key-a", "Content-Type": "application/json"})
     events = []
-    with urllib.request.urlopen(req, timeout=120) as r:
+    with open_stream(server, RESPONSES, {"input": "Write a long story.", "max_output_tokens": 1500, "stream": True,
+                                         "text": {"format": {"type": "text"}}}, key=KEY) as r:
+        assert r.status == 200, r.read()[:500]
         buf = b""
         killed = False
         for line in r:

@@ -6,14 +6,14 @@ requests generated from it are sent to a real server by tests/spec/generated_req
 """
 from __future__ import annotations
 
-import http.client
 import json
 import time
 
 import openai
 import pytest
 
-from tests.support.http import CHAT, COMPLETIONS, MODEL, content, error, ok, post, request, stream_chunks
+from tests.support.http import (CHAT, COMPLETIONS, MODEL, content, error, ok, open_stream, post, request,
+                                stream_chunks)
 from tests.support.openai_document import DOC, conforms
 from tests.support.servers import AppServer, running_server
 
@@ -276,32 +276,25 @@ def test_huge_bodies_are_refused_before_rendering(app):
 def test_queued_stream_sends_headers_at_once_and_keep_alives():
     with running_server("--max-slots", "1", "--max-queued", "2", "--max-seq-len", "256", "--workers", "1",
                         "--threads", "4", "--sse-keepalive-s", "0.2") as server:
-        blocker = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
-        blocker.request("POST", COMPLETIONS, json.dumps({"prompt": "Once", "max_tokens": 200, "ignore_eos": True,
-                                                         "stream": True, **GREEDY}),
-                        {"Content-Type": "application/json"})
-        first = blocker.getresponse()
-        first.readline()
-        end = time.monotonic() + 30  # the slot table is published at the end of the engine's step
-        while (held := server.engine.slot_mailboxes()[0]) == -1:
-            assert time.monotonic() < end
-            time.sleep(0.005)
-        queued = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
-        queued.request("POST", COMPLETIONS, json.dumps({"prompt": "Hi", "max_tokens": 3, "stream": True, **GREEDY}),
-                       {"Content-Type": "application/json"})
-        r = queued.getresponse()  # the status line, while the only slot is still the blocker's
-        assert r.status == 200 and server.engine.slot_mailboxes()[0] == held
-        line = r.readline()
-        while line == b"\n":
-            line = r.readline()
-        assert line == b": keep-alive\n" and server.engine.slot_mailboxes()[0] == held
-        rest = r.read()
-        assert rest.rstrip().endswith(b"data: [DONE]")
-        queued.close()
-        # The OpenAI SDK reads a stream with keep-alive comments.
-        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused")
-        pieces = [c.choices[0].text for c in client.completions.create(model=MODEL, prompt="Hi", max_tokens=3,
-                                                                       stream=True, temperature=0)]
-        assert len(pieces) >= 1
-        blocker.close()
+        with open_stream(server, COMPLETIONS, {"prompt": "Once", "max_tokens": 200, "ignore_eos": True, "stream": True,
+                                               **GREEDY}, timeout=60) as first:  # the blocker
+            first.readline()
+            end = time.monotonic() + 30  # the slot table is published at the end of the engine's step
+            while (held := server.engine.slot_mailboxes()[0]) == -1:
+                assert time.monotonic() < end
+                time.sleep(0.005)
+            with open_stream(server, COMPLETIONS, {"prompt": "Hi", "max_tokens": 3, "stream": True, **GREEDY},
+                             timeout=60) as r:  # the status line, while the only slot is still the blocker's
+                assert r.status == 200 and server.engine.slot_mailboxes()[0] == held
+                line = r.readline()
+                while line == b"\n":
+                    line = r.readline()
+                assert line == b": keep-alive\n" and server.engine.slot_mailboxes()[0] == held
+                rest = r.read()
+                assert rest.rstrip().endswith(b"data: [DONE]")
+            # The OpenAI SDK reads a stream with keep-alive comments.
+            client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused")
+            pieces = [c.choices[0].text for c in client.completions.create(model=MODEL, prompt="Hi", max_tokens=3,
+                                                                           stream=True, temperature=0)]
+            assert len(pieces) >= 1
         server.wait_idle(30)

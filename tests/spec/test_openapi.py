@@ -9,6 +9,7 @@ sent to a real server by tests/spec/generated_requests.py.
 from __future__ import annotations
 
 import configparser
+import contextlib
 import copy
 import importlib.metadata
 import json
@@ -29,7 +30,7 @@ from server.api import requests as params
 from server.api.infer import INFER_FIELDS, MAX_NEW_TOKENS_BOUNDS
 from server.responses import request as responses
 from server.http.openapi import load
-from tests.support.http import CHAT, COMPLETIONS, MODEL, Reply, parse_sse, post, request
+from tests.support.http import CHAT, COMPLETIONS, MODEL, Reply, open_stream, parse_sse, post, request
 from tests.support.servers import AppServer, running_server
 
 DOC = load()
@@ -369,16 +370,12 @@ def full():
 
 def test_unavailable_conforms(full):
     """503 with Retry-After when every slot and queue place is taken."""
-    import http.client
-
-    held = []
-    try:
+    with contextlib.ExitStack() as held:  # leaving closes both: the clients left, their sequences are cancelled
         for _ in range(2):  # a stream holds its mailbox until it ends or its client leaves
-            conn = http.client.HTTPConnection("127.0.0.1", full.port, timeout=60)
-            conn.request("POST", COMPLETIONS, json.dumps({"prompt": "Once", "max_tokens": 2000, "ignore_eos": True,
-                                                          "stream": True}), {"Content-Type": "application/json"})
-            assert conn.getresponse().status == 200
-            held.append(conn)
+            stream = held.enter_context(open_stream(full, COMPLETIONS, {"prompt": "Once", "max_tokens": 2000,
+                                                                        "ignore_eos": True, "stream": True},
+                                                    timeout=60))
+            assert stream.status == 200
         end = time.monotonic() + 60
         while full.engine.mailboxes_in_use() < 2:
             assert time.monotonic() < end, "the two streams were not both admitted"
@@ -388,7 +385,4 @@ def test_unavailable_conforms(full):
             reply = post(full, path, body)
             conforms(path, "post", reply, 503)
             assert reply.json()["error"]["code"] == "server_overloaded"
-    finally:
-        for conn in held:
-            conn.close()  # the client left: its sequence is cancelled
     full.wait_idle(60)
