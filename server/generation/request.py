@@ -12,9 +12,10 @@ from server.tools.parser import ToolCallDelta
 from server.tools.spec import ToolRequest
 
 
-@dataclass
+@dataclass(frozen=True)
 class GenerationRequest:
-    """What one request asks of the engine, before its prompt is tokenized.
+    """What one request asks of the engine, before its prompt is tokenized; a value, built once
+    by a front end's parser and read by everything after it.
 
     Attributes:
         sampling: the engine's settings (``max_new_tokens`` None = up to the sequence limit).
