@@ -85,7 +85,7 @@ def test_incomplete_request_heads_hold_no_thread(server):
 def test_heads_that_never_complete_are_closed_with_408_and_hold_no_one_up(server):
     """Ten clients send a header byte every 0.5 s (never idle long enough for keepalive's 5 s).
     Each gets 408 once its head is ``HEADER_TIMEOUT_S`` late, and the other connections are
-    served meanwhile: found by a helper's test, gthread's graceful close read from each for 2 s
+    served meanwhile: gthread's graceful close read from each for 2 s
     on the worker's main thread, and 20 such clients held /health/live for 34 s."""
     socks = _open_slow_heads(server.port, 10)
     answers: dict[int, bytes] = {}
@@ -149,7 +149,7 @@ def test_a_stalled_body_is_answered_408_and_frees_its_thread(server):
 
 def test_a_trickled_body_times_out_in_all():
     """A byte every 0.1 s never leaves a 1 s gap, and the reader asked for more keeps reading
-    (gunicorn's does: found by a helper, a 46-byte body trickled over 90 s was read whole); the
+    (gunicorn's does: a 46-byte body trickled over 90 s was read whole); the
     bound in all cuts it off from outside. Then the gap bound, and a body that comes."""
     pairs = [socket.socketpair() for _ in range(3)]
     try:

@@ -269,7 +269,7 @@ def test_logit_bias_bans_the_greedy_token_and_forces_another(server, tokenizer, 
 
 
 def test_a_banned_token_is_never_emitted_where_a_format_allows_only_it(server, tokenizer):
-    """Found by a hostile helper: a choice of one text allows only its canonical tokens
+    """A choice of one text allows only its canonical tokens
     (llguidance), so a -100 on one of them was emitted anyway. The text is spelled otherwise
     where the format allows it, and the request fails (400 ``constraint_failed``) where not."""
     (hello,) = tokenizer.encode("Hello", special=False, add_bos=False)

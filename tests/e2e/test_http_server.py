@@ -406,7 +406,7 @@ def test_infer_deadline_expires_while_queued(single):
 
 
 def test_a_deadline_that_passes_during_the_first_step_gets_no_token(single):
-    """A hostile helper's finding: ``deadline_ms`` 1 to 5 returned one token with ``finish_reason:
+    """``deadline_ms`` 1 to 5 returned one token with ``finish_reason:
     "deadline"`` (the deadline was checked before a step, and the step that prefilled the prompt
     published a token made after it). Nothing is published past a deadline."""
     single.wait_idle()

@@ -70,7 +70,7 @@ def test_required_answers_with_valid_calls(client):
 
 
 def test_a_named_function_is_called_once(client):
-    """As instructor's default mode asks (no ``parallel_tool_calls``; found by a helper: the
+    """As instructor's default mode asks (no ``parallel_tool_calls``: the
     call was repeated until ``max_tokens``, and instructor raised on ``length``), and with
     parallel calls asked for."""
     for parallel in ({}, {"parallel_tool_calls": True}):
@@ -123,7 +123,7 @@ def test_auto_is_text_or_valid_calls_and_no_envelope_in_content(client):
 
 @pytest.mark.parametrize("choice", ["required", "auto"])
 def test_an_answer_cut_in_its_first_tokens_leaves_no_envelope_in_content(client, choice):
-    """Found by a hostile helper: ``max_tokens`` 1 to 5 left ``{"tool_calls":`` in ``content``.
+    """``max_tokens`` 1 to 5 left ``{"tool_calls":`` in ``content``.
     Under ``required`` there is no content; under ``auto`` only the envelope's ``response`` text."""
     for max_tokens in (1, 3, 5):
         r = create(client, tool_choice=choice, max_tokens=max_tokens)
@@ -171,7 +171,7 @@ def test_the_joined_stream_is_the_non_streamed_answer(client, choice):
                                             for c in whole.choices[0].message.tool_calls]
     for _, name, arguments in calls:
         valid(name, arguments)
-    # The SDK's stream helper builds the same message: content null, not "" (found by a helper)
+    # The SDK's stream helper builds the same message: content null, not ""
     with client.chat.completions.stream(model="local-model", messages=ASK, tools=TOOLS, tool_choice=choice,
                                         max_tokens=80, temperature=0, seed=5) as stream:
         final = stream.get_final_completion().choices[0].message
@@ -186,7 +186,7 @@ def test_a_second_turn_with_tool_results(client):
                      {"role": "tool", "tool_call_id": call.id, "content": '{"temp_c": 21, "sky": "clear"}'}]
     r = create(client, messages=history, tool_choice="none", max_tokens=12)
     assert r.choices[0].message.content and r.choices[0].message.tool_calls is None
-    # LiteLLM up to 1.80 sends the answer back with a record of its own (found by a helper: a 400)
+    # LiteLLM up to 1.80 sends the answer back with a record of its own (a 400)
     history[1] = {**history[1], "provider_specific_fields": {"refusal": None}}
     again = create(client, messages=history, tool_choice="none", max_tokens=12)
     assert again.choices[0].message.content == r.choices[0].message.content

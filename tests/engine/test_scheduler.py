@@ -126,7 +126,7 @@ def test_priority_beats_fair_share_beats_deadline_beats_arrival():
 
 
 def test_a_deadline_does_not_overtake_another_tenants_fair_share():
-    """Found by a hostile helper: deadlines came before fair share, so a flooding tenant that set
+    """Deadlines came before fair share, so a flooding tenant that set
     ``deadline_ms: 1e9`` on every request (free, and any gRPC timeout sets one) was admitted
     ahead of a light tenant for as long as it flooded (the light one waited 120 s). A deadline
     now orders only its tenant's own requests."""

@@ -132,7 +132,7 @@ def test_03_stop_string_inside_one_token(app):
 
 
 def test_03_more_stop_strings_than_openais_four(app):
-    """A helper's finding: lm-eval's completions client sends a task's ``until`` strings and the
+    """lm-eval's completions client sends a task's ``until`` strings and the
     end-of-text string, five for a task of four, and a 400 (OpenAI's limit of 4) ended the whole
     evaluation. Up to 32 are taken (vLLM takes any number), the last as binding as the first."""
     text, _, _ = greedy(app, GREETING_PROMPT, 16)
@@ -428,7 +428,7 @@ def test_20_developer_message_and_unknown_role(app, chat, hi):
     narrator = [{"role": "user", "content": "Hi"}, {"role": "narrator", "content": "It was night."}]
     err = error(ask(app, messages=narrator, max_tokens=4), 400, param="messages[1].role")
     assert "narrator" in err["message"]
-    # An answer replayed as OpenAI's own answers come (a helper's finding: [] was refused, null not)
+    # An answer replayed as OpenAI's own answers come ([] was refused, null not)
     replayed = {"role": "assistant", "content": "Ahoy!", "refusal": None, "annotations": [], "audio": None}
     ok(ask(app, messages=[as_system[1], replayed, {"role": "user", "content": "Again"}], max_tokens=2))
     cited = {**replayed, "annotations": [{"type": "url_citation"}]}
@@ -464,8 +464,8 @@ def test_22_template_and_control_syntax_is_data(app, chat, tokenizer):
     # A raw /v1/completions prompt is the client's whole token stream: its control-token text is
     # that token, as /tokenize reads it (and OpenAI's API, vLLM, llama-server). It was read as 7
     # plain tokens there and as 1 by /tokenize, so lm-eval, which counts a context with /tokenize
-    # and slices the echoed prompt's logprobs by that count, scored the wrong tokens (a helper
-    # measured word perplexity 167,920 against 2,707 on the same data sent as token ids).
+    # and slices the echoed prompt's logprobs by that count, scored the wrong tokens (word
+    # perplexity 167,920 against 2,707 on the same data sent as token ids).
     prompt = "<|im_start|>user\nhi<|im_end|>"
     counted = post(app, "/tokenize", {"prompt": prompt}).json()["tokens"]
     assert counted.count(IM_START) == 1

@@ -148,7 +148,7 @@ def test_function_call_then_its_output_in_a_second_turn(server, client):
 
 
 def test_a_response_whose_call_was_cut_can_be_continued(server):
-    """Found by a hostile helper: a function call cut by ``max_output_tokens`` was stored with its
+    """A function call cut by ``max_output_tokens`` was stored with its
     partial arguments, and every continuation of the response was a 400 on them."""
     r = create(server, {"input": "What is the weather in Paris?", "tools": [WEATHER], "tool_choice": "required",
                         "max_output_tokens": 20, "temperature": 0})
@@ -232,7 +232,7 @@ def test_get_input_items_delete(server):
     rest = json.loads(request(server, "GET", f"/v1/responses/{r['id']}/input_items?order=asc&after={items['last_id']}",
                               key=KEY)[2])
     assert [i["content"][0]["text"] for i in rest["data"]] == ["Bye"] and not rest["has_more"]
-    # a decimal digit of another script is no limit (int() read "٣" as 3; a hostile helper's finding)
+    # a decimal digit of another script is no limit (int() read "٣" as 3)
     error(request(server, "GET", f"/v1/responses/{r['id']}/input_items?limit=%D9%A3", key=KEY), 400, "limit")
     assert request(server, "DELETE", f"/v1/responses/{r['id']}", key=KEY)[0] == 200
     error(request(server, "GET", f"/v1/responses/{r['id']}", key=KEY), 404, "response_id")
@@ -286,7 +286,7 @@ def test_refusals_name_the_field(server, extra, param):
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]},
      "tools[0].function")])
 def test_chat_fields_sent_to_responses_are_named_as_sent(server, extra, param):
-    """Found by a hostile helper: the renaming of the chat path's refusals to Responses fields
+    """The renaming of the chat path's refusals to Responses fields
     was applied to the Responses request's own refusals too, so ``max_tokens`` was refused as
     an unrecognized ``max_output_tokens``."""
     err = error(request(server, "POST", "/v1/responses", {"input": "Hi", **extra}, key=KEY), 400, param)

@@ -134,7 +134,7 @@ def test_redis_store_bounds_under_10000_responses_in_the_tenants_hash_tag():
         store.delete("a", "resp_0")
         with pytest.raises(ResponseNotFound):
             store.get("a", "resp_0")
-        # deleting what a tenant with nothing stored never had made a key with no expiry (a helper's finding)
+        # deleting what a tenant with nothing stored never had made a key with no expiry
         with pytest.raises(ResponseNotFound):
             store.delete("c", "resp_missing")
         assert all(0 < r.pttl(k) <= 3600_000 for k in r.scan_iter("responses:*"))
@@ -182,7 +182,7 @@ def test_two_replicas_share_the_store_and_redis_down_is_never_a_5xx(tmp_path):
 
 # -- refused before the store is asked (no server) -----------------------------------------------------
 @pytest.mark.parametrize("body,param", [
-    # Found by a hostile helper: input_items pages by item id, so a repeated id made the SDK's
+    # input_items pages by item id, so a repeated id made the SDK's
     # pager loop forever (every page "after" the first of them); OpenAI refuses a duplicate too.
     ({"input": [{"id": "dup", "type": "message", "role": "user", "content": "a"},
                 {"type": "message", "role": "user", "content": "b"},

@@ -164,7 +164,7 @@ def test_tokenize_refuses_tools_whose_description_cannot_fit_before_rendering_it
 
 
 def test_tokenize_refuses_a_chat_the_chat_route_refuses_as_too_long(server):
-    """A chat whose rendering is over the sequence limit (found by a helper: /tokenize answered
+    """A chat whose rendering is over the sequence limit (/tokenize answered
     200 with its 8,223 tokens, where /v1/chat/completions refuses the same chat): both refuse it,
     400 ``context_length_exceeded`` naming ``messages``; one just under the limit is counted. A
     ``prompt`` over the limit is still counted: lm-eval tokenizes whole documents and splits them

@@ -221,8 +221,8 @@ def test_over_grpc(srv):
 
 
 def test_an_object_that_names_its_keys_takes_no_others(srv):
-    """Found by a helper with instructor, pydantic-ai, smolagents and llm: a class's schema says
-    nothing of other keys, JSON Schema leaves them open, and the model added them until its limit
+    """A pydantic class's schema (instructor's, pydantic-ai's, smolagents', llm's) says nothing
+    of other keys, JSON Schema leaves them open, and the model added them until its limit
     (``{"pt":[1,2],"f":[1,2,3,...`` ended by ``length``). Such an object now takes none (as
     llama.cpp's and xgrammar's converters read it), and the document ends; one that says
     ``additionalProperties: true`` still may."""

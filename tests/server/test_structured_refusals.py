@@ -103,7 +103,7 @@ def test_text_format_and_strict_false_are_served(app, submits):
 
 
 def test_a_grammar_with_no_way_on_is_a_400(app):
-    """Found by a hostile helper: a schema whose every instance is infinite (a required property
+    """A schema whose every instance is infinite (a required property
     of its own type) and a regex longer than the library's limits pass the front end's check but
     leave the sequence nothing to generate. That is the client's grammar, not a server fault: 400
     ``constraint_failed`` (it was a 500) naming the field the grammar came from, in the
@@ -136,7 +136,7 @@ def test_a_grammar_with_no_way_on_is_a_400(app):
     ({"response_format": schema_format({"$ref": "#"})}, "response_format.json_schema.schema"),
     ({"structured_outputs": {"regex": r"[^\s\S]"}}, "structured_outputs.regex")])
 def test_a_grammar_with_no_instance_is_refused_up_front(app, submits, fields, param):
-    """A schema or regex no text is an instance of (found by a hostile helper: it ended with an
+    """A schema or regex no text is an instance of (it ended with an
     empty ``stop``): the front end takes it one step over bytes and refuses it, naming the
     field, beside tools too. (Should one reach the engine, its first mask is in error and ends
     the sequence with ``constraint_failed``: engine/llama/grammar.py ``allowed``.)"""
@@ -148,7 +148,7 @@ def test_a_grammar_with_no_instance_is_refused_up_front(app, submits, fields, pa
 
 
 def test_a_schema_too_costly_to_check_is_refused_in_bounded_time(app, submits):
-    """Found by a hostile helper: a string schema whose ``allOf`` holds 30 ``pattern``s (under
+    """A string schema whose ``allOf`` holds 30 ``pattern``s (under
     2 KiB) made llguidance's check intersect their regexes for minutes and gigabytes, in the
     request's thread. The check runs in a child process (server/structured/check.py) and a
     check over its 5 s is a 400 naming the field; the next request is served."""
@@ -224,7 +224,7 @@ def test_objects_that_name_their_keys_take_no_others():
     for composed in ({"allOf": [item, {"properties": {"n": {}}}]},
                      {"$ref": "#/$defs/I", "properties": {"n": {}}, "$defs": {"I": item}},
                      {**schema, "anyOf": [{"required": ["items"]}]},
-                     # found by a hostile helper: a required key beside a union or a reference
+                     # a required key beside a union or a reference
                      {"type": "object", "required": ["a"], "anyOf": [{"properties": {"b": {}}}]},
                      {"$ref": "#/$defs/I", "required": ["y"], "$defs": {"I": item}}):
         assert closed_objects(composed) == composed
@@ -239,7 +239,7 @@ def test_objects_that_name_their_keys_take_no_others():
                                                     {"properties": {"c": {"type": "integer"}}}]},
     {"$defs": {"A": {"type": "object", "properties": {"x": {}}}}, "$ref": "#/$defs/A", "required": ["y"]}])
 def test_schemas_closing_must_not_make_unsatisfiable_are_served(app, schema):
-    """A hostile helper's finding: closing objects refused these (a required key it had closed
+    """Closing objects refused these (a required key it had closed
     out) with "required property ... is unsatisfiable"; served before and again."""
     body = {"messages": [{"role": "user", "content": "JSON please"}], "max_tokens": 4}
     assert post(app, CHAT, {**body, "response_format": schema_format(schema)}).status == 200
@@ -252,7 +252,7 @@ def test_schemas_closing_must_not_make_unsatisfiable_are_served(app, schema):
     {"type": "object", "additionalProperties": {"type": "integer"}, "minProperties": 2},
     {"type": "object", "properties": {"m": {"patternProperties": {"^k": {"type": "integer"}}, "minProperties": 3}}}])
 def test_a_count_of_keys_that_repeated_keys_could_meet_is_refused(app, submits, schema):
-    """Found by a hostile helper: llguidance keeps only the keys of ``properties`` unique, so
+    """llguidance keeps only the keys of ``properties`` unique, so
     ``{"x":1,"x":2}`` ended with ``stop`` under ``minProperties: 2`` (one key to any JSON parser).
     Refused by name, in a format and in a tool's parameters; counts that cannot be faked are served."""
     body = {"messages": [{"role": "user", "content": "JSON please"}], "max_tokens": 4}
@@ -269,7 +269,7 @@ def test_a_count_of_keys_that_repeated_keys_could_meet_is_refused(app, submits, 
 
 
 def test_costly_checks_do_not_hold_the_others_past_a_checks_time():
-    """Found by a hostile helper: ten costly schemas at once queued behind one checker process,
+    """Ten costly schemas at once queued behind one checker process,
     refused 5, 10, ... 30 s later, and a trivial new schema sent beside them waited 30 s. Checks
     now run in up to ``children`` processes, and one that finds them all busy for a check's time
     is a 503 (``ChecksBusy``: the server's state, not the client's schema), never a longer wait."""

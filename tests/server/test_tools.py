@@ -188,7 +188,7 @@ def test_recorded_answers_parse_the_same_streamed_and_whole(fmt, text, content, 
 
 @pytest.mark.parametrize("cut", [1, 2, 5, 11, 14, 16, 30])
 def test_an_envelope_cut_before_its_first_call_is_no_content(cut):
-    """Found by a hostile helper: ``max_tokens`` cutting the generic envelope in its first few
+    """``max_tokens`` cutting the generic envelope in its first few
     tokens left ``{"tool`` as the answer's content; the grammar holds every answer to the
     envelope, so its start is nothing, whatever ``tool_choice``."""
     text = '{"tool_calls": [{"name": "get_weather", "arguments": {"city": "Paris"}}]}'[:cut]
@@ -378,7 +378,7 @@ def test_with_a_json_format_the_answer_is_a_document_or_calls(tokenizer, ll_toke
         assert got == content and bool(calls) == (content == "")
 
 
-# Found by a hostile helper: schemas as given, each its own root (nothing hoisted or rewritten).
+# Schemas as given, each its own root (nothing hoisted or rewritten).
 SCHEMA_CASES = [  # (a format's schema, a document of it, one that is not)
     ({"enum": ["red", "green"]}, '"red"', "red"),  # a string document keeps its quotes
     ({"type": "object", "properties": {"r": {"const": {"$ref": "#"}}}, "required": ["r"]},
@@ -455,7 +455,7 @@ def test_parameters_llguidance_cannot_enforce_are_refused_by_name(parameters, re
 @pytest.mark.parametrize("parameters", [{"$ref": "#/$defs/x", "$defs": {"x": {"const": None}}},
                                         {"anyOf": [{"type": "array"}]}, {"allOf": [{"type": "string"}]}])
 def test_parameters_that_allow_no_object_are_refused_by_name(parameters):
-    """Found by a hostile helper: a root with no ``type`` of its own that reaches another type
+    """A root with no ``type`` of its own that reaches another type
     let the model write ``"arguments": null`` (or ``[]``, ``"f"``), which no parser reads as a call."""
     from server.structured.check import check_schemas
     from server.tools.grammar import checked_arguments
@@ -478,7 +478,7 @@ def test_arguments_are_an_object_whatever_the_parameters(tokenizer, ll_tokenizer
 
 
 def test_a_root_that_refers_to_itself_keeps_its_meaning(tokenizer, ll_tokenizer):
-    """A helper's finding: the root's added ``type: object`` narrowed ``"$ref": "#"`` inside it too."""
+    """The root's added ``type: object`` narrowed ``"$ref": "#"`` inside it too."""
     from server.tools.grammar import tool_grammar
     from server.tools.spec import ToolRequest
     calc = {"anyOf": [{"type": "object", "properties": {"op": {"enum": ["add"]}, "args": {

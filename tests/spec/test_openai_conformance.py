@@ -165,7 +165,7 @@ def test_trailing_assistant_message_is_continued(app, chat, tokenizer):
           400, param="continue_final_message")
     error(post(app, CHAT, {"messages": PREFILL[:1], "continue_final_message": True}), 400,
           param="continue_final_message")
-    # Found by a hostile helper: a format holds the continuation alone, so prefix and answer were no
+    # A format holds the continuation alone, so prefix and answer were no
     # document together ('{"a":1,' + '{"a":2,"b":"123"}'). Refused, as with tools; a new turn is served.
     fmt = {"response_format": {"type": "json_object"}, "max_tokens": 4}
     for continued_too in ({}, {"continue_final_message": True}):

@@ -306,7 +306,7 @@ def test_answers_conform_in_process(app):
     conforms("/v1/responses", "post", post(app, "/v1/responses", {**ask, "background": True}), 400)
     conforms("/v1/responses", "post", post(app, "/v1/responses", {**ask, "previous_response_id": "resp_x"}), 404)
     one, items = f"/v1/responses/{stored['id']}", "/v1/responses/{response_id}/input_items"
-    for method in ("get", "head"):  # HEAD found refused (405) by a hostile helper
+    for method in ("get", "head"):  # HEAD was refused (405) once
         conforms("/v1/responses/{response_id}", method, request(app, method.upper(), one), 200)
         conforms(items, method, request(app, method.upper(), one + "/input_items?limit=1&order=asc"), 200)
         conforms(items, method, request(app, method.upper(), one + "/input_items?limit=0"), 400)
