@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from tests.support.model import chat, model_path, tokenizer  # noqa: F401 - pytest fixtures
+from tests.support.model import chat, gemma_model_path, model_path, tokenizer  # noqa: F401 - pytest fixtures
 from tests.support.servers import SUITE_ENGINE_THREADS, AppServer, inproc_engine, running_server
 
 # `make test` runs the suite on three pytest-xdist workers, a file to a worker (--dist loadfile,
