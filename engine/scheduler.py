@@ -59,11 +59,15 @@ class Scheduler:
         kv_tokens: KV cells the running sequences may hold together (None: no bound but the
             slots'); at least the longest sequence, so one always fits.
         cache: the prefix cache (None: no reuse).
+        logits_rows: logits rows one step's batch may ask for (None: ``n_batch``), at least
+            ``max_slots``: each sampling sequence takes one, and a scoring sequence's chunk is
+            cut to what is left (:attr:`engine.llama.model.Model.logits_rows`).
     """
 
     def __init__(self, max_slots: int, policy: str, aging_s: float, n_batch: int = 512, backend: Backend = CPU,
-                 kv_tokens: int | None = None, cache: PrefixCache | None = None):
+                 kv_tokens: int | None = None, cache: PrefixCache | None = None, logits_rows: int | None = None):
         self.kv_tokens = math.inf if kv_tokens is None else kv_tokens
+        self.logits_rows = n_batch if logits_rows is None else logits_rows
         self.cache = cache
         # Waiting for a sibling's prefill (PrefixCache.awaits) suits continuous batching only:
         # static and fifo would run the sibling alone.
@@ -136,26 +140,34 @@ class Scheduler:
             seq, slot = gap
             plan.moves.append((seq, seq.slot, slot))
             self.move(seq, slot)
-        room = self.n_batch
+        room, outputs = self.n_batch, self.logits_rows
         running = sorted(self.running.values(), key=lambda s: s.order)
         for seq in running:
             if seq.status == SequenceStatus.DECODE and room:
                 n = len(seq.prompt) + seq.n_generated - 1
                 plan.rows.append(PlannedRow(seq, np.array([seq.last_token], np.int32), n, True))
                 room -= 1
-        for seq in running:
-            if seq.status == SequenceStatus.PREFILL and room:
-                tokens = seq.prefill_tokens
-                k = min(len(tokens) - seq.n_prefilled, room, self.backend.max_chunk_tokens)
-                start = seq.n_prefilled
-                seq.n_prefilled += k
-                done = seq.n_prefilled == len(tokens)
-                plan.rows.append(PlannedRow(seq, tokens[start:start + k], start, done and seq.generates, seq.scoring))
-                if done:
-                    seq.status = SequenceStatus.DECODE
-                if not seq.preemptions:  # a recompute is the server's choice, not the tenant's service
-                    self.charge(seq, k)
-                room -= k
+                outputs -= 1
+        prefilling = [seq for seq in running if seq.status == SequenceStatus.PREFILL]
+        for i, seq in enumerate(prefilling):
+            if not room:
+                break
+            tokens = seq.prefill_tokens
+            k = min(len(tokens) - seq.n_prefilled, room, self.backend.max_chunk_tokens)
+            if seq.scoring:  # a row of logits a token; the sequences after it may sample one each
+                k = min(k, outputs - (len(prefilling) - i - 1))
+                if k <= 0:
+                    continue
+            start = seq.n_prefilled
+            seq.n_prefilled += k
+            done = seq.n_prefilled == len(tokens)
+            plan.rows.append(PlannedRow(seq, tokens[start:start + k], start, done and seq.generates, seq.scoring))
+            outputs -= k if seq.scoring else int(done and seq.generates)
+            if done:
+                seq.status = SequenceStatus.DECODE
+            if not seq.preemptions:  # a recompute is the server's choice, not the tenant's service
+                self.charge(seq, k)
+            room -= k
         plan.rows.sort(key=lambda r: r.seq.slot)
         for row in plan.rows:
             row.seq.n_past = row.pos + len(row.tokens)

@@ -5,7 +5,8 @@ every row of a scoring sequence's prompt chunk.
 One function computes both, so a token scored as part of a prompt and the same token generated
 get the same number from the same logits (the engine keeps logits batch-invariant:
 docs/architecture.md, "Prefix cache"). A chunk of 63 rows over a 49,152-token vocabulary is three
-million exponentials, so the rows are taken in blocks that stay in the core's cache, split over
+million exponentials, so the rows are taken in blocks of about 1.5 MiB that stay in the core's
+cache (8 rows of SmolLM2's 49,152 logits, 1 of Gemma 3's 262,144), split over
 two threads (numpy releases the GIL inside its loops; llama.cpp's threads are idle between
 decodes), and the shift by the row's maximum (log-sum-exp) is skipped when no exponential can
 overflow or vanish, which saves a pass.
@@ -16,12 +17,12 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-#: Rows per block: 8 x 49,152 float32 logits = 1.5 MiB, about one core's L2 cache.
-BLOCK_ROWS = 8
+#: Bytes of float32 logits per block: about one core's L2 cache (8 rows of 49,152).
+BLOCK_BYTES = 8 * 49152 * 4
 #: Rows below which one thread is faster than handing blocks to a second one.
 THREADED_ROWS = 16
 #: A row whose maximum logit is within these bounds is exponentiated unshifted: in float32,
-#: 49,152 * e**70 does not overflow and e**-60 is far from the smallest normal number.
+#: 262,144 * e**70 (6.6e35) does not overflow and e**-60 is far from the smallest normal number.
 UNSHIFTED = (-60.0, 70.0)
 
 
@@ -34,6 +35,7 @@ class LogProbs:
 
     def __init__(self, n_vocab: int, threads: int = 2):
         self.n_vocab = n_vocab
+        self.block_rows = max(1, BLOCK_BYTES // (4 * n_vocab))
         self.pool = ThreadPoolExecutor(threads - 1, thread_name_prefix="logprobs") if threads > 1 else None
         self._buffers: dict[int, np.ndarray] = {}
 
@@ -49,7 +51,7 @@ class LogProbs:
         """
         n = len(logits)
         lse, best = np.empty(n, np.float64), np.empty(n, np.int64)
-        blocks = [(a, min(n, a + BLOCK_ROWS)) for a in range(0, n, BLOCK_ROWS)]
+        blocks = [(a, min(n, a + self.block_rows)) for a in range(0, n, self.block_rows)]
         if self.pool is not None and n >= THREADED_ROWS:
             half = len(blocks) // 2
             other = self.pool.submit(self._lse, logits, lse, best, blocks[half:], 1)
@@ -63,10 +65,12 @@ class LogProbs:
             return logprob, np.empty((n, 0), np.int32), np.empty((n, 0), np.float32)
         if k == 1:
             top = best[:, None]
-        else:
-            top = np.argpartition(-logits, k - 1, axis=1)[:, :k]
-            order = np.lexsort((top, -np.take_along_axis(logits, top, axis=1)), axis=1)
-            top = np.take_along_axis(top, order, axis=1)
+        else:  # by block: argpartition makes a negated copy and int64 indices of its whole input
+            top = np.empty((n, k), np.int64)
+            for a, b in blocks:
+                part = np.argpartition(-logits[a:b], k - 1, axis=1)[:, :k]
+                order = np.lexsort((part, -np.take_along_axis(logits[a:b], part, axis=1)), axis=1)
+                top[a:b] = np.take_along_axis(part, order, axis=1)
         top_lp = (np.take_along_axis(logits, top, axis=1).astype(np.float64) - lse[:, None]).astype(np.float32)
         return logprob, top.astype(np.int32), top_lp
 
@@ -83,7 +87,7 @@ class LogProbs:
         float64 result."""
         buf = self._buffers.get(worker)
         if buf is None:
-            buf = self._buffers[worker] = np.empty((BLOCK_ROWS, self.n_vocab), np.float32)
+            buf = self._buffers[worker] = np.empty((self.block_rows, self.n_vocab), np.float32)
         lo, hi = UNSHIFTED
         for a, b in blocks:
             x, e = logits[a:b], buf[:b - a]

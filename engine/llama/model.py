@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import ctypes
+import logging
 from typing import TYPE_CHECKING, Callable
 
 import llama_cpp
@@ -9,12 +10,36 @@ import numpy as np
 
 from engine.llama.backend import CPU, Backend, detect
 from engine.llama.batch import Batch
-from engine.llama.kv_pages import KvPages
+from engine.llama.kv_pages import KvPages, LayoutRefused, resident_bytes
 from engine.llama.library import load_model
 from engine.llama.weights import weights_path
 
 if TYPE_CHECKING:
     from engine.config import EngineConfig
+
+log = logging.getLogger("engine")
+
+#: Bytes of logits one decode may produce: llama.cpp keeps them twice, in its compute buffer and
+#: in its output buffer, and neither shrinks. 96 MiB is the 512 rows of a full batch over
+#: SmolLM2's 49,152 tokens; Gemma 3's 262,144 make a row 1 MiB, so 96 rows.
+LOGITS_BYTES = 96 << 20
+
+
+def logits_rows(n_vocab: int, max_slots: int, n_batch: int) -> int:
+    """Logits rows a decode may ask for: :data:`LOGITS_BYTES` of float32 rows of ``n_vocab``,
+    at least one per slot (each decoding sequence samples from one) and at most ``n_batch``."""
+    return max(max_slots, min(n_batch, LOGITS_BYTES // (4 * n_vocab)))
+
+
+def reuse_window(model) -> int | None:
+    """How much of the cells a sequence holds another sequence can be given
+    (:func:`engine.prefix_cache.reusable`): None where every layer attends to the whole context
+    (a prefix of any length is whole); the sliding window's length in tokens where some layers
+    see only that many (``llama_model_n_swa``: older cells are dropped, and a copy carries only
+    the window); 0 for a recurrent or hybrid model, whose state is its last position's only."""
+    if llama_cpp.llama_model_is_recurrent(model) or llama_cpp.llama_model_is_hybrid(model):
+        return 0
+    return llama_cpp.llama_model_n_swa(model) or None
 
 
 class DecodeError(RuntimeError):
@@ -29,11 +54,16 @@ class Model:
     cache every sequence (slot id = ``seq_id``) owns a stream of ``max_seq_len`` cells (llama.cpp
     rounds a stream up to a multiple of 256 cells; the engine uses ``max_seq_len`` of them). Streams
     ``0 .. max_slots - 1`` hold running sequences, the ``cache_streams`` after them the prefix
-    cache (:mod:`engine.prefix_cache`). Where the backend profile allows it
+    cache (:mod:`engine.prefix_cache`). A model with sliding-window layers gets llama-server's
+    sliding-window cache (``swa_full`` off): those layers keep ``n_swa + n_batch`` cells a
+    stream, rounded up to 256, not ``max_seq_len``. Where the backend profile allows it
     (``Backend.kv_pages``), a stream's memory is what its sequence wrote
-    (:mod:`engine.llama.kv_pages`); :attr:`pages` is None when the buffer was not found.
-    ``path``: the GGUF to compute with (:meth:`from_config` resolves the configured weight
-    format to it); ``backend``: the device profile.
+    (:mod:`engine.llama.kv_pages`, :attr:`pages`); where that module refuses the context's
+    memory layout, the engine says so at WARNING level and recreates the context with llama.cpp's
+    unified cache of ``kv_cells`` cells (:attr:`pages` None). ``path``: the GGUF to compute with
+    (:meth:`from_config` resolves the configured weight format to it); ``backend``: the device
+    profile; ``kv_cells``: cells the running sequences and the prefix cache hold together at most
+    (the size of the unified cache, if it comes to that).
 
     Raises:
         ConfigError: unreadable or non-GGUF file. RuntimeError: llama.cpp refused the model or
@@ -41,37 +71,66 @@ class Model:
     """
 
     def __init__(self, path: str, max_slots: int, max_seq_len: int, n_batch: int, n_threads: int,
-                 cache_streams: int = 0, backend: Backend = CPU):
+                 cache_streams: int = 0, backend: Backend = CPU, kv_cells: int | None = None):
         self.path, self.backend = path, backend
         self.model = load_model(self.path, n_gpu_layers=backend.n_gpu_layers)
         self.vocab = llama_cpp.llama_model_get_vocab(self.model)
         self.n_vocab = llama_cpp.llama_vocab_n_tokens(self.vocab)
-        params = llama_cpp.llama_context_default_params()
-        params.n_ctx = (max_slots + cache_streams) * max_seq_len
+        self.n_threads = n_threads
+        n_seq_max = max_slots + cache_streams
+        #: Logits rows one decode may ask for (:func:`logits_rows`); llama.cpp sizes its output
+        #: buffer and the logits in its compute buffer to it.
+        self.logits_rows = logits_rows(self.n_vocab, max_slots, n_batch)
+        self.params = params = llama_cpp.llama_context_default_params()
+        params.n_ctx = n_seq_max * max_seq_len
         params.n_batch = params.n_ubatch = n_batch
-        params.n_seq_max = max_slots + cache_streams
+        params.n_seq_max = n_seq_max
+        params.n_outputs_max = self.logits_rows
         params.kv_unified = False  # one stream per sequence (see Scheduler.gap)
+        params.swa_full = False  # llama-server's default: sliding-window layers keep the window only
         # Flash attention: on the paths the deterministic profile keeps to (engine.llama.backend)
         # it computes each query row on its own, so outputs do not depend on the batch
-        # (docs/architecture.md, "Prefix cache").
+        # (docs/architecture.md, "Prefix cache"). It also keeps V untransposed (kv_pages).
         params.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED
-        params.n_threads = params.n_threads_batch = self.n_threads = n_threads
+        params.n_threads = params.n_threads_batch = n_threads
         params.no_perf = True
-        self.ctx = llama_cpp.llama_init_from_model(self.model, params)
-        if not self.ctx:
-            raise RuntimeError("llama.cpp could not create a context (out of memory?)")
-        self.mem = llama_cpp.llama_get_memory(self.ctx)
+        self.ctx = self._context(params)
         self._progress = self._no_progress = llama_cpp.ggml_abort_callback()  # NULL: no hook
         self._reporting = False
-        self.eog = frozenset(t for t in range(self.n_vocab) if llama_cpp.llama_vocab_is_eog(self.vocab, t))
         self.pages = None
         if backend.kv_pages:
-            # A stream's cells as llama.cpp sized it: max_seq_len rounded up to a multiple of 256
-            # (``llama_context``'s ``n_ctx_seq``), not max_seq_len itself.
-            self.pages = KvPages.locate(self.ctx, self.mem, self.model, llama_cpp.llama_n_ctx_seq(self.ctx),
-                                        params.n_seq_max, self._decode_probe)
-            if self.pages is not None:
+            try:
+                self.pages = KvPages.locate(self.ctx, llama_cpp.llama_get_memory(self.ctx), self.model, n_seq_max,
+                                            n_batch, self._decode_probe)
                 self.pages.release_all()
+            except LayoutRefused as e:
+                self._fall_back(str(e), kv_cells or n_seq_max * max_seq_len)
+        self.mem = llama_cpp.llama_get_memory(self.ctx)
+        self.eog = frozenset(t for t in range(self.n_vocab) if llama_cpp.llama_vocab_is_eog(self.vocab, t))
+        #: How much of a copied sequence another one can reuse (PrefixCache.window): None with
+        #: full attention; the sliding window's tokens; 0 for a recurrent or hybrid state.
+        self.window = reuse_window(self.model)
+
+    def _context(self, params):
+        ctx = llama_cpp.llama_init_from_model(self.model, params)
+        if not ctx:
+            raise RuntimeError("llama.cpp could not create a context (out of memory?)")
+        return ctx
+
+    def _fall_back(self, reason: str, kv_cells: int) -> None:
+        """Replace the context, whose KV memory :mod:`engine.llama.kv_pages` refused (``reason``),
+        with one whose cache is llama.cpp's unified one of ``kv_cells`` cells (rounded up to 256),
+        shared by every sequence, and log at WARNING level what it holds resident (the resident
+        memory the new context added: llama.cpp clears its whole KV memory at start)."""
+        llama_cpp.llama_free(self.ctx)
+        self.ctx, self._reporting = None, False
+        before = resident_bytes()
+        self.params.kv_unified = True
+        self.params.n_ctx = -(-kv_cells // 256) * 256
+        self.ctx = self._context(self.params)
+        log.warning("KV memory: llama.cpp's cache for this model is %s, whose unused memory the engine cannot give "
+                    "back; using llama.cpp's unified cache of %d cells instead: %.0f MB resident", reason,
+                    self.params.n_ctx, (resident_bytes() - before) / 1e6)
 
     def _decode_probe(self) -> None:
         """Decode one token into sequence 0 (for :meth:`KvPages.locate`)."""
@@ -87,7 +146,7 @@ class Model:
         backend = backend or detect(deterministic=config.deterministic)
         path = weights_path(config.model_path, config.weights, backend=backend)
         return cls(path, config.max_slots, config.max_seq_len, config.n_batch, config.threads,
-                   config.cache_streams, backend)
+                   config.cache_streams, backend, config.kv_cache_tokens + config.prefix_cache_tokens + config.n_batch)
 
     def set_threads(self, n_threads: int) -> None:
         """Compute threads of the next decodes (``llama_set_n_threads``; a no-op if unchanged)."""
@@ -166,6 +225,11 @@ class Model:
         """Move every KV cell of ``src`` to the sequence ``dst`` (see :meth:`copy_sequence`)."""
         self.copy_sequence(src, dst)
         self.free_sequence(src)
+
+    def pos_min(self, seq_id: int) -> int:
+        """Lowest KV position held by ``seq_id`` (of its sliding-window cells, where the model has
+        some: llama.cpp's ``llama_memory_seq_pos_min``); -1 when it holds none."""
+        return llama_cpp.llama_memory_seq_pos_min(self.mem, seq_id)
 
     def pos_max(self, seq_id: int) -> int:
         """Highest KV position held by ``seq_id``; -1 when it holds none."""

@@ -20,6 +20,7 @@ also takes the first. That is 6 µs a row here against the chain's 60 µs (which
 from __future__ import annotations
 
 import ctypes
+import functools
 from typing import Protocol
 
 import llama_cpp
@@ -28,6 +29,16 @@ import numpy as np
 from engine.request import SamplingParams
 
 _TOKEN_DATA = np.dtype([("id", np.int32), ("logit", np.float32), ("p", np.float32)])  # llama_token_data
+
+
+@functools.cache
+def _candidates(n_vocab: int) -> tuple[ctypes.Array, np.ndarray, np.ndarray]:
+    """The ``llama_token_data [n_vocab]`` array a chain picks from on the constrained path, as
+    ctypes and numpy views, and the token ids ``0 .. n_vocab - 1``: one for every sampler of a
+    vocabulary size, not one per sequence (3 MiB each for Gemma 3's 262,144 tokens), since the
+    engine samples on its one loop thread and a pick fills the array before it reads it."""
+    buffer = (llama_cpp.llama_token_data * n_vocab)()
+    return buffer, np.frombuffer(buffer, _TOKEN_DATA), np.arange(n_vocab, dtype=np.int32)
 
 
 class Constraint(Protocol):
@@ -103,7 +114,6 @@ class Sampler:
         self._banned = np.array(sorted({*banned, *(t for t, b in sampling.logit_bias if b <= -100)}), np.int32)
         p = sampling
         penalized = p.repeat_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
-        self._candidates = None  # llama_token_data [n_vocab], made on the first constrained step
         self.greedy = p.temperature <= 0.0 and not penalized and not p.logit_bias  # the argmax path (module doc)
         self.chain = None
         if self.greedy:
@@ -157,20 +167,17 @@ class Sampler:
         the token ids ``ids`` only (ascending; None: all)."""
         if self.greedy:
             return self._argmax(logits, ids)
-        if self._candidates is None:
-            self._buffer = (llama_cpp.llama_token_data * self.n_vocab)()
-            self._candidates = np.frombuffer(self._buffer, _TOKEN_DATA)
-            self._ids = np.arange(self.n_vocab, dtype=np.int32)
+        buffer, candidates, all_ids = _candidates(self.n_vocab)
         n = self.n_vocab if ids is None else len(ids)
-        c = self._candidates[:n]
+        c = candidates[:n]
         if ids is None:
-            c["id"], c["logit"] = self._ids, logits
+            c["id"], c["logit"] = all_ids, logits
         else:
             c["id"], c["logit"] = ids, logits[ids]
         c["p"] = 0.0
-        array = llama_cpp.llama_token_data_array(self._buffer, n, -1, False)
+        array = llama_cpp.llama_token_data_array(buffer, n, -1, False)
         llama_cpp.llama_sampler_apply(self.chain, ctypes.byref(array))
-        return int(self._buffer[array.selected].id)
+        return int(buffer[array.selected].id)
 
     def _argmax(self, logits: np.ndarray, ids: np.ndarray | None) -> int:
         """The greedy chain's choice (module doc): the first highest of ``logits`` (among
