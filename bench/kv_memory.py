@@ -1,12 +1,15 @@
 """KV memory by use (issue 23, point 3): the model's whole context for any request, at the
 default settings, without the KV memory of 16 full-length slots.
 
-    python -m bench.kv_memory [--rounds 1] [--json out.json]
+    python -m bench.kv_memory [--model PATH] [--rounds 1] [--json out.json]
 
 One server at the defaults but ``--threads`` (8,192 tokens a sequence, ``--kv-cache-tokens``
-32,768; its engine started fresh), then:
+32,768; its engine started fresh) on ``--model`` (default: the bundled SmolLM2-135M; any GGUF,
+whatever its KV cache layout: the server's ``--chat-template`` is not needed, the prompts are
+completions), then:
 
-* ``start``: the engine process's resident memory after start (``VmRSS``) and its peak so far
+* ``start``: the engine process's resident memory after start (``VmRSS``, and ``Pss``: its
+  share of pages shared with other processes, the model file's among them) and its peak so far
   (``VmHWM``: llama.cpp clears the whole KV buffer before the unused pages go back), MiB;
 * ``long``: one 8,000-token prompt, 16 tokens (``ignore_eos``): time to answer (ms), its
   ``prompt_tokens``;
@@ -33,13 +36,17 @@ MIB = 1 << 20
 
 
 def engine_memory(pid: int) -> dict:
-    """``VmRSS`` and ``VmHWM`` of process ``pid``, MiB."""
+    """``VmRSS``, ``VmHWM`` and ``Pss`` of process ``pid``, MiB."""
     out = {}
     with open(f"/proc/{pid}/status") as f:
         for line in f:
             key = line.split(":")[0]
             if key in ("VmRSS", "VmHWM"):
                 out[key] = int(line.split()[1]) * 1024 / MIB
+    with open(f"/proc/{pid}/smaps_rollup") as f:
+        for line in f:
+            if line.startswith("Pss:"):
+                out["Pss"] = int(line.split()[1]) * 1024 / MIB
     return out
 
 
@@ -75,12 +82,14 @@ def main(argv=None) -> int:
     from tests.support.servers import running_server
 
     p = argparse.ArgumentParser(prog="python -m bench.kv_memory", description=__doc__.split("\n")[0])
+    p.add_argument("--model", default=None, help="GGUF to serve (default: the bundled SmolLM2-135M)")
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
-    prompts = Prompts(Tokenizer(default_model_path()))
-    result = {"rounds": []}
-    with running_server("--threads", "48", "--grpc-port", "0") as server:
+    model = a.model or default_model_path()
+    prompts = Prompts(Tokenizer(model))
+    result = {"model": model, "rounds": []}
+    with running_server("--threads", "48", "--grpc-port", "0", env={"MODEL_PATH": model}) as server:
         pid = server.engine.t.control.engine_pid
         result["start"] = engine_memory(pid)
         print("start", json.dumps(result["start"]), flush=True)

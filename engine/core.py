@@ -80,7 +80,7 @@ class EngineCore:
         self.cache = PrefixCache(config.max_slots, config.cache_streams, config.prefix_cache_tokens, model.window) \
             if config.cache_streams else None
         self.sched = Scheduler(config.max_slots, config.policy, config.aging_s, config.n_batch, self.backend,
-                               config.kv_cache_tokens, self.cache, model.logits_rows)
+                               config.kv_cache_tokens, self.cache, model.max_logits_rows)
         self.batch = Batch(config.n_batch)
         self.logprobs = LogProbs(model.n_vocab, threads=min(2, config.threads or 2))
         self.grammars = Grammars(model.vocab, model.eog, model.n_vocab)

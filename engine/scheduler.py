@@ -61,7 +61,7 @@ class Scheduler:
         cache: the prefix cache (None: no reuse).
         logits_rows: logits rows one step's batch may ask for (None: ``n_batch``), at least
             ``max_slots``: each sampling sequence takes one, and a scoring sequence's chunk is
-            cut to what is left (:attr:`engine.llama.model.Model.logits_rows`).
+            cut to what is left (:attr:`engine.llama.model.Model.max_logits_rows`).
     """
 
     def __init__(self, max_slots: int, policy: str, aging_s: float, n_batch: int = 512, backend: Backend = CPU,

@@ -80,12 +80,12 @@ class Model:
         n_seq_max = max_slots + cache_streams
         #: Logits rows one decode may ask for (:func:`logits_rows`); llama.cpp sizes its output
         #: buffer and the logits in its compute buffer to it.
-        self.logits_rows = logits_rows(self.n_vocab, max_slots, n_batch)
+        self.max_logits_rows = logits_rows(self.n_vocab, max_slots, n_batch)
         self.params = params = llama_cpp.llama_context_default_params()
         params.n_ctx = n_seq_max * max_seq_len
         params.n_batch = params.n_ubatch = n_batch
         params.n_seq_max = n_seq_max
-        params.n_outputs_max = self.logits_rows
+        params.n_outputs_max = self.max_logits_rows
         params.kv_unified = False  # one stream per sequence (see Scheduler.gap)
         params.swa_full = False  # llama-server's default: sliding-window layers keep the window only
         # Flash attention: on the paths the deterministic profile keeps to (engine.llama.backend)

@@ -125,3 +125,174 @@ def test_the_defaults_serve_the_models_whole_context_beyond_the_old_2048(model_p
                                                          ignore_eos=True)) as s:
             assert len([t.id for t in s]) == 2
         assert_idle_and_clean(engine.client)
+
+
+# Gemma 3 270M: interleaved sliding-window attention (llama.cpp's llama_kv_cache_iswa). Every sixth
+# layer attends to the whole context (3 layers: the base cache), the 15 others to a 512-token
+# window (the SWA cache); one KV head of 256 dimensions, f16: a 512-byte row.
+GEMMA_BASE_CELL = 3 * 2 * 512
+GEMMA_SWA_CELL = 15 * 2 * 512
+
+
+@pytest.fixture(scope="module")
+def gemma(gemma_model_path):
+    m = Model.from_config(suite_threads(EngineConfig(model_path=gemma_model_path, max_slots=4, max_seq_len=4096,
+                                                     prefix_cache_tokens=4096)))
+    yield m
+    m.close()
+
+
+def test_both_caches_of_the_sliding_window_layout_are_found(gemma):
+    """The base cache has a stream of 4,096 cells a sequence, the SWA cache the window and a
+    micro-batch (512 + 512) a sequence, not 4,096 (llama-server's sizing, swa_full off): 6 streams
+    of each, 144 MiB + 90 MiB of buffer, none of it resident."""
+    assert gemma.pages is not None, "the KV buffers were not found"
+    assert [(c.name, c.kv_size, c.n_stream, len(c.row_bytes), c.cell_bytes) for c in gemma.pages.layouts] == [
+        ("base", 4096, 6, 3, GEMMA_BASE_CELL), ("swa", 1024, 6, 15, GEMMA_SWA_CELL)]
+    assert gemma.window == 512
+
+
+def test_a_stream_of_each_cache_costs_what_its_sequence_wrote_and_goes_back(gemma):
+    """1,500 tokens write 1,500 base cells and, in the SWA cache, every cell of the stream's ring
+    of 1,024 (older positions are overwritten); freeing the sequence gives both back."""
+    tokens = (np.arange(1500, dtype=np.int32) * 7919) % 200000 + 1000
+    start = resident_bytes()
+    prefill(gemma, 2, tokens)
+    peak = resident_bytes()
+    written = 1500 * GEMMA_BASE_CELL + 1024 * GEMMA_SWA_CELL  # 4.4 + 15 MiB
+    assert 0.9 * written < peak - start < written + 64 * MIB  # and the compute buffers a first chunk touches
+    assert gemma.pos_min(2) >= 1500 - 1024  # the window cache dropped what no next position sees
+    gemma.free_sequence(2)
+    assert peak - resident_bytes() > 0.9 * written
+
+
+def test_a_sliding_window_copy_carries_the_window_and_continues_as_the_original(gemma):
+    """A copy of a sequence longer than the window carries its base cells and its last window of
+    SWA cells (llama.cpp's sequence state), and decodes on exactly as the original."""
+    prompt = (np.arange(900, dtype=np.int32) * 31) % 200000 + 1000
+    prefill(gemma, 0, prompt[:800])
+    original = prefill(gemma, 0, prompt[800:], 800)
+    gemma.free_sequence(0)
+    prefill(gemma, 1, prompt[:800])
+    before = resident_bytes()
+    gemma.copy_sequence(1, 4)  # into a cache stream: 800 base cells, 512 SWA cells
+    assert resident_bytes() - before < 800 * GEMMA_BASE_CELL + 512 * GEMMA_SWA_CELL + 16 * MIB
+    assert gemma.pos_min(4) == 800 - 512
+    gemma.free_sequence(1)
+    gemma.copy_sequence(4, 3)
+    gemma.free_sequence(4)
+    assert prefill(gemma, 3, prompt[800:], 800) == original
+    gemma.free_sequence(3)
+
+
+def test_a_state_whose_v_rows_are_transposed_is_refused(model_path):
+    """A layout :mod:`engine.llama.kv_pages` does not know is refused, never guessed: a real
+    context with flash attention off, whose V is stored transposed (one cell's V is then no row
+    of the buffer). No small recurrent or hybrid GGUF is installable here; their refusal is by
+    ``llama_model_is_recurrent`` / ``is_hybrid`` before any state is read."""
+    import ctypes
+
+    import llama_cpp
+
+    from engine.llama.kv_pages import LayoutRefused, parse_probe
+    from engine.llama.library import load_model
+
+    model = load_model(model_path)
+    params = llama_cpp.llama_context_default_params()
+    params.n_ctx, params.n_seq_max, params.kv_unified = 512, 2, False
+    params.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
+    ctx = llama_cpp.llama_init_from_model(model, params)
+    try:
+        batch = Batch(1)
+        batch.add(np.array([5], np.int32), 0, 0, False)
+        assert llama_cpp.llama_decode(ctx, batch.as_struct()) == 0
+        size = llama_cpp.llama_state_seq_get_size(ctx, 0)
+        state = (ctypes.c_uint8 * size)()
+        llama_cpp.llama_state_seq_get_data(ctx, state, size, 0)
+        with pytest.raises(LayoutRefused, match="transposed"):
+            parse_probe(bytes(state))
+    finally:
+        llama_cpp.llama_free(ctx)
+        llama_cpp.llama_model_free(model)
+
+
+def write_tiny_mamba(path: str, n_embd: int = 64, n_layer: int = 2, n_vocab: int = 260) -> None:
+    """A GGUF of a Mamba model (llama.cpp's ``mamba`` architecture: a recurrent memory, one state
+    per sequence) with random float32 weights and a byte vocabulary: real for llama.cpp, small
+    enough to write here (no such model is installable). GGUF v3: header, metadata, tensor
+    infos, data aligned to 32 bytes (ggml/docs/gguf.md)."""
+    import struct
+
+    rng = np.random.default_rng(0)
+    d_inner, d_state, dt_rank, d_conv = 2 * n_embd, 16, 4, 4
+    tokens = ["<unk>", "<s>", "</s>", " "] + [f"<0x{b:02X}>" for b in range(256)]
+    types = [2, 3, 3, 1] + [6] * 256
+
+    def string(s: str) -> bytes:
+        b = s.encode()
+        return struct.pack("<Q", len(b)) + b
+
+    meta = [("general.architecture", 8, "mamba"), ("mamba.context_length", 4, 4096),
+            ("mamba.embedding_length", 4, n_embd), ("mamba.block_count", 4, n_layer),
+            ("mamba.feed_forward_length", 4, 0), ("mamba.attention.head_count", 4, 0),
+            ("mamba.ssm.conv_kernel", 4, d_conv), ("mamba.ssm.inner_size", 4, d_inner),
+            ("mamba.ssm.state_size", 4, d_state), ("mamba.ssm.time_step_rank", 4, dt_rank),
+            ("mamba.attention.layer_norm_rms_epsilon", 6, 1e-5), ("tokenizer.ggml.model", 8, "llama"),
+            ("tokenizer.ggml.tokens", (9, 8), tokens), ("tokenizer.ggml.scores", (9, 6), [0.0] * len(tokens)),
+            ("tokenizer.ggml.token_type", (9, 5), types), ("tokenizer.ggml.bos_token_id", 4, 1),
+            ("tokenizer.ggml.eos_token_id", 4, 2), ("tokenizer.ggml.unknown_token_id", 4, 0)]
+    scalar = {4: "<I", 5: "<i", 6: "<f"}
+    kv = b""
+    for key, kind, value in meta:
+        kv += string(key)
+        if isinstance(kind, tuple):
+            kv += struct.pack("<IIQ", 9, kind[1], len(value))
+            kv += b"".join(string(v) if kind[1] == 8 else struct.pack(scalar[kind[1]], v) for v in value)
+        else:
+            kv += struct.pack("<I", kind) + (string(value) if kind == 8 else struct.pack(scalar[kind], value))
+    shapes = {"token_embd.weight": (n_embd, n_vocab), "output_norm.weight": (n_embd,)}
+    for i in range(n_layer):
+        shapes.update({f"blk.{i}.attn_norm.weight": (n_embd,), f"blk.{i}.ssm_in.weight": (n_embd, 2 * d_inner),
+                       f"blk.{i}.ssm_conv1d.weight": (d_conv, d_inner), f"blk.{i}.ssm_conv1d.bias": (d_inner,),
+                       f"blk.{i}.ssm_x.weight": (d_inner, dt_rank + 2 * d_state),
+                       f"blk.{i}.ssm_dt.weight": (dt_rank, d_inner), f"blk.{i}.ssm_dt.bias": (d_inner,),
+                       f"blk.{i}.ssm_a": (d_state, d_inner), f"blk.{i}.ssm_d": (d_inner,),
+                       f"blk.{i}.ssm_out.weight": (d_inner, n_embd)})
+    infos, data = b"", b""
+    for name, shape in shapes.items():
+        values = (rng.standard_normal(int(np.prod(shape))) * 0.1).astype(np.float32)
+        if name.endswith(("norm.weight",)):
+            values[:] = 1.0
+        if name.endswith("ssm_a"):
+            values = -np.abs(values) - 0.5  # A = -exp(A_log) < 0
+        infos += string(name) + struct.pack("<I", len(shape)) + b"".join(struct.pack("<Q", d) for d in shape)
+        infos += struct.pack("<IQ", 0, len(data))  # F32, offset
+        data += values.tobytes() + b"\0" * (-len(values.tobytes()) % 32)
+    head = b"GGUF" + struct.pack("<IQQ", 3, len(shapes), len(meta)) + kv + infos
+    with open(path, "wb") as f:
+        f.write(head + b"\0" * (-len(head) % 32) + data)
+
+
+def test_a_recurrent_memory_is_refused_said_and_bounded(tmp_path, caplog):
+    """A model whose memory kv_pages does not know (here a recurrent one: a state per sequence,
+    no KV cells) is not searched for pages: the engine logs one WARNING line with the reason and
+    the megabytes it holds, and runs on llama.cpp's unified cache of the budgets' cells. Its
+    prefix cache reuses only whole sequences (window 0: a state is its last position's)."""
+    import logging
+
+    path = str(tmp_path / "tiny-mamba.gguf")
+    write_tiny_mamba(path)
+    config = EngineConfig(model_path=path, max_slots=2, max_seq_len=256, kv_cache_tokens=512, prefix_cache_tokens=512,
+                          n_batch=64)
+    with caplog.at_level(logging.WARNING, logger="engine"):
+        m = Model.from_config(suite_threads(config))
+    try:
+        warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+        assert len(warnings) == 1 and "recurrent" in warnings[0] and "MB resident" in warnings[0], warnings
+        assert m.pages is None and m.window == 0 and m.params.kv_unified and m.params.n_ctx == 1280
+        first = greedy(m, 0, np.arange(10, 40, dtype=np.int32), 4)
+        m.copy_sequence(0, 1)
+        m.free_sequence(0)
+        assert len(first) == 4 and m.pos_max(1) == 32
+    finally:
+        m.close()

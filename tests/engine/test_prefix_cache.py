@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 
+import numpy as np
 import pytest
 
 from engine.config import EngineConfig
@@ -246,4 +247,34 @@ def test_a_prefix_short_against_its_source_is_prefilled_not_copied(model_path):
             with engine.client.submit(source[:shared] + [50, 51, 52], params) as s:
                 list(s)
                 assert s.n_cached == cached, shared
+        assert_idle_and_clean(engine.client)
+
+
+def test_a_sliding_window_model_reuses_what_it_keeps_and_prefills_the_rest(gemma_model_path):
+    """Gemma 3 attends through a 512-token window in 15 of its 18 layers, and llama.cpp keeps only
+    a sequence's last window of those layers' cells: a cached sequence longer than the window can
+    give all its cells, never a part (engine.prefix_cache.reusable). A prompt that extends one
+    reuses all of it; a prompt that shares only part of one is prefilled whole; a source shorter
+    than the window gives any part. Each reply is the cold run's (another tenant's, which shares
+    no cell), under ``--deterministic``. Sequences stay under the 1,024 cells of a stream's window
+    cache: past them llama.cpp's ring puts new cells before older ones, and attention sums in cell
+    order."""
+    params = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True)
+    rng = np.random.default_rng(7)
+    long = [int(t) for t in rng.integers(1000, 200000, 560)]
+    short = [int(t) for t in rng.integers(1000, 200000, 300)]
+    tail = [int(t) for t in rng.integers(1000, 200000, 24)]
+    config = _config(gemma_model_path, max_slots=2, max_seq_len=1024, deterministic=True)
+    with inproc_engine(config) as engine:
+        def run(prompt, tenant):
+            with engine.client.submit(prompt, params, tenant=tenant) as s:
+                return [t.id for t in s], s.n_cached
+
+        first, cached = run(long, 1)  # kept: the prompt and 5 of the 6 tokens (the last is never fed)
+        extended = long + first + tail
+        partial = long[:540] + tail
+        for prompt, expected in ((extended, len(long) + 5), (partial, 0), (short, 0), (short[:250] + tail, 250)):
+            reply, cached = run(prompt, 1)
+            assert cached == expected, (len(prompt), cached)
+            assert reply == run(prompt, 2 + len(prompt))[0]  # a tenant of its own: cold
         assert_idle_and_clean(engine.client)

@@ -34,3 +34,21 @@ def test_prefix_cache_keeps_the_latest_turn_and_evicts_least_recently_used():
     assert cache.insert(1, _toks(5, 6, 7)) == (3, [3])  # 4 + 2 + 3 > 8: the LRU entry goes
     assert cache.n_tokens == 7 and len(cache.entries) == 2
     assert cache.insert(1, _toks(*range(20, 29))) == (None, [])  # longer than the whole cache
+
+
+def test_a_windowed_or_recurrent_source_gives_only_what_it_keeps():
+    """engine.prefix_cache.reusable: full attention gives any prefix; a sliding window of 512
+    tokens any prefix of a source under 512 tokens and only all of a longer one; a recurrent state
+    only all of it. The cache's lookups, coverage and reuse follow it."""
+    from engine.prefix_cache import PrefixCache, reusable
+
+    assert reusable(5000, 10, None)
+    assert reusable(511, 10, 512) and not reusable(512, 10, 512) and reusable(600, 600, 512)
+    assert not reusable(600, 599, 512) and reusable(20, 20, 0) and not reusable(20, 19, 0)
+    long, short = np.arange(100, 700, dtype=np.int32), np.arange(1000, 1300, dtype=np.int32)
+    cache = PrefixCache(first_stream=4, n_streams=3, max_tokens=2000, window=512)
+    assert cache.insert(1, long)[0] == 4 and cache.insert(1, short)[0] == 5
+    assert cache.lookup(1, np.concatenate([long, [1, 2]]))[1] == 600  # all of it
+    assert cache.lookup(1, np.concatenate([long[:550], [1, 2]])) == (None, 0)  # a part of it: no
+    assert cache.lookup(1, np.concatenate([short[:250], [1, 2]]))[1] == 250  # under the window: any part
+    assert cache.insert(1, long[:550])[0] == 6  # not covered by the longer entry, which cannot give it
