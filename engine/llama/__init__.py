@@ -4,7 +4,8 @@
 * :mod:`engine.llama.backend`: the device profile (CPU or GPU) and the choices it carries;
 * :mod:`engine.llama.weights`: the weight format computed with (a copy converted once);
 * :mod:`engine.llama.model`: one context and its KV cache (``Model.from_config``);
-* :mod:`engine.llama.kv_pages`: the KV memory of streams that hold nothing given back to the kernel;
+* :mod:`engine.llama.kv_pages`: the KV memory of streams that hold nothing given back to the kernel,
+  on the cache layouts it knows (one cache; interleaved sliding window), the others refused;
 * :mod:`engine.llama.batch`: the ``llama_batch`` the engine fills;
 * :mod:`engine.llama.sampler`: per-sequence sampler chains and the constraint slot;
 * :mod:`engine.llama.logprobs`: log-probabilities of generated and prompt tokens, many rows at once;

@@ -20,9 +20,10 @@ if TYPE_CHECKING:
 log = logging.getLogger("engine")
 
 #: Bytes of logits one decode may produce: llama.cpp keeps them twice, in its compute buffer and
-#: in its output buffer, and neither shrinks. 96 MiB is the 512 rows of a full batch over
-#: SmolLM2's 49,152 tokens; Gemma 3's 262,144 make a row 1 MiB, so 96 rows.
-LOGITS_BYTES = 96 << 20
+#: in its output buffer, and neither shrinks once touched. 32 MiB: 170 rows of SmolLM2's 49,152
+#: tokens, 32 of Gemma 3's 262,144 (1 MiB a row), whose 96 rows made a scoring request leave
+#: 150 MB more resident for good (docs/architecture.md, "KV memory": logits rows).
+LOGITS_BYTES = 32 << 20
 
 
 def logits_rows(n_vocab: int, max_slots: int, n_batch: int) -> int:

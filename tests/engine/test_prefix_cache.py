@@ -255,16 +255,18 @@ def test_a_sliding_window_model_reuses_what_it_keeps_and_prefills_the_rest(gemma
     a sequence's last window of those layers' cells: a cached sequence longer than the window can
     give all its cells, never a part (engine.prefix_cache.reusable). A prompt that extends one
     reuses all of it; a prompt that shares only part of one is prefilled whole; a source shorter
-    than the window gives any part. Each reply is the cold run's (another tenant's, which shares
-    no cell), under ``--deterministic``. Sequences stay under the 1,024 cells of a stream's window
-    cache: past them llama.cpp's ring puts new cells before older ones, and attention sums in cell
-    order."""
+    than the window gives any part. Each reply with a hit is the cold run's (another tenant's, which shares
+    no cell), under ``--deterministic`` and on Q8_0 weights: the file's Q4_K products are not
+    batch-invariant (llama.cpp's repacked K-quant kernels sum a row differently by the rows beside
+    it: 2.2 apart in a logit between two chunkings). Sequences stay under the 1,024 cells of a
+    stream's window cache: past them llama.cpp's ring puts new cells before older ones, and
+    attention sums in cell order."""
     params = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True)
     rng = np.random.default_rng(7)
     long = [int(t) for t in rng.integers(1000, 200000, 560)]
     short = [int(t) for t in rng.integers(1000, 200000, 300)]
     tail = [int(t) for t in rng.integers(1000, 200000, 24)]
-    config = _config(gemma_model_path, max_slots=2, max_seq_len=1024, deterministic=True)
+    config = _config(gemma_model_path, max_slots=2, max_seq_len=1024, deterministic=True, weights="q8_0")
     with inproc_engine(config) as engine:
         def run(prompt, tenant):
             with engine.client.submit(prompt, params, tenant=tenant) as s:
@@ -276,5 +278,6 @@ def test_a_sliding_window_model_reuses_what_it_keeps_and_prefills_the_rest(gemma
         for prompt, expected in ((extended, len(long) + 5), (partial, 0), (short, 0), (short[:250] + tail, 250)):
             reply, cached = run(prompt, 1)
             assert cached == expected, (len(prompt), cached)
-            assert reply == run(prompt, 2 + len(prompt))[0]  # a tenant of its own: cold
+            if cached:  # (prefilled whole, it is a cold run)
+                assert reply == run(prompt, 2 + len(prompt))[0]  # a tenant of its own: cold
         assert_idle_and_clean(engine.client)

@@ -173,3 +173,26 @@ def test_static_and_fifo_admission():
     for t in range(3):
         fifo.add(make(tenant=t))
     assert admitted_tenants(fifo) == [0] and fifo.admit(0.0) == []
+
+
+def test_a_scoring_chunk_takes_the_logits_rows_the_others_leave():
+    """Every row of a scoring chunk is a logits row, and a decode asks for at most
+    ``logits_rows`` (llama.cpp keeps them twice: 1 MiB a row for a 262,144-token vocabulary):
+    the chunk is cut to what the decodes and the prefills after it, which may sample, leave."""
+    from engine.llama.backend import CPU
+    from engine.request import RequestKind
+
+    sched = Scheduler(max_slots=3, policy="continuous", aging_s=1e9, n_batch=512, backend=CPU, logits_rows=20)
+    decoding = make(tenant=1)
+    sched.add(decoding)
+    sched.schedule(0.0)
+    decoding.n_generated, decoding.last_token = 1, 7
+    scoring = Sequence(0, 1, EngineRequest(np.arange(1, 301, dtype=np.int32), SamplingParams(max_new_tokens=0), NORMAL,
+                                           0.0, 2, kind=RequestKind.SCORE), 0.0)
+    after = make(tenant=3)
+    sched.add(scoring)
+    sched.add(after)
+    plan = sched.schedule(0.0)
+    assert [(r.seq, len(r.tokens)) for r in sorted(plan.rows, key=lambda r: r.seq.order)] == [
+        (decoding, 1), (scoring, 18), (after, 2)]  # 20 rows: 1 decode + 18 scored + 1 sampled
+    assert sum(len(r.tokens) if r.scores else int(r.samples) for r in plan.rows) == 20
