@@ -1,5 +1,7 @@
-"""KV cache memory by use (engine/llama/kv_pages.py): a real llama.cpp context whose streams of
-8,192 cells cost memory only for the cells written, and nothing once freed."""
+"""KV cache memory by use (engine/llama/kv_pages.py): real llama.cpp contexts whose streams cost
+memory only for the cells written, and nothing once freed, on both layouts it knows (SmolLM2's one
+cache; Gemma 3's interleaved sliding-window caches); the layouts it does not know refused (a
+transposed V; a recurrent model, which the engine then runs on the unified cache and says so)."""
 from __future__ import annotations
 
 import numpy as np
@@ -186,10 +188,9 @@ def test_a_sliding_window_copy_carries_the_window_and_continues_as_the_original(
 
 
 def test_a_state_whose_v_rows_are_transposed_is_refused(model_path):
-    """A layout :mod:`engine.llama.kv_pages` does not know is refused, never guessed: a real
+    """A state :mod:`engine.llama.kv_pages` does not know is refused, never guessed: a real
     context with flash attention off, whose V is stored transposed (one cell's V is then no row
-    of the buffer). No small recurrent or hybrid GGUF is installable here; their refusal is by
-    ``llama_model_is_recurrent`` / ``is_hybrid`` before any state is read."""
+    of the buffer)."""
     import ctypes
 
     import llama_cpp
