@@ -72,6 +72,7 @@ def on_starting(server) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         _config.check_files()
+        _state["chat_template"] = _config.chat_template_origin()
         _state["tenants"] = Tenants.load(_config.tenants_file or None)
         if _config.grpc_port:
             check_grpc_port(_config.host, _config.grpc_port)
@@ -109,6 +110,9 @@ def _start_engine(server) -> None:
     supervisor.start()
     server.log.info("engine starting: %d slots x %d tokens, policy %s, %d threads; shared memory %s",
                     engine.max_slots, engine.max_seq_len, engine.policy, engine.threads, supervisor.transport_name)
+    server.log.info("model %s, served as %s; %s", engine.model_path, ", ".join(_config.model_ids),
+                    f"chat: yes (chat template: {_state['chat_template']})" if _state["chat_template"] else
+                    "chat: no, the model has no chat template (completions only; give one with --chat-template FILE)")
     if _config.grpc_port:
         sidecar = Sidecar(dict(os.environ), on_exit=lambda pid: _process_exited(server, pid, "gRPC sidecar"),
                           on_bind_failed=lambda: _grpc_port_lost(server))

@@ -155,9 +155,9 @@ class InferenceService(inference_pb2_grpc.InferenceServiceServicer):
 
     def _infer(self, request: pb.InferRequest, context, record: RequestRecord) -> tuple[str, Generation]:
         tenant = record.tenant = self._tenant(context)
-        tenant_id, greq, messages = infer_request(request, tenant, self.tenants)
+        tenant_id, greq, payload = infer_request(request, tenant, self.tenants)
         greq = dataclasses.replace(greq, deadline_ms=_call_deadline_ms(context, greq.deadline_ms))
-        gen = self.generator.chat(messages, greq, "payload", tenant=tenant)
+        gen = self.generator.infer(payload, greq, tenant=tenant)
         record.attach(gen, request.payload)
         _cancel_with_call(gen, context)
         return tenant_id, gen

@@ -49,7 +49,9 @@ class ChatTemplate:
     Attributes:
         source: the template's Jinja source. takes_tools: it reads the ``tools`` variable.
     Raises (from ``__init__``):
-        ValueError: the model has no chat template, or it does not compile.
+        ValueError: no ``source`` is given and the model has no chat template.
+        jinja2.TemplateSyntaxError: it does not compile (the server checks that at start:
+            ``ServerConfig.chat_template_origin``).
     """
 
     def __init__(self, tokenizer: Tokenizer, source: str | None = None):
@@ -57,7 +59,6 @@ class ChatTemplate:
         if not source:
             raise ValueError("the model has no chat template (tokenizer.chat_template)")
         env = environment()
-        self.source = source
         self.takes_tools = "tools" in jinja2.meta.find_undeclared_variables(env.parse(source))
         self.template = env.from_string(source)
         self.source = source  #: the Jinja text (served by GET /tokenizer_info)
@@ -65,13 +66,21 @@ class ChatTemplate:
         #: Tokens the template adds for each message at least (a cheap lower bound on a prompt).
         self.tokens_per_message = max(0, min(self._added_tokens(r) for r in ("system", "user", "assistant")))
 
+    @classmethod
+    def of(cls, tokenizer: Tokenizer, source: str | None = None) -> "ChatTemplate | None":
+        """The template a server renders chats with: ``source`` (``--chat-template``'s), else the
+        model's; None when the model has none (a base model: it serves no chat, and no format
+        is guessed for it)."""
+        return cls(tokenizer, source) if source or tokenizer.chat_template else None
+
     def _added_tokens(self, role: str) -> int:
         """Tokens one more empty ``role`` message adds; 0 (no bound) when the template refuses two
-        such messages in a row (Mistral's and Gemma's: roles must alternate)."""
+        such messages in a row (Mistral's and Gemma's: roles must alternate), or cannot render
+        empty messages at all (it fails in its own way, which a request would see as well)."""
         m = [{"role": role, "content": ""}]
         try:
             return len(self.encode(m * 2, False)) - len(self.encode(m, False))
-        except InvalidRequest:
+        except (InvalidRequest, jinja2.TemplateError, TypeError, ValueError, LookupError, AttributeError):
             return 0
 
     def encode(self, messages: list[dict], add_generation_prompt: bool = True,
@@ -160,6 +169,21 @@ class _Marks:
             value = self.values[int(chunks[k])]
             parts += [value if chunks[k + 1] == "\n" else json.dumps(value, ensure_ascii=False)[1:-1], chunks[k + 2]]
         return parts
+
+
+class NoChatTemplate(InvalidRequest):
+    """A chat (Chat Completions, Responses, gRPC's ``ChatComplete``, ``/tokenize``'s
+    ``messages``) to a model without a chat template, a base model served without
+    ``--chat-template`` (HTTP 400, gRPC INVALID_ARGUMENT). No turn format is guessed for it: a
+    wrong one makes a model answer worse than a plain prompt does. ``param``: the field that
+    holds the conversation."""
+
+    code = "chat_template_missing"
+
+    def __init__(self, param: str):
+        super().__init__("this model has no chat template (its GGUF file has no tokenizer.chat_template), so it "
+                         "serves no chat: start the server with --chat-template FILE, a Jinja chat template of the "
+                         "model's turn format, or send a plain prompt to /v1/completions", param)
 
 
 class TemplateRefusal(Exception):

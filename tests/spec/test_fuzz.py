@@ -287,8 +287,8 @@ def parse_request(route: str, raw: bytes, hdrs: dict, tokenizer, chat: ChatTempl
     req = falcon.Request(falcon.testing.create_environ(path=route, method="POST", body=raw, headers=hdrs))
     body = read_json(req, MAX_BODY)
     if route == INFER:
-        _, greq, messages = parse_infer(body, tenant or DEFAULT_TENANT, CLOSED if tenant else OPEN)
-        prompts = [chat.encode(messages)]
+        _, greq, payload = parse_infer(body, tenant or DEFAULT_TENANT, CLOSED if tenant else OPEN)
+        prompts = [chat.encode([{"role": "user", "content": payload}])]
     else:
         check_model(body, MODEL_IDS)
         greq = parse_generation(body, chat=route == CHAT)
