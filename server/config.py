@@ -66,7 +66,7 @@ class ServerConfig:
     model_id: str = _option("--model-id", "MODEL_ID",
                             "model names clients may send, comma-separated (the first is the default; vLLM's "
                             "--served-model-name); /v1/models lists them all", "",
-                            shown="the GGUF's general.name (else its file name), and local-model")
+                            shown="the GGUF's general.name, and local-model")
     max_slots: int = _option("--max-slots", "MAX_SLOTS", "sequences decoded together (KV slots)", engine="max_slots")
     max_seq_len: int = _option("--max-seq-len", "MAX_SEQ_LEN", "tokens per sequence, prompt + generation",
                                engine="max_seq_len")

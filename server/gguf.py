@@ -1,15 +1,18 @@
-"""A GGUF file's metadata strings, read by the file format's own layout (ggml's ``docs/gguf.md``)
-without loading llama.cpp: the gunicorn master reads the model's name and chat template before any
-worker starts, so a file that cannot serve is refused there, in one line.
+"""A GGUF file's metadata strings, read by the file format's own layout (the GGUF specification in
+the ggml repository) without loading llama.cpp: the gunicorn master reads the model's name and
+chat template before any worker starts, so a file whose metadata is cut short is refused there,
+in one line.
 
 Layout: ``"GGUF"``, version (u32, 2 or 3: version 1's 32-bit counts are refused by llama.cpp
 too), tensor count (u64), key-value count (u64), then each pair: key (a string: u64 length and
 UTF-8 bytes), value type (u32), value. An array is its element type (u32), its length (u64) and
-its elements. Everything is little-endian, as the files llama.cpp writes on every host.
+its elements. Everything is little-endian (a big-endian file, written for s390x, reads as an
+unknown version and is refused).
 """
 from __future__ import annotations
 
 import mmap
+import os
 import struct
 
 from engine.config import ConfigError
@@ -40,12 +43,13 @@ def metadata_strings(path: str, keys: tuple[str, ...]) -> dict[str, str]:
             read, metadata cut short (a partial download), or one of ``keys`` not a string.
     """
     try:
-        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
-            return _read(data, path, set(keys))
+        with open(path, "rb") as f:
+            if os.fstat(f.fileno()).st_size < 4:
+                raise ConfigError(f"model file {path} is not a GGUF file")
+            with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
+                return _read(data, path, set(keys))
     except OSError as e:
         raise ConfigError(f"cannot read model file {path}: {e.strerror}") from None
-    except ValueError:  # mmap of an empty file
-        raise ConfigError(f"model file {path} is not a GGUF file (it is empty)") from None
 
 
 def _read(data: mmap.mmap, path: str, wanted: set[str]) -> dict[str, str]:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import ctypes
 import gc
 import logging
+import multiprocessing
 import os
 import signal
 import sys
@@ -164,6 +165,8 @@ def when_ready(server) -> None:
     reads the file first: a bad one is logged and nothing changes; a good one becomes the
     master's (the tenants a restarted worker boots with) and every worker reloads it."""
     _start_engine(server)
+    # Before any worker forks, so every worker shares it (worker_cannot_start).
+    _state["boot_failure"] = multiprocessing.Lock()
 
     def handle_hup():
         try:
@@ -224,6 +227,27 @@ def accepted_tenants() -> Tenants:
     with these (inherited with the master's memory), never with the bad file; outside a gunicorn
     master, the file's."""
     return _state.get("tenants") or Tenants.load(_config.tenants_file or None)
+
+
+#: gunicorn's ``Arbiter.APP_LOAD_ERROR``: a worker that exits with it halts the master.
+APP_LOAD_ERROR = 4
+
+
+def worker_cannot_start(message: str) -> None:
+    """In a worker that cannot build its app (``server.wsgi``): exit so that the master stops
+    and cleans up (``on_exit``), with ``message`` said once.
+
+    The first such worker prints ``message`` (one line) and exits with ``APP_LOAD_ERROR``, on which
+    the master halts. Every other one (the workers meet the same fault together) exits quietly
+    with status 0: a second ``APP_LOAD_ERROR``, reaped while the master halts, raised gunicorn's
+    ``HaltServer`` again from inside its halt, which then printed a traceback and never ran
+    ``on_exit`` (the shared memory stayed behind). Outside a gunicorn master, always the first.
+    """
+    lock = _state.get("boot_failure")
+    if lock is None or lock.acquire(block=False):  # never released: one worker says it
+        print(message, file=sys.stderr, flush=True)
+        os._exit(APP_LOAD_ERROR)
+    os._exit(0)
 
 
 def post_fork(server, worker) -> None:

@@ -46,8 +46,16 @@ class ChatTemplate:
     Hugging Face's tool fields: ``tool_calls`` whose ``arguments`` are objects,
     ``tool_call_id``, ``name``), and the request's ``tools`` when the template takes them.
 
+    A template without a system role (Gemma's: it raises on one, or renders nothing of it) gets a
+    leading system message merged into the next message, its text first and a newline between
+    (llama.cpp's ``system_message_not_supported`` workaround in ``common/chat.cpp``, on the same
+    test: does a system message's text appear in the rendering?), so OpenAI clients' system
+    prompts and the generic tool format's instructions reach such a model as they reach it
+    through llama-server.
+
     Attributes:
         source: the template's Jinja source. takes_tools: it reads the ``tools`` variable.
+        system_role: it renders a system message.
     Raises (from ``__init__``):
         ValueError: no ``source`` is given and the model has no chat template.
         jinja2.TemplateSyntaxError: it does not compile (the server checks that at start:
@@ -63,6 +71,7 @@ class ChatTemplate:
         self.template = env.from_string(source)
         self.source = source  #: the Jinja text (served by GET /tokenizer_info)
         self.tokenizer = tokenizer
+        self.system_role = self._renders_system_role()
         #: Tokens the template adds for each message at least (a cheap lower bound on a prompt).
         self.tokens_per_message = max(0, min(self._added_tokens(r) for r in ("system", "user", "assistant")))
 
@@ -72,6 +81,17 @@ class ChatTemplate:
         model's; None when the model has none (a base model: it serves no chat, and no format
         is guessed for it)."""
         return cls(tokenizer, source) if source or tokenizer.chat_template else None
+
+    def _renders_system_role(self) -> bool:
+        """Whether a system message's text shows in the rendering of ``[system, user]``."""
+        probe = f"system-{secrets.token_hex(8)}"
+        try:
+            text = self.template.render(messages=[{"role": "system", "content": probe},
+                                                  {"role": "user", "content": "User message"}],
+                                        add_generation_prompt=True, bos_token="", eos_token="")
+        except Exception:  # noqa: BLE001 - a template that cannot render one (raise_exception) has none
+            return False
+        return probe in text
 
     def _added_tokens(self, role: str) -> int:
         """Tokens one more empty ``role`` message adds; 0 (no bound) when the template refuses two
@@ -119,6 +139,8 @@ class ChatTemplate:
             InvalidRequest: naming ``param``: the template refuses the messages (its
                 ``raise_exception``).
         """
+        if not self.system_role:
+            messages = merge_system_message(messages)
         marks = _Marks(self.tokenizer.special_texts)
         marked = []
         for m in messages:
@@ -136,6 +158,17 @@ class ChatTemplate:
             raise InvalidRequest(str(e), param) from None
         parts = marks.split(rendered)
         return parts[:-1] if continue_final_message else parts  # drop what follows the final text
+
+
+def merge_system_message(messages: list[dict]) -> list[dict]:
+    """``messages`` with a leading system (or developer) message merged into the next one: its
+    text, a newline, then that message's. A lone system message stays, for the template to
+    refuse (llama.cpp drops it, which would answer a request it never saw)."""
+    if len(messages) < 2 or ROLE_ALIASES.get(messages[0]["role"], messages[0]["role"]) != "system":
+        return messages
+    first, second = messages[0], messages[1]
+    merged = f"{first['content'] or ''}\n{second['content'] or ''}"
+    return [{**second, "content": merged}, *messages[2:]]
 
 
 class _Marks:

@@ -184,11 +184,14 @@ def test_sdk_completion_streamed(server):
 
 
 def test_sdk_models_list(server):
+    """The model under the name its GGUF gives (``general.name``, spaces made ``-``), then the
+    alias every earlier client used; both can chat (the bundled model has a chat template)."""
     client = sdk(server)
     models = client.models.list().data
-    assert [m.id for m in models] == [MODEL]
+    assert [m.id for m in models] == ["Smollm2-135M-8k-Lc100K-Mix1-Ep2", MODEL]
     assert models[0].object == "model"
     assert models[0].model_extra["context_length"] == server.engine.max_seq_len == 512
+    assert all(m.model_extra["capabilities"] == ["completion", "chat"] for m in models)
     assert client.models.retrieve(MODEL).id == MODEL
     with pytest.raises(openai.NotFoundError) as e:
         client.models.retrieve("no-such-model")
