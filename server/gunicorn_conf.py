@@ -6,8 +6,11 @@
 
 Settings come from the same environment variables as the CLI flags (``server.config``).
 The master process owns the shared memory and the engine: ``on_starting`` validates the
-configuration, ``when_ready`` (the port is bound) creates the transport and starts the engine
-supervisor and the gRPC sidecar (``server.grpc.keeper``) before any worker forks; ``child_exit``
+configuration and the files (the model's metadata and chat template: docs/architecture.md
+"Start-up"), ``when_ready`` (the port is bound) creates the transport, starts the engine
+supervisor and the gRPC sidecar (``server.grpc.keeper``) and logs the model it serves, under
+which names, with chat or not, before any worker forks; a worker that cannot build its app stops
+the master through :func:`worker_cannot_start`; ``child_exit``
 reclaims the
 mailboxes a dead worker leased; ``on_exit`` stops the engine and unlinks the shared memory;
 SIGTERM drains first (``_drain``);

@@ -74,7 +74,7 @@ class Generator:
         :class:`InvalidRequest` for a structured output on a continued final message, or one
         that tools cannot be combined with; :class:`NoChatTemplate` (naming ``prompt_param``)
         when the model has no chat template, before anything else is checked."""
-        self._chat_template(prompt_param)
+        self.chat_template(prompt_param)
         render = render or {}
         self._check_logit_bias(req)
         constraint = req.constraint
@@ -117,7 +117,7 @@ class Generator:
                 indentation its tool description adds counts too: 100 KB of nested schema
                 rendered to 400,000 tokens in 8 s).
         """
-        template = self._chat_template(prompt_param)
+        template = self.chat_template(prompt_param)
         render = render or {}
         if offered and render.get("continue_final_message"):
             raise InvalidRequest("continue_final_message cannot be combined with tools (use tool_choice: none)",
@@ -129,8 +129,11 @@ class Generator:
         return template.encode(fmt.prompt_messages(messages, offered, json_answer),
                                tools=fmt.template_tools(offered), param=prompt_param, **render)
 
-    def _chat_template(self, prompt_param: str) -> ChatTemplate:
-        """The chat template.
+    def chat_template(self, prompt_param: str) -> ChatTemplate:
+        """The chat template. The chat routes ask for it before they parse a body, so a chat to
+        a model without one gets that refusal, not a field's; :meth:`chat` and
+        :meth:`prompt_ids` ask again (``/tokenize``'s ``messages`` and ``/infer`` come through
+        them alone).
 
         Raises:
             NoChatTemplate: naming ``prompt_param``: the model has none.

@@ -164,6 +164,7 @@ class InferenceService(inference_pb2_grpc.InferenceServiceServicer):
 
     def _chat(self, request: pb.ChatRequest, context, record: RequestRecord) -> tuple[str, Generation]:
         tenant = record.tenant = self._tenant(context)
+        self.generator.chat_template("messages")  # a model without one: that, before any field
         model, greq, messages, render = chat_request(request, self.config.model_ids, self.config.max_messages)
         greq = dataclasses.replace(greq, deadline_ms=_call_deadline_ms(context, greq.deadline_ms))
         gen = self.generator.chat(messages, greq, render=render, tenant=tenant)

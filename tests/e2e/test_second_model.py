@@ -125,7 +125,9 @@ def test_tokenizer_routes_serve_a_prompt_and_refuse_a_chat(base):
     (CHAT, chat_body("Hi", max_tokens=2, stream=True), "messages"),  # refused before the stream starts
     (CHAT, chat_body("Hi", tools=[WEATHER]), "messages"),
     (CHAT, chat_body("Hi", response_format={"type": "json_object"}), "messages"),
+    (CHAT, chat_body("Hi", temperature=7), "messages"),  # before any field is read
     (RESPONSES, {"input": "Hi", "max_output_tokens": 2}, "input"),
+    (RESPONSES, {"input": "Hi", "previous_response_id": "resp_none"}, "input"),
 ])
 def test_every_chat_gets_a_400_that_says_how_to_give_a_template(base, path, body, param):
     err = error(post(base, path, body), 400, param=param, code="chat_template_missing")
