@@ -78,7 +78,8 @@ def _read(data: mmap.mmap, path: str, wanted: set[str]) -> dict[str, str]:
         raise ConfigError(f"model file {path} is cut short: its GGUF metadata runs past the end of the file "
                           f"({len(data)} bytes); download it again") from None
     except _UnknownType as e:
-        raise ConfigError(f"model file {path} is damaged: its GGUF metadata holds a value of unknown type {e}") from None
+        raise ConfigError(f"model file {path} is damaged: its GGUF metadata holds a value of unknown type "
+                          f"{e}") from None
     return found
 
 

@@ -2,10 +2,10 @@
 
 Request: ``{"tenant_id", "payload", "priority": "high|normal|low", "deadline_ms",
 "max_new_tokens"}``; ``payload`` is the user's message, rendered with the chat template (for a
-model without one, a plain prompt the model continues: ``Generator.infer``), decoded greedily. Response: ``{"tenant_id", "text", "tokens", "cached_tokens",
-"finish_reason": "stop|length|deadline", "queue_wait_ms", "latency_ms"}``. The HTTP route
-(``server/http/infer.py``) and the gRPC ``Infer`` method share :func:`parse_infer` and
-:func:`infer_result`.
+model without one, a plain prompt the model continues: ``Generator.infer``), decoded greedily.
+Response: ``{"tenant_id", "text", "tokens", "cached_tokens", "finish_reason":
+"stop|length|deadline", "queue_wait_ms", "latency_ms"}``. The HTTP route (``server/http/infer.py``)
+and the gRPC ``Infer`` method share :func:`parse_infer` and :func:`infer_result`.
 """
 from __future__ import annotations
 
