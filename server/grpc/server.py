@@ -62,6 +62,7 @@ def build(config: ServerConfig, engine: EngineClient,
         PortInUse: ``--grpc-port`` is in use (gRPC's own error).
         ConfigError, RuntimeError: llama.cpp cannot load the model's vocabulary."""
     tokenizer = Tokenizer(config.resolved_model_path())
+    _ = config.model_ids  # the GGUF's name read now, not by a first request
     generator = Generator(engine, tokenizer, ChatTemplate.of(tokenizer, config.chat_template_source()),
                           RateLimiter(engine.buckets, config.redis_url))
     # No cap on concurrent calls: gRPC would refuse the excess with RESOURCE_EXHAUSTED (which
