@@ -60,7 +60,8 @@ class InferenceServiceServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Infer(self, request, context):
-        """The original endpoint (HTTP POST /infer): the payload is the user's chat message, greedy.
+        """The original endpoint (HTTP POST /infer): the payload is the user's chat message, greedy
+        (for a model without a chat template, a plain prompt the model continues).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -73,7 +74,8 @@ class InferenceServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ChatComplete(self, request, context):
-        """A chat completion (HTTP POST /v1/chat/completions).
+        """A chat completion (HTTP POST /v1/chat/completions); INVALID_ARGUMENT with code
+        chat_template_missing for a model without a chat template.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

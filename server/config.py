@@ -10,6 +10,7 @@ the same configuration.
 from __future__ import annotations
 
 import argparse
+import functools
 import ipaddress
 import os
 import re
@@ -18,6 +19,7 @@ from typing import NamedTuple
 from urllib.parse import urlparse
 
 from engine.config import POLICIES, WEIGHTS, ConfigError, EngineConfig, check_model_file, default_model_path
+from server.gguf import metadata_strings
 
 _ENGINE = {f.name: f.default for f in fields(EngineConfig)}
 
@@ -62,8 +64,9 @@ class ServerConfig:
                                  "--chat-template-file); its tool-call format is read from it", "",
                                  shown="the model's")
     model_id: str = _option("--model-id", "MODEL_ID",
-                            "model names clients may send, comma-separated (the first is the default); /v1/models "
-                            "lists them all", "local-model")
+                            "model names clients may send, comma-separated (the first is the default; vLLM's "
+                            "--served-model-name); /v1/models lists them all", "",
+                            shown="the GGUF's general.name, and local-model")
     max_slots: int = _option("--max-slots", "MAX_SLOTS", "sequences decoded together (KV slots)", engine="max_slots")
     max_seq_len: int = _option("--max-seq-len", "MAX_SEQ_LEN", "tokens per sequence, prompt + generation",
                                engine="max_seq_len")
@@ -158,7 +161,7 @@ class ServerConfig:
         for name in ("workers", "max_body_bytes", "max_messages"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
-        if not self.model_ids:
+        if self.model_id and not self.model_ids:
             raise ConfigError("--model-id must name at least one model")
         if not 0 <= self.drain_timeout <= 86400:
             raise ConfigError(f"--drain-timeout must be 0..86400 seconds, got {self.drain_timeout}")
@@ -176,10 +179,18 @@ class ServerConfig:
         IPv6 address (``--host ::1`` or ``[::1]``) in brackets."""
         return f"[{self.host}]:{port}" if ":" in self.host else f"{self.host}:{port}"
 
-    @property
+    @functools.cached_property
     def model_ids(self) -> tuple[str, ...]:
-        """The served names (``--model-id``, comma-separated), the first being the default."""
-        return tuple(dict.fromkeys(name.strip() for name in self.model_id.split(",") if name.strip()))
+        """The served names, the first being the default: ``--model-id`` (comma-separated), or
+        by default the model file's name (:func:`served_name`) and :data:`ALIAS`.
+
+        Raises:
+            ConfigError: by default, the model file's metadata cannot be read.
+        """
+        if self.model_id:
+            return tuple(dict.fromkeys(name.strip() for name in self.model_id.split(",") if name.strip()))
+        path = self.resolved_model_path()
+        return tuple(dict.fromkeys((served_name(path, model_metadata(path).get(NAME_KEY)), ALIAS)))
 
     @property
     def front_end_threads(self) -> int:
@@ -212,14 +223,16 @@ class ServerConfig:
                             **shared)
 
     def check_model(self) -> None:
-        """Raise ConfigError (one line) unless the model file is a readable GGUF."""
+        """Raise ConfigError (one line) unless the model file is a readable GGUF whose metadata
+        is whole (:func:`server.gguf.metadata_strings`)."""
         check_model_file(self.resolved_model_path())
+        model_metadata(self.resolved_model_path())
 
     def chat_template_source(self) -> str | None:
-        """The ``--chat-template`` file's text (None: the model's template).
+        """The ``--chat-template`` file's text (None: the model's template, if it has one).
 
         Raises:
-            ConfigError: the file cannot be read as UTF-8, or it is not Jinja.
+            ConfigError: the file cannot be read as UTF-8, or it is not a Jinja template.
         """
         if not self.chat_template:
             return None
@@ -228,14 +241,26 @@ class ServerConfig:
                 source = f.read()
         except (OSError, UnicodeDecodeError) as e:
             raise ConfigError(f"--chat-template {self.chat_template}: {e}") from None
-        import jinja2
-
-        from server.text.chat_template import environment
-        try:
-            environment().parse(source)
-        except jinja2.TemplateSyntaxError as e:
-            raise ConfigError(f"--chat-template {self.chat_template}: line {e.lineno}: {e.message}") from None
+        _compile(source, f"--chat-template {self.chat_template}")
         return source
+
+    def chat_template_origin(self) -> str | None:
+        """Where the chat template comes from, as the start-up log says it: the ``--chat-template``
+        file, or the model's ``tokenizer.chat_template``; None: neither, so no chat is served
+        (a base model). Either is compiled here, so a worker never fails on it.
+
+        Raises:
+            ConfigError: a template that cannot be read or does not compile, naming it.
+        """
+        if self.chat_template_source() is not None:
+            return f"--chat-template {self.chat_template}"
+        path = self.resolved_model_path()
+        source = model_metadata(path).get(TEMPLATE_KEY)
+        if not source:
+            return None
+        _compile(source, f"the model's chat template ({TEMPLATE_KEY} of {path}; give one that compiles with "
+                         "--chat-template FILE)")
+        return f"the model's {TEMPLATE_KEY}"
 
     def check_files(self) -> None:
         """Raise ConfigError (one line) unless the model, the chat template and the tenant file
@@ -243,7 +268,7 @@ class ServerConfig:
         from server.tenancy.tenants import Tenants
 
         self.check_model()
-        self.chat_template_source()
+        self.chat_template_origin()
         Tenants.load(self.tenants_file or None)
 
     def to_env(self) -> dict[str, str]:
@@ -255,6 +280,53 @@ class ServerConfig:
         kwargs = {o.name: _convert(o.type, environ[o.env], f"{o.env} ({o.flag})")
                   for o in OPTIONS if environ.get(o.env, "") != ""}
         return cls(**kwargs)
+
+
+#: The name served beside the model's own by default: the only one before names were drawn from
+#: the model file, so clients written then keep working.
+ALIAS = "local-model"
+#: GGUF metadata keys: the model's name, its chat template.
+NAME_KEY, TEMPLATE_KEY = "general.name", "tokenizer.chat_template"
+
+
+@functools.lru_cache(maxsize=4)
+def model_metadata(path: str) -> dict[str, str]:
+    """The model file's name and chat template (:data:`NAME_KEY`, :data:`TEMPLATE_KEY`; absent
+    when the file has none), read once a process: the gunicorn master reads them at start, and
+    its workers fork with them.
+
+    Raises:
+        ConfigError: the file's metadata cannot be read (:func:`server.gguf.metadata_strings`).
+    """
+    return metadata_strings(path, (NAME_KEY, TEMPLATE_KEY))
+
+
+def served_name(path: str, name: str | None) -> str:
+    """The model id drawn from a GGUF: its ``general.name`` (``Gemma 3 270m``), else the file's
+    name without ``.gguf``, with each run of whitespace one ``-`` (``Gemma-3-270m``), as an id
+    in a URL path (``/v1/models/{model}``) and a shell argument wants it."""
+    name = (name or "").strip() or os.path.basename(path).removesuffix(".gguf")
+    return "-".join(name.split())
+
+
+def one_line(e: BaseException) -> str:
+    """A start-up error as its one log line: a ConfigError's message (it names the option),
+    else the exception's type and message (a template that fails to render, llama.cpp refusing
+    a file), never a traceback."""
+    text = " ".join(str(e).split())
+    return text if isinstance(e, ConfigError) else f"{type(e).__name__}: {text}"
+
+
+def _compile(source: str, what: str) -> None:
+    """Raise ConfigError (one line naming ``what``) unless ``source`` compiles in the chat
+    template's environment (a syntax error, or a filter or test it does not have)."""
+    import jinja2
+
+    from server.text.chat_template import environment
+    try:
+        environment().from_string(source)
+    except jinja2.TemplateSyntaxError as e:
+        raise ConfigError(f"{what}: line {e.lineno}: {e.message}") from None
 
 
 class Option(NamedTuple):

@@ -6,8 +6,11 @@
 
 Settings come from the same environment variables as the CLI flags (``server.config``).
 The master process owns the shared memory and the engine: ``on_starting`` validates the
-configuration, ``when_ready`` (the port is bound) creates the transport and starts the engine
-supervisor and the gRPC sidecar (``server.grpc.keeper``) before any worker forks; ``child_exit``
+configuration and the files (the model's metadata and chat template: docs/architecture.md
+"Start-up"), ``when_ready`` (the port is bound) creates the transport, starts the engine
+supervisor and the gRPC sidecar (``server.grpc.keeper``) and logs the model it serves, under
+which names, with chat or not, before any worker forks; a worker that cannot build its app stops
+the master through :func:`worker_cannot_start`; ``child_exit``
 reclaims the
 mailboxes a dead worker leased; ``on_exit`` stops the engine and unlinks the shared memory;
 SIGTERM drains first (``_drain``);
@@ -21,6 +24,7 @@ from __future__ import annotations
 import ctypes
 import gc
 import logging
+import multiprocessing
 import os
 import signal
 import sys
@@ -72,6 +76,7 @@ def on_starting(server) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         _config.check_files()
+        _state["chat_template"] = _config.chat_template_origin()
         _state["tenants"] = Tenants.load(_config.tenants_file or None)
         if _config.grpc_port:
             check_grpc_port(_config.host, _config.grpc_port)
@@ -109,6 +114,9 @@ def _start_engine(server) -> None:
     supervisor.start()
     server.log.info("engine starting: %d slots x %d tokens, policy %s, %d threads; shared memory %s",
                     engine.max_slots, engine.max_seq_len, engine.policy, engine.threads, supervisor.transport_name)
+    server.log.info("model %s, served as %s; %s", engine.model_path, ", ".join(_config.model_ids),
+                    f"chat: yes (chat template: {_state['chat_template']})" if _state["chat_template"] else
+                    "chat: no, the model has no chat template (completions only; give one with --chat-template FILE)")
     if _config.grpc_port:
         sidecar = Sidecar(dict(os.environ), on_exit=lambda pid: _process_exited(server, pid, "gRPC sidecar"),
                           on_bind_failed=lambda: _grpc_port_lost(server))
@@ -160,6 +168,8 @@ def when_ready(server) -> None:
     reads the file first: a bad one is logged and nothing changes; a good one becomes the
     master's (the tenants a restarted worker boots with) and every worker reloads it."""
     _start_engine(server)
+    # Before any worker forks, so every worker shares it (worker_cannot_start).
+    _state["boot_failure"] = multiprocessing.Lock()
 
     def handle_hup():
         try:
@@ -220,6 +230,27 @@ def accepted_tenants() -> Tenants:
     with these (inherited with the master's memory), never with the bad file; outside a gunicorn
     master, the file's."""
     return _state.get("tenants") or Tenants.load(_config.tenants_file or None)
+
+
+#: gunicorn's ``Arbiter.APP_LOAD_ERROR``: a worker that exits with it halts the master.
+APP_LOAD_ERROR = 4
+
+
+def worker_cannot_start(message: str) -> None:
+    """In a worker that cannot build its app (``server.wsgi``): exit so that the master stops
+    and cleans up (``on_exit``), with ``message`` said once.
+
+    The first such worker prints ``message`` (one line) and exits with ``APP_LOAD_ERROR``, on which
+    the master halts. Every other one (the workers meet the same fault together) exits quietly
+    with status 0: a second ``APP_LOAD_ERROR``, reaped while the master halts, raised gunicorn's
+    ``HaltServer`` again from inside its halt, which then printed a traceback and never ran
+    ``on_exit`` (the shared memory stayed behind). Outside a gunicorn master, always the first.
+    """
+    lock = _state.get("boot_failure")
+    if lock is None or lock.acquire(block=False):  # never released: one worker says it
+        print(message, file=sys.stderr, flush=True)
+        os._exit(APP_LOAD_ERROR)
+    os._exit(0)
 
 
 def post_fork(server, worker) -> None:

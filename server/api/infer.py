@@ -1,11 +1,11 @@
 """``/infer``, the original endpoint, protocol-neutral: the body's parser and the response.
 
 Request: ``{"tenant_id", "payload", "priority": "high|normal|low", "deadline_ms",
-"max_new_tokens"}``; ``payload`` is the user's message, rendered with the chat template, decoded
-greedily. Response: ``{"tenant_id", "text", "tokens", "cached_tokens",
-"finish_reason": "stop|length|deadline", "queue_wait_ms", "latency_ms"}``. The HTTP route
-(``server/http/infer.py``) and the gRPC ``Infer`` method share :func:`parse_infer` and
-:func:`infer_result`.
+"max_new_tokens"}``; ``payload`` is the user's message, rendered with the chat template (for a
+model without one, a plain prompt the model continues: ``Generator.infer``), decoded greedily.
+Response: ``{"tenant_id", "text", "tokens", "cached_tokens", "finish_reason":
+"stop|length|deadline", "queue_wait_ms", "latency_ms"}``. The HTTP route (``server/http/infer.py``)
+and the gRPC ``Infer`` method share :func:`parse_infer` and :func:`infer_result`.
 """
 from __future__ import annotations
 
@@ -25,8 +25,8 @@ INFER = FieldPolicy(INFER_FIELDS)
 MAX_NEW_TOKENS_BOUNDS = {**SamplingParams.bounds("max_new_tokens"), "lo": 1}
 
 
-def parse_infer(body: dict, tenant: Tenant, tenants: TenantRegistry) -> tuple[str, GenerationRequest, list[dict]]:
-    """An ``/infer`` body (HTTP or gRPC) -> ``(tenant_id, request, chat messages)``.
+def parse_infer(body: dict, tenant: Tenant, tenants: TenantRegistry) -> tuple[str, GenerationRequest, str]:
+    """An ``/infer`` body (HTTP or gRPC) -> ``(tenant_id, request, payload)``.
 
     With a tenant file, ``tenant_id`` (if given) must name the key's tenant: a body can never
     spend another tenant's quota. Without one, it is echoed.
@@ -48,7 +48,7 @@ def parse_infer(body: dict, tenant: Tenant, tenants: TenantRegistry) -> tuple[st
         sampling=SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0),
         max_tokens_param="max_new_tokens", priority=priority(body.get("priority")),
         deadline_ms=number(body, "deadline_ms", **DEADLINE_MS_BOUNDS))
-    return tenant_id, greq, [{"role": "user", "content": payload}]
+    return tenant_id, greq, payload
 
 
 def infer_result(tenant_id: str, choice: Choice, gen: Generation, started: float) -> dict:

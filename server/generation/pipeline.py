@@ -23,9 +23,9 @@ from server.generation.request import GenerationRequest
 from server.generation.submission import check_choices
 from server.tenancy.ratelimit import RateLimiter
 from server.tenancy.tenants import DEFAULT_TENANT, Tenant
-from server.text.chat_template import ChatTemplate
+from server.text.chat_template import ChatTemplate, NoChatTemplate
 from server.structured.check import CheckedGrammars
-from server.tools.formats import detect
+from server.tools.formats import GENERIC, detect
 from server.tools.grammar import checked_arguments, tool_grammar
 from server.tools.parser import ToolCallParser
 from server.tools.spec import NONE, Tool, ToolRequest
@@ -39,21 +39,24 @@ class Generator:
     chat template, rate limiter), built once per process.
 
     Args:
-        engine: the engine client. tokenizer: the served model's. template: its chat template.
+        engine: the engine client. tokenizer: the served model's. template: its chat template
+            (:meth:`ChatTemplate.of`); None: it has none (a base model), and every chat is
+            refused (:class:`NoChatTemplate`) while completions, scoring and ``/infer`` serve.
         limiter: tenants' rate limits (None: no limits).
     """
 
-    def __init__(self, engine: EngineClient, tokenizer: Tokenizer, template: ChatTemplate,
+    def __init__(self, engine: EngineClient, tokenizer: Tokenizer, template: ChatTemplate | None,
                  limiter: RateLimiter | None = None):
         self.engine, self.tokenizer, self.template, self.limiter = engine, tokenizer, template, limiter
         self.grammars = CheckedGrammars()
-        #: How the template's model writes tool calls (``server/tools/formats.py``).
-        self.tool_format = detect(template.source, template.takes_tools)
+        #: How the template's model writes tool calls (``server/tools/formats.py``); without a
+        #: template, no tools are offered (no chat is), and this is never read.
+        self.tool_format = detect(template.source, template.takes_tools) if template is not None else GENERIC
         #: Its fixed texts that are one special token here, and the pieces a tool-calling
         #: answer is read with: those tokens as their text (a control token is otherwise no
         #: text at all, and the parser would never see ``[TOOL_CALLS]``).
         self.tool_specials: dict[str, int] = {}
-        for text in self.tool_format.literals:
+        for text in self.tool_format.literals if template is not None else ():
             ids = tokenizer.encode(text, special=True) if text in tokenizer.special_texts else []
             if len(ids) == 1:
                 self.tool_specials[text] = ids[0]
@@ -69,7 +72,9 @@ class Generator:
         message describes them; ``tool_choice: "none"`` gives none). ``submit``: ``tenant``,
         ``watch_socket``. Raises as :class:`Generation` and :meth:`Generation.submit`, and
         :class:`InvalidRequest` for a structured output on a continued final message, or one
-        that tools cannot be combined with."""
+        that tools cannot be combined with; :class:`NoChatTemplate` (naming ``prompt_param``)
+        when the model has no chat template, before anything else is checked."""
+        self.chat_template(prompt_param)
         render = render or {}
         self._check_logit_bias(req)
         constraint = req.constraint
@@ -103,6 +108,7 @@ class Generator:
         options; ``json_answer``: an answer that is not a call follows a JSON format.
 
         Raises:
+            NoChatTemplate: naming ``prompt_param``: the model has no chat template.
             InvalidRequest: ``continue_final_message`` with tools offered (a call's grammar
                 starts where an answer starts), or the template refuses the conversation
                 (:meth:`ChatTemplate.render`).
@@ -111,16 +117,39 @@ class Generator:
                 indentation its tool description adds counts too: 100 KB of nested schema
                 rendered to 400,000 tokens in 8 s).
         """
+        template = self.chat_template(prompt_param)
         render = render or {}
         if offered and render.get("continue_final_message"):
             raise InvalidRequest("continue_final_message cannot be combined with tools (use tool_choice: none)",
                                  "continue_final_message")
         fmt = self.tool_format
         texts = [m["content"] or "" for m in messages] + [json.dumps(t.parameters, ensure_ascii=False) for t in offered]
-        self._fits_at_all(texts, prompt_param, len(messages) * self.template.tokens_per_message,
+        self._fits_at_all(texts, prompt_param, len(messages) * template.tokens_per_message,
                           fmt.prompt_chars(offered) if offered else 0)
-        return self.template.encode(fmt.prompt_messages(messages, offered, json_answer),
-                                    tools=fmt.template_tools(offered), param=prompt_param, **render)
+        return template.encode(fmt.prompt_messages(messages, offered, json_answer),
+                               tools=fmt.template_tools(offered), param=prompt_param, **render)
+
+    def chat_template(self, prompt_param: str) -> ChatTemplate:
+        """The chat template. The chat routes ask for it before they parse a body, so a chat to
+        a model without one gets that refusal, not a field's; :meth:`chat` and
+        :meth:`prompt_ids` ask again (``/tokenize``'s ``messages`` and ``/infer`` come through
+        them alone).
+
+        Raises:
+            NoChatTemplate: naming ``prompt_param``: the model has none.
+        """
+        if self.template is None:
+            raise NoChatTemplate(prompt_param)
+        return self.template
+
+    def infer(self, payload: str, req: GenerationRequest, **submit) -> Generation:
+        """``/infer``'s generation (HTTP and gRPC): ``payload`` as the user's message of a chat,
+        or, for a model without a chat template, as a plain prompt the model continues (a base
+        model's way to answer). Raises as :meth:`chat` and :meth:`complete`, naming
+        ``payload``."""
+        if self.template is None:
+            return self.complete([payload], req, "payload", **submit)
+        return self.chat([{"role": "user", "content": payload}], req, "payload", **submit)
 
     def _check_logit_bias(self, req: GenerationRequest) -> None:
         """Every token ``logit_bias`` names is in the vocabulary.

@@ -72,9 +72,9 @@ def scalar_fields(message, skip=()) -> dict:
 
 
 def infer_request(message: pb.InferRequest, tenant: Tenant,
-                  tenants: TenantRegistry) -> tuple[str, GenerationRequest, list[dict]]:
+                  tenants: TenantRegistry) -> tuple[str, GenerationRequest, str]:
     """An ``InferRequest`` -> :func:`server.api.infer.parse_infer`'s ``(tenant_id, request,
-    messages)``; its fields are ``/infer``'s body's, one for one."""
+    payload)``; its fields are ``/infer``'s body's, one for one."""
     return parse_infer(scalar_fields(message), tenant, tenants)
 
 

@@ -24,7 +24,7 @@ from grpc_reflection.v1alpha import reflection
 
 from engine.client import EngineClient
 from proto import inference_pb2_grpc
-from server.config import ServerConfig
+from server.config import ServerConfig, one_line
 from server.generation.pipeline import Generator
 from server.grpc.keeper import BIND_FAILED, report_bind_failed
 from server.grpc.service import SERVICE_NAME, InferenceService
@@ -38,6 +38,10 @@ GRACE_S = 5.0
 #: Seconds between looks at the engine's state for the health service.
 HEALTH_POLL_S = 0.2
 PR_SET_PDEATHSIG = 1
+
+
+class PortInUse(RuntimeError):
+    """gRPC could not bind ``--grpc-port``."""
 
 
 def options(config: ServerConfig) -> list[tuple[str, int]]:
@@ -55,9 +59,12 @@ def build(config: ServerConfig, engine: EngineClient,
     probe passes during model load), not started.
 
     Raises:
-        RuntimeError: ``--grpc-port`` is in use (gRPC's own error)."""
+        PortInUse: ``--grpc-port`` is in use (gRPC's own error).
+        ConfigError, RuntimeError: llama.cpp cannot load the model's vocabulary."""
     tokenizer = Tokenizer(config.resolved_model_path())
-    generator = Generator(engine, tokenizer, ChatTemplate(tokenizer, config.chat_template_source()), RateLimiter(engine.buckets, config.redis_url))
+    _ = config.model_ids  # the GGUF's name read now, not by a first request
+    generator = Generator(engine, tokenizer, ChatTemplate.of(tokenizer, config.chat_template_source()),
+                          RateLimiter(engine.buckets, config.redis_url))
     # No cap on concurrent calls: gRPC would refuse the excess with RESOURCE_EXHAUSTED (which
     # means "over quota" here) and count health probes against it. Calls beyond the threads
     # wait for one; the default has a thread for every mailbox and spare ones, so a saturated
@@ -70,7 +77,10 @@ def build(config: ServerConfig, engine: EngineClient,
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
         (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server)
-    server.add_insecure_port(config.address(config.grpc_port))
+    try:
+        server.add_insecure_port(config.address(config.grpc_port))
+    except RuntimeError as e:
+        raise PortInUse(str(e)) from None
     return server, health_servicer
 
 
@@ -98,11 +108,15 @@ def main() -> int:
     engine = EngineClient.attach(os.environ["INFERENCE_SHM"])
     try:
         server, health_servicer = build(config, engine, tenants)
-    except RuntimeError as e:  # the port was taken after the master's check (keeper.check_port)
+    except PortInUse as e:  # the port was taken after the master's check (keeper.check_port)
         log.error("cannot serve gRPC on %s: %s", config.address(config.grpc_port), e)
         report_bind_failed()
         engine.close()
         return BIND_FAILED
+    except Exception as e:  # noqa: BLE001 - a start-up error is one line; the workers meet the same and stop the server
+        log.error("inference-server: the gRPC sidecar cannot start: %s", one_line(e))
+        engine.close()
+        return 1
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGHUP, lambda *_: tenants.reload())

@@ -155,15 +155,16 @@ class InferenceService(inference_pb2_grpc.InferenceServiceServicer):
 
     def _infer(self, request: pb.InferRequest, context, record: RequestRecord) -> tuple[str, Generation]:
         tenant = record.tenant = self._tenant(context)
-        tenant_id, greq, messages = infer_request(request, tenant, self.tenants)
+        tenant_id, greq, payload = infer_request(request, tenant, self.tenants)
         greq = dataclasses.replace(greq, deadline_ms=_call_deadline_ms(context, greq.deadline_ms))
-        gen = self.generator.chat(messages, greq, "payload", tenant=tenant)
+        gen = self.generator.infer(payload, greq, tenant=tenant)
         record.attach(gen, request.payload)
         _cancel_with_call(gen, context)
         return tenant_id, gen
 
     def _chat(self, request: pb.ChatRequest, context, record: RequestRecord) -> tuple[str, Generation]:
         tenant = record.tenant = self._tenant(context)
+        self.generator.chat_template("messages")  # a model without one: that, before any field
         model, greq, messages, render = chat_request(request, self.config.model_ids, self.config.max_messages)
         greq = dataclasses.replace(greq, deadline_ms=_call_deadline_ms(context, greq.deadline_ms))
         gen = self.generator.chat(messages, greq, render=render, tenant=tenant)

@@ -65,7 +65,7 @@ def create_app(config: ServerConfig, generator: Generator, tenants: TenantRegist
     app.add_route("/v1/responses", Responses(config, generator, store))
     app.add_route("/v1/responses/{response_id}", StoredResponse(store))
     app.add_route("/v1/responses/{response_id}/input_items", InputItems(store))
-    models = Models(config)
+    models = Models(config, chat=generator.template is not None)
     app.add_route("/v1/models", models)
     app.add_route("/v1/models/{model:path}", models, suffix="one")  # names may hold "/"
     app.add_route("/tokenize", Tokenize(config, generator))

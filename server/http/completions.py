@@ -34,6 +34,8 @@ class _Completions:
     def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
         body = read_json(req, self.config.max_body_bytes)
         model = check_model(body, self.config.model_ids)
+        if self.chat:
+            self.generator.chat_template("messages")  # a model without one: that, before any field
         greq = parse_generation(body, chat=self.chat)
         gen = self.start(body, greq, tenant=req.context.tenant, watch_socket=req.env.get("gunicorn.socket"))
         req.context.record.attach(gen, body.get("messages" if self.chat else "prompt"))

@@ -24,9 +24,9 @@ class Infer:
     def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
         started = req.context.record.started
         body = read_json(req, self.config.max_body_bytes)
-        tenant_id, greq, messages = parse_infer(body, req.context.tenant, self.tenants)
-        gen = self.generator.chat(messages, greq, "payload", tenant=req.context.tenant,
-                                  watch_socket=req.env.get("gunicorn.socket"))
+        tenant_id, greq, payload = parse_infer(body, req.context.tenant, self.tenants)
+        gen = self.generator.infer(payload, greq, tenant=req.context.tenant,
+                                   watch_socket=req.env.get("gunicorn.socket"))
         req.context.record.attach(gen, body["payload"])
         (choice,) = gen.collect()
         resp.content_type = falcon.MEDIA_JSON

@@ -54,6 +54,7 @@ class Responses:
         body = read_json(req, self.config.max_body_bytes)
         tenant = req.context.tenant
         model = check_model(body, self.config.model_ids)
+        self.generator.chat_template("input")  # a model without one: that, before any field
         rr = parse(body, lambda rid: previous(self.store, tenant.id, rid), self.config.max_messages)
         gen = self.generator.chat(rr.messages, rr.generation, prompt_param="input", render=dict(RENDER), tenant=tenant,
                                   watch_socket=req.env.get("gunicorn.socket"))

@@ -61,14 +61,15 @@ class Detokenize:
 class TokenizerInfo:
     """``GET /tokenizer_info``: what a client needs to tokenize as the server does (vLLM answers
     the tokenizer's configuration): the special tokens (``eos_token`` is the one generation ends
-    with, ``bos_token`` the document start), the chat template, the length limit."""
+    with, ``bos_token`` the document start), the chat template (null: the model has none, and
+    serves no chat), the length limit."""
 
     def __init__(self, config: ServerConfig, generator: Generator):
         tok = generator.tokenizer
         self.info = {"tokenizer_class": "llama.cpp (GGUF vocabulary)", "model_max_length": generator.engine.max_seq_len,
                      "vocab_size": tok.n_vocab, "add_bos_token": tok.add_bos,
                      "bos_token": tok.token_text(tok.bos), "eos_token": tok.token_text(tok.eos), "pad_token": None,
-                     "chat_template": generator.template.source}
+                     "chat_template": generator.template.source if generator.template is not None else None}
 
     def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
         resp.media = self.info

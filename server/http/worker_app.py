@@ -33,9 +33,10 @@ def build(config: ServerConfig, tenants: TenantRegistry) -> falcon.App:
         KeyError: ``INFERENCE_SHM`` is not set (the worker was not started by the master).
     """
     tokenizer = Tokenizer(config.resolved_model_path())
+    _ = config.model_ids  # the GGUF's name read now (the master's read, forked), not by a first request
     engine = EngineClient.attach(os.environ["INFERENCE_SHM"])
     limiter = RateLimiter(engine.buckets, config.redis_url)
-    generator = Generator(engine, tokenizer, ChatTemplate(tokenizer, config.chat_template_source()), limiter)
+    generator = Generator(engine, tokenizer, ChatTemplate.of(tokenizer, config.chat_template_source()), limiter)
     # the node's response store, which the master created for its workers (server/gunicorn_conf.py)
     store = response_store(config, os.environ.get(RESPONSES_DB_ENV) or ":memory:")
     return create_app(config, generator, tenants, store=store)

@@ -46,10 +46,20 @@ class ChatTemplate:
     Hugging Face's tool fields: ``tool_calls`` whose ``arguments`` are objects,
     ``tool_call_id``, ``name``), and the request's ``tools`` when the template takes them.
 
+    A template without a system role (Gemma's: it raises on one, or renders nothing of it) gets a
+    leading system message merged into the next message, its text first and a newline between
+    (llama.cpp's ``system_message_not_supported`` workaround in ``common/chat.cpp``, on the same
+    test: does a system message's text appear in the rendering?), so OpenAI clients' system
+    prompts and the generic tool format's instructions reach such a model as they reach it
+    through llama-server.
+
     Attributes:
         source: the template's Jinja source. takes_tools: it reads the ``tools`` variable.
+        system_role: it renders a system message.
     Raises (from ``__init__``):
-        ValueError: the model has no chat template, or it does not compile.
+        ValueError: no ``source`` is given and the model has no chat template.
+        jinja2.TemplateSyntaxError: it does not compile (the server checks that at start:
+            ``ServerConfig.chat_template_origin``).
     """
 
     def __init__(self, tokenizer: Tokenizer, source: str | None = None):
@@ -57,21 +67,40 @@ class ChatTemplate:
         if not source:
             raise ValueError("the model has no chat template (tokenizer.chat_template)")
         env = environment()
-        self.source = source
         self.takes_tools = "tools" in jinja2.meta.find_undeclared_variables(env.parse(source))
         self.template = env.from_string(source)
         self.source = source  #: the Jinja text (served by GET /tokenizer_info)
         self.tokenizer = tokenizer
+        self.system_role = self._renders_system_role()
         #: Tokens the template adds for each message at least (a cheap lower bound on a prompt).
         self.tokens_per_message = max(0, min(self._added_tokens(r) for r in ("system", "user", "assistant")))
 
+    @classmethod
+    def of(cls, tokenizer: Tokenizer, source: str | None = None) -> "ChatTemplate | None":
+        """The template a server renders chats with: ``source`` (``--chat-template``'s), else the
+        model's; None when the model has none (a base model: it serves no chat, and no format
+        is guessed for it)."""
+        return cls(tokenizer, source) if source or tokenizer.chat_template else None
+
+    def _renders_system_role(self) -> bool:
+        """Whether a system message's text shows in the rendering of ``[system, user]``."""
+        probe = f"system-{secrets.token_hex(8)}"
+        try:
+            text = self.template.render(messages=[{"role": "system", "content": probe},
+                                                  {"role": "user", "content": "User message"}],
+                                        add_generation_prompt=True, bos_token="", eos_token="")
+        except Exception:  # noqa: BLE001 - a template that cannot render one (raise_exception) has none
+            return False
+        return probe in text
+
     def _added_tokens(self, role: str) -> int:
         """Tokens one more empty ``role`` message adds; 0 (no bound) when the template refuses two
-        such messages in a row (Mistral's and Gemma's: roles must alternate)."""
+        such messages in a row (Mistral's and Gemma's: roles must alternate), or cannot render
+        empty messages at all (it fails in its own way, which a request would see as well)."""
         m = [{"role": role, "content": ""}]
         try:
             return len(self.encode(m * 2, False)) - len(self.encode(m, False))
-        except InvalidRequest:
+        except (InvalidRequest, jinja2.TemplateError, TypeError, ValueError, LookupError, AttributeError):
             return 0
 
     def encode(self, messages: list[dict], add_generation_prompt: bool = True,
@@ -110,6 +139,8 @@ class ChatTemplate:
             InvalidRequest: naming ``param``: the template refuses the messages (its
                 ``raise_exception``).
         """
+        if not self.system_role:
+            messages = merge_system_message(messages)
         marks = _Marks(self.tokenizer.special_texts)
         marked = []
         for m in messages:
@@ -127,6 +158,17 @@ class ChatTemplate:
             raise InvalidRequest(str(e), param) from None
         parts = marks.split(rendered)
         return parts[:-1] if continue_final_message else parts  # drop what follows the final text
+
+
+def merge_system_message(messages: list[dict]) -> list[dict]:
+    """``messages`` with a leading system (or developer) message merged into the next one: its
+    text, a newline, then that message's. A lone system message stays, for the template to
+    refuse (llama.cpp drops it, which would answer a request it never saw)."""
+    if len(messages) < 2 or ROLE_ALIASES.get(messages[0]["role"], messages[0]["role"]) != "system":
+        return messages
+    first, second = messages[0], messages[1]
+    merged = f"{first['content'] or ''}\n{second['content'] or ''}"
+    return [{**second, "content": merged}, *messages[2:]]
 
 
 class _Marks:
@@ -160,6 +202,21 @@ class _Marks:
             value = self.values[int(chunks[k])]
             parts += [value if chunks[k + 1] == "\n" else json.dumps(value, ensure_ascii=False)[1:-1], chunks[k + 2]]
         return parts
+
+
+class NoChatTemplate(InvalidRequest):
+    """A chat (Chat Completions, Responses, gRPC's ``ChatComplete``, ``/tokenize``'s
+    ``messages``) to a model without a chat template, a base model served without
+    ``--chat-template`` (HTTP 400, gRPC INVALID_ARGUMENT). No turn format is guessed for it: a
+    wrong one makes a model answer worse than a plain prompt does. ``param``: the field that
+    holds the conversation."""
+
+    code = "chat_template_missing"
+
+    def __init__(self, param: str):
+        super().__init__("this model has no chat template (its GGUF file has no tokenizer.chat_template), so it "
+                         "serves no chat: start the server with --chat-template FILE, a Jinja chat template of the "
+                         "model's turn format, or send a plain prompt to /v1/completions", param)
 
 
 class TemplateRefusal(Exception):

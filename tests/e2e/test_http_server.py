@@ -184,11 +184,14 @@ def test_sdk_completion_streamed(server):
 
 
 def test_sdk_models_list(server):
+    """The model under the name its GGUF gives (``general.name``, spaces made ``-``), then the
+    alias every earlier client used; both can chat (the bundled model has a chat template)."""
     client = sdk(server)
     models = client.models.list().data
-    assert [m.id for m in models] == [MODEL]
+    assert [m.id for m in models] == ["Smollm2-135M-8k-Lc100K-Mix1-Ep2", MODEL]
     assert models[0].object == "model"
     assert models[0].model_extra["context_length"] == server.engine.max_seq_len == 512
+    assert all(m.model_extra["capabilities"] == ["completion", "chat"] for m in models)
     assert client.models.retrieve(MODEL).id == MODEL
     with pytest.raises(openai.NotFoundError) as e:
         client.models.retrieve("no-such-model")
@@ -432,16 +435,58 @@ def test_health(server):
 
 
 # -- start-up errors -------------------------------------------------------------------------------
-@pytest.mark.parametrize("flags, needle", [(["--model", "/nonexistent.gguf"], "/nonexistent.gguf"),
-                                           (["--policy", "bogus"], "bogus")])
-def test_startup_error_is_one_line(flags, needle):
-    proc = subprocess.run([sys.executable, "-m", "server.cli", "--port", str(free_port()), *flags],
-                          capture_output=True, text=True, timeout=120)
+def _model_cut_at(model_path: str, tmp_path, size: int) -> str:
+    """The bundled model's first ``size`` bytes: a download cut short."""
+    path = tmp_path / "cut.gguf"
+    with open(model_path, "rb") as f:
+        path.write_bytes(f.read(size))
+    return str(path)
+
+
+@pytest.mark.parametrize("flags, needle", [
+    (lambda tmp, model: ["--model", "/nonexistent.gguf"], "/nonexistent.gguf"),
+    (lambda tmp, model: ["--policy", "bogus"], "bogus"),
+    (lambda tmp, model: ["--chat-template", "/nonexistent.jinja"], "--chat-template /nonexistent.jinja: "),
+    (lambda tmp, model: ["--chat-template", _written(tmp / "t.jinja", "{% for m in messages %}{{ m.content }")],
+     "line 1: unexpected '}'"),
+    (lambda tmp, model: ["--chat-template", _written(tmp / "t.jinja", "{{ messages | nosuchfilter }}")],
+     "No filter named 'nosuchfilter'"),
+    (lambda tmp, model: ["--model", _model_cut_at(model, tmp, 100_000)], "its GGUF metadata runs past the end"),
+])
+def test_startup_error_is_one_line(flags, needle, tmp_path, model_path):
+    proc = subprocess.run([sys.executable, "-m", "server.cli", "--port", str(free_port()),
+                           *flags(tmp_path, model_path)], capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1, proc.stderr
     assert "Traceback" not in proc.stderr and needle in lines[0]
     assert lines[0].startswith("inference-server:")
+
+
+def _written(path, text: str) -> str:
+    path.write_text(text)
+    return str(path)
+
+
+def test_a_model_llama_cpp_refuses_stops_the_server_in_one_line(tmp_path, model_path):
+    """Its metadata whole, its tensors cut short: the master starts, and every worker fails to
+    load the vocabulary together. The first says why in one line and the master stops, cleaning
+    up; none prints a traceback (gunicorn's halt, meeting a second worker's failure, raised again
+    and never cleaned up)."""
+    import os
+    import secrets
+
+    name = f"infer-test-{secrets.token_hex(4)}"
+    r = subprocess.run([sys.executable, "-m", "server.cli", "--port", str(free_port()), "--grpc-port", "0",
+                        "--workers", "3", "--max-slots", "1", "--max-seq-len", "128",
+                        "--model", _model_cut_at(model_path, tmp_path, 8 << 20)],
+                       env={**os.environ, "INFERENCE_SHM": name}, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 4  # gunicorn's "App failed to load."
+    said = [line for line in r.stderr.splitlines() if line.startswith("inference-server:")]
+    assert said == [f"inference-server: a worker cannot start: RuntimeError: llama.cpp could not load "
+                    f"{tmp_path / 'cut.gguf'}"], r.stderr[-3000:]
+    assert "Exception in worker process" not in r.stderr and "HaltServer" not in r.stderr, r.stderr[-3000:]
+    assert not os.path.exists(f"/dev/shm/{name}") and not os.path.exists(f"/dev/shm/{name}.d")
 
 
 def test_chunked_request_body_within_the_limit(server):

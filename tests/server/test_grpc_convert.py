@@ -96,9 +96,9 @@ def test_an_unknown_model_is_not_found():
 
 def test_an_infer_message_is_the_infer_body():
     open_registry = TenantRegistry(Tenants([]))
-    tenant_id, greq, messages = infer_request(pb.InferRequest(payload="", max_new_tokens=3, priority=pb.PRIORITY_HIGH),
-                                              DEFAULT_TENANT, open_registry)
-    assert (tenant_id, messages) == (DEFAULT_TENANT.id, [{"role": "user", "content": ""}])
+    message = pb.InferRequest(payload="", max_new_tokens=3, priority=pb.PRIORITY_HIGH)
+    tenant_id, greq, payload = infer_request(message, DEFAULT_TENANT, open_registry)
+    assert (tenant_id, payload) == (DEFAULT_TENANT.id, "")
     assert (greq.sampling.max_new_tokens, greq.priority, greq.max_tokens_param) == (3, Priority.HIGH, "max_new_tokens")
     with pytest.raises(InvalidRequest) as e:
         infer_request(pb.InferRequest(payload="x", max_new_tokens=0), DEFAULT_TENANT, open_registry)

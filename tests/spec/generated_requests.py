@@ -170,9 +170,11 @@ OPENAI.config.generation.update(modes=[schemathesis.GenerationMode.POSITIVE], ma
 
 @pytest.fixture(scope="module")
 def small_server():
-    """Short sequences and little capacity, so generated requests stay cheap."""
+    """Short sequences and little capacity, so generated requests stay cheap; served under the one
+    name the document pins ``model`` to, in requests and in responses alike (``ResponseProperties``
+    holds both): a response to a request without ``model`` names the first served name."""
     with running_server("--max-slots", "4", "--max-queued", "4", "--max-seq-len", "64", "--workers", "2",
-                        "--threads", "8") as server:
+                        "--threads", "8", "--model-id", MODEL) as server:
         yield server
 
 

@@ -52,7 +52,7 @@ from server.errors import APIError, grpc_error, http_error
 from server.generation.choice import ChoiceState
 from server.http.body import read_json
 from server.tenancy.tenants import DEFAULT_TENANT, Tenant, TenantRegistry, Tenants
-from server.text.chat_template import ROLE_ALIASES, ChatTemplate
+from server.text.chat_template import ROLE_ALIASES, ChatTemplate, merge_system_message
 from tests.support.http import equal_streamed, parse_sse, post
 from tests.support.prompts import GREETING_PROMPT, MULTIBYTE_PROMPTS
 
@@ -287,8 +287,8 @@ def parse_request(route: str, raw: bytes, hdrs: dict, tokenizer, chat: ChatTempl
     req = falcon.Request(falcon.testing.create_environ(path=route, method="POST", body=raw, headers=hdrs))
     body = read_json(req, MAX_BODY)
     if route == INFER:
-        _, greq, messages = parse_infer(body, tenant or DEFAULT_TENANT, CLOSED if tenant else OPEN)
-        prompts = [chat.encode(messages)]
+        _, greq, payload = parse_infer(body, tenant or DEFAULT_TENANT, CLOSED if tenant else OPEN)
+        prompts = [chat.encode([{"role": "user", "content": payload}])]
     else:
         check_model(body, MODEL_IDS)
         greq = parse_generation(body, chat=route == CHAT)
@@ -429,6 +429,8 @@ def check_chat(template: ChatTemplate, vocab: Vocab, body) -> None:
     outcome("rendered")
     sentinel = f"\x01{secrets.token_hex(8)}\x01"
     msgs = [{"role": ROLE_ALIASES.get(m["role"], m["role"]), "content": m["content"]} for m in messages]
+    if not template.system_role:  # a leading system message is merged into the next (ChatTemplate)
+        msgs = merge_system_message(msgs)
     if options["continue_final_message"]:
         msgs[-1]["content"] += sentinel
     expected = template.template.render(messages=msgs, add_generation_prompt=options["add_generation_prompt"],
@@ -508,6 +510,18 @@ def test_template_refusing_role_orders_loads_and_refuses_with_400(tokenizer):
     with pytest.raises(RequestError) as refused:  # named by the field the messages came from
         template.encode([{"role": "user", "content": "a"}, {"role": "user", "content": "b"}], param="input")
     assert refused.value.param == "input" and "alternate" in refused.value.message
+
+
+def test_a_template_without_a_system_role_gets_the_system_text_in_the_next_message(tokenizer, chat):
+    """Mistral's template (as Gemma's) refuses a system message; its text then opens the next
+    message, a newline between (llama.cpp's workaround), and a lone one is still refused, never
+    dropped. The bundled model's template has the role and renders it itself."""
+    template = ChatTemplate(tokenizer, MISTRAL_TEMPLATE)
+    assert chat.system_role and not template.system_role
+    system, user = {"role": "developer", "content": "Be brief."}, {"role": "user", "content": "Hi"}
+    assert "".join(template.render([system, user])) == "".join(template.render([{**user, "content": "Be brief.\nHi"}]))
+    with pytest.raises(RequestError, match="alternate"):
+        template.encode([system])
 
 
 @fuzz(200)
