@@ -7,18 +7,18 @@ and stops, or walks off (issue 47). Against any OpenAI-compatible ``/v1/chat/com
     python -m bench.json_corpus --compare [--llama-server PATH] [--models smollm2,gemma]
                                 [--options compact,spaces,bounded] [--json out.json]
 
-The corpus (:data:`CORPUS`, 60 requests), by kind:
+The corpus (:data:`CORPUS`, 102 requests), by kind:
 
 * ``json_object``: ``response_format: {"type": "json_object"}`` with a prompt that names what
-  to describe (8);
+  to describe (12);
 * ``given``: ``json_object``, asked to reply with a given small object, written as
-  ``json.dumps`` writes it (4 prompts x 4 objects): the kind that derailed SmolLM2 under
+  ``json.dumps`` writes it (5 prompts x 5 objects): the kind that derailed SmolLM2 under
   compact JSON (``{"animal":{"dog":{"cat":{"dog":...`` until ``max_tokens``);
-* ``json_schema`` requests, 2 schemas x 3 prompts each: ``closed`` (flat objects, an optional
-  key), ``enum``, ``array`` (of strings, of bounded integers), ``nested`` (an object in an
-  object, an array of objects), ``open`` (``additionalProperties: true`` and a schema of the
-  values, a free ``{"type": "object"}`` property) and ``recursive`` (a tree of nodes through
-  ``$ref``, a linked list through ``anyOf`` with null).
+* ``json_schema`` requests, 5 prompts a schema: ``closed`` (flat objects, an optional key),
+  ``enum``, ``array`` (of strings, of bounded integers), ``nested`` (an object in an object,
+  an array of objects), ``open`` (``additionalProperties: true``, a schema of the values
+  alone, a free ``{"type": "object"}`` property) and ``recursive`` (a tree of nodes through
+  ``$ref``, a linked list through ``anyOf`` with null); 2 schemas each, ``open`` 3.
 
 Each answer is judged (:func:`judge`):
 
@@ -31,8 +31,9 @@ Each answer is judged (:func:`judge`):
   asks for a document of well under 100 tokens, so 200 is room enough); it nests deeper than
   the request asks (``depth``: 0 for a scalar, 1 + the deepest member for an object or array,
   so ``{"animal": "cat"}`` is 1; a request's bound is the given object's depth, the depth of
-  the structure its prompt describes for a recursive schema, 3 for a free ``json_object``,
-  and the schema's own bound otherwise); a key repeated in one object. A derailed answer may
+  the structure its prompt describes for a recursive schema, :data:`FREE_DEPTH` (3) for a free
+  ``json_object`` and an ``open`` schema, and the schema's own bound otherwise); a key repeated
+  in one object. A derailed answer may
   still be valid (``{"animal": {"name": "cat"}}`` for ``{"animal": "cat"}`` is an object).
 * **as asked** (``given`` only): the parsed document equals the given object.
 
@@ -49,9 +50,12 @@ with a schema (``{"type": "object", "x-guidance": ...}``): how one server measur
 ``--compare`` starts the servers itself, one at a time, for each model of ``--models``
 (``smollm2``: the bundled SmolLM2-135M-Instruct with its own template, on the weights the
 engine computes with; ``gemma``: Gemma 3 270M with ``--chat-template``
-:data:`tests.support.model.GEMMA_TEMPLATE`): this server (``--max-slots 4``) once per option of
-``--options``, then ``llama-server`` on the same file (``-np 4 -c 8192``, its template through
-``--jinja``), and prints one table.
+:data:`tests.support.model.GEMMA_TEMPLATE`): this server (``--max-slots 4``, ``--deterministic``
+so that a run's answers do not depend on which requests shared a batch) once per option of
+``--options`` (:data:`OPTIONS`; ``compact`` is the default before issue 47, ``spaces`` the
+default since), then ``llama-server`` on the same file (``-np 4 -c 8192``, its template through
+``--jinja``; its JSON grammar allows a space or up to two newlines and 20 spaces or tabs
+between tokens), and prints one table. Each started server gets ``--threads`` compute threads.
 """
 from __future__ import annotations
 
@@ -64,7 +68,12 @@ from concurrent.futures import ThreadPoolExecutor
 
 import jsonschema
 
-#: llguidance's JSON options measured by ``--compare`` (``x-guidance`` of every request).
+#: llguidance's JSON layouts measured by ``--compare`` (the ``x-guidance`` of every request):
+#: ``compact`` (no whitespace: the default before issue 47), ``spaces`` (``json.dumps``'
+#: separators and no other whitespace: the default since, ``server.structured.schema.JSON_OPTIONS``)
+#: and bounded free whitespace: ``bounded`` (up to 20 spaces or newlines between any two tokens),
+#: ``indent`` (a space, or a newline and up to 20 spaces), ``indent_colon`` (``indent`` with
+#: ``": "`` after every key).
 OPTIONS = {
     "compact": {"whitespace_flexible": False},
     "spaces": {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "},
@@ -421,10 +430,10 @@ def main(argv=None) -> int:
     else:
         p.error("give --url or --compare")
     if a.answers:
-        for runs in (results.values() if a.compare else [{"": results}]):
+        for model, runs in (results.items() if a.compare else [("", {"": results})]):
             for label, r in runs.items():
                 for x in r["answers"]:
-                    print(f"{label} {x['kind']} {x['name']} {x['finish']} {x['tokens']} {x['why']} {x['text']!r}")
+                    print(f"{model} {label} {x['kind']} {x['name']} {x['finish']} {x['tokens']} {x['why']} {x['text']!r}")
     save(results, a.json)
     return 0
 
