@@ -29,7 +29,7 @@ import secrets
 import string
 from typing import Callable
 
-from server.tools.grammar import COMPACT
+from server.structured.schema import JSON_OPTIONS
 from server.tools.parser import CallView, ParseError, held_back, scan_call, skip_ws, string_end, value_end
 from server.tools.spec import Tool, ToolRequest
 
@@ -302,7 +302,7 @@ class Generic(ToolFormat):
 
 
 #: The generic envelope's text answer: a JSON string, written as ``json.dumps`` writes it.
-TEXT_ANSWER = {"type": "string", "x-guidance": COMPACT}
+TEXT_ANSWER = {"type": "string", "x-guidance": JSON_OPTIONS}
 HERMES, MISTRAL, LLAMA3_JSON, GENERIC = Hermes(), Mistral(), Llama3Json(), Generic()
 
 

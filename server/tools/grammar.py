@@ -38,19 +38,16 @@ import llguidance
 
 from engine.errors import InvalidRequest
 from server.structured.constraint import OutputConstraint
-from server.structured.schema import closed_objects
+from server.structured.schema import JSON_OPTIONS, closed_objects
 from server.tools.spec import Tool, ToolRequest
 
 if TYPE_CHECKING:  # the formats call this module's helpers
     from server.tools.formats import ToolFormat
 
-#: Separators as json.dumps writes them, no other whitespace: what the templates show.
-COMPACT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
-
-
 def arguments_schema(parameters: dict) -> dict:
-    """A function's arguments' schema (with ``x-guidance``'s :data:`COMPACT`): its ``parameters``
-    as their own ``%json`` root, and an object
+    """A function's arguments' schema (with ``x-guidance``'s
+    :data:`~server.structured.schema.JSON_OPTIONS`: JSON as ``json.dumps`` writes it, as the
+    templates show calls): its ``parameters`` as their own ``%json`` root, and an object
     (OpenAI: ``arguments`` is a JSON object) whatever else the schema says. The request's check
     reads only the root's ``type``, so ``{}`` or a root that reaches another type through
     ``$ref``, ``anyOf`` or ``allOf`` would otherwise let the model write ``null`` or ``[]``
@@ -61,7 +58,7 @@ def arguments_schema(parameters: dict) -> dict:
     whose ``ValueError`` this raises)."""
     own = parameters if "type" in parameters or '"$ref": "#"' in json.dumps(parameters) else \
         {**parameters, "type": "object"}
-    return {**closed_objects(own), "x-guidance": COMPACT}
+    return {**closed_objects(own), "x-guidance": JSON_OPTIONS}
 
 
 def _calls(fmt: ToolFormat, tools: tuple[Tool, ...], arguments: list[dict]) -> str:

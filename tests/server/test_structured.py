@@ -236,3 +236,27 @@ def test_an_object_that_names_its_keys_takes_no_others(srv):
     choice = reply["choices"][0]
     assert choice["finish_reason"] == "stop" and set(json.loads(choice["message"]["content"])) == {"pt"}, choice
     jsonschema.validate(json.loads(choice["message"]["content"]), {**pair, "additionalProperties": False})
+
+
+def test_json_is_written_as_the_model_writes_it_and_ends(srv):
+    """JSON comes with the separators ``json.dumps`` writes (docs/api.md "Structured outputs").
+    Asked to repeat a small object, SmolLM2 held to compact JSON nested keys until its token
+    limit (``{"animal":{"dog":{"cat":{"dog":...``); allowed its own spacing, it writes the object
+    and ends. A schema's own ``x-guidance`` layout wins: compact, where it asks for it."""
+    person = {**CORPUS[0]["schema"], "x-guidance": {"whitespace_flexible": False}}
+    bodies = [chat_body('Repeat this JSON object: {"animal": "cat"}', max_tokens=40, temperature=0,
+                        response_format={"type": "json_object"}),
+              chat_body("Give a person's name and age as JSON.", max_tokens=40, temperature=0,
+                        response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": person}})]
+    with ThreadPoolExecutor(2) as pool:
+        (_, given), (_, compact) = pool.map(lambda body: answer(srv, CHAT, body), bodies)
+    choice = given["choices"][0]
+    assert choice["finish_reason"] == "stop" and given["usage"]["completion_tokens"] < 40, choice
+    text = choice["message"]["content"]  # the object asked for, or one like it: one key, a string
+    assert list(json.loads(text)) == ["animal"] and isinstance(json.loads(text)["animal"], str), text
+    assert text == json.dumps(json.loads(text)), text
+    choice = compact["choices"][0]
+    assert choice["finish_reason"] == "stop", choice
+    text = choice["message"]["content"]
+    jsonschema.validate(json.loads(text), CORPUS[0]["schema"])
+    assert text == json.dumps(json.loads(text), separators=(",", ":")), text

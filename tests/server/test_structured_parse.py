@@ -11,7 +11,7 @@ import pytest
 
 from engine.errors import InvalidRequest
 from server.api.structured import parse_structured, parse_text_format
-from server.structured.schema import EXACT, JSON_OPTIONS, closed_objects
+from server.structured.schema import EXACT, JSON_OPTIONS, LAYOUT, closed_objects
 
 TEXT_FORMAT_REFUSED = [
     (3, "text.format", "text.format must be an object"),
@@ -55,12 +55,44 @@ def test_text_format_constraints_name_their_field():
 
 @pytest.mark.parametrize("schema", [{"type": "object", "properties": {"a": {"type": "integer"}}},
                                     {"type": "string", "x-guidance": {"item_separator": ", ", "lenient": True}},
+                                    {"type": "string", "x-guidance": {"coerce_one_of": True}},
                                     {"x-guidance": 3}])
 def test_a_schema_grammar_is_llguidance_own_with_the_server_options(schema):
     """The options resolved as ``grammar_from_json_schema`` resolves them (defaults, the schema's
     own, then the overrides): the schema inlined beside tools means what it means alone."""
     constraint = parse_structured({"structured_outputs": {"json": schema}})
-    theirs = llguidance.LLMatcher.grammar_from_json_schema(closed_objects(schema), defaults=JSON_OPTIONS,
-                                                          overrides=EXACT)
+    own = schema.get("x-guidance") if isinstance(schema.get("x-guidance"), dict) else {}
+    theirs = llguidance.LLMatcher.grammar_from_json_schema(
+        closed_objects(schema), defaults={} if set(own) & set(LAYOUT) else JSON_OPTIONS, overrides=EXACT)
     ours = json.loads(constraint.grammar())["grammars"]
     assert len(ours) == 1 and ours[0]["json_schema"] == json.loads(theirs)["grammars"][0]["json_schema"]
+
+
+def _walk(grammar: str, text: str) -> bool:
+    """Whether ``grammar`` takes ``text`` whole (over llguidance's byte tokenizer)."""
+    matcher = llguidance.LLMatcher(llguidance.LLTokenizer("byte"), grammar, log_level=0)
+    return all(matcher.consume_token(b) for b in text.encode()) and matcher.is_accepting()
+
+
+PAIR = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "array", "items": {"type": "integer"}}},
+        "required": ["a", "b"]}
+SPACED, COMPACT, PRETTY = '{"a": 1, "b": [1, 2]}', '{"a":1,"b":[1,2]}', '{\n  "a": 1,\n  "b": [1, 2]\n}'
+
+
+@pytest.mark.parametrize("options,takes", [
+    (None, {SPACED}),  # the server's: as json.dumps writes it
+    ({"coerce_one_of": True}, {SPACED}),  # an option that lays nothing out keeps the server's layout
+    ({"whitespace_flexible": False}, {COMPACT}),  # the schema's own layout wins, as llguidance means it
+    ({"whitespace_flexible": True}, {SPACED, COMPACT, PRETTY, '{"a":1, "b":[1, 2]}'}),
+    ({"key_separator": ": "}, {SPACED, PRETTY}),  # llguidance's defaults for the rest: whitespace flexible
+])
+def test_json_is_written_with_the_server_separators_unless_the_schema_names_its_own(options, takes):
+    schema = PAIR if options is None else {**PAIR, "x-guidance": options}
+    for field in ({"response_format": {"type": "json_schema", "json_schema": {"name": "pair", "schema": schema}}},
+                  {"structured_outputs": {"json": schema}}):
+        grammar = parse_structured(field).grammar()
+        for text in (SPACED, COMPACT, PRETTY, '{"a":1, "b":[1, 2]}'):
+            assert _walk(grammar, text) == (text in takes), (options, text)
+    if options is None:  # any object (json_object) too
+        assert _walk(parse_structured({"response_format": {"type": "json_object"}}).grammar(), '{"animal": "cat"}')
+        assert not _walk(parse_structured({"response_format": {"type": "json_object"}}).grammar(), '{"animal":"cat"}')
