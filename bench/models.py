@@ -228,7 +228,8 @@ def main(argv=None) -> int:
     p.add_argument("--models", default=",".join(MODELS), help="comma-separated, of " + ", ".join(MODELS))
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--llama-server", default=os.environ.get("LLAMA_SERVER") or DEFAULT_LLAMA_SERVER,
-                   help="the llama-server binary (default: $LLAMA_SERVER, else %(default)s)")
+                   help="the llama-server binary (default: %(default)s: $LLAMA_SERVER if set, else where "
+                        "bench/README.md's recipe builds it)")
     p.add_argument("--servers", default=",".join(SERVERS), help="comma-separated, of " + ", ".join(SERVERS))
     p.add_argument("--only", default=",".join(WORKLOADS), help="comma-separated workloads, of " + ", ".join(WORKLOADS))
     p.add_argument("--json", default=None)
