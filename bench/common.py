@@ -88,8 +88,9 @@ def tree_memory(pid: int) -> dict:
     """Resident memory of process ``pid`` and every descendant (children of any of its threads,
     recursively), summed from ``/proc/<pid>/smaps_rollup``: ``rss_mib`` (each process's resident
     pages; pages two processes share count twice), ``pss_mib`` (proportional: a page shared by n
-    processes counts 1/n in each, so the sum is what the tree holds) and ``processes``. A process
-    that ends during the walk is left out."""
+    processes counts 1/n in each, so the sum is what the tree holds, less its share of pages that
+    processes outside it map too) and ``processes``. A process that ends during the walk is left
+    out."""
     totals, seen, todo = {"Rss": 0, "Pss": 0}, 0, [pid]
     while todo:
         p = todo.pop()
