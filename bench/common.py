@@ -4,6 +4,7 @@ from __future__ import annotations
 import contextlib
 import http.client
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -48,6 +49,63 @@ def wait_healthy(port: int, proc: subprocess.Popen, timeout_s: float = 120) -> N
             pass
         time.sleep(0.2)
     raise RuntimeError("llama-server did not start")
+
+
+@contextlib.contextmanager
+def llama_server(binary: str, model_path: str, *flags: str, threads: int = 0):
+    """llama.cpp's ``llama-server`` (the executable ``binary``) serving ``model_path`` on a free
+    port: its defaults but ``flags``, ``-t threads`` (0: one per CPU this process may run on) and,
+    where this CPU advertises AMX but faults on it, ``--no-repack`` (the engine then loads without
+    llama.cpp's extra buffer types too, engine/llama/library.py; without the flag llama-server
+    dies of SIGILL at start). Yields ``(port, process)`` once it answers at ``/health``; it is
+    terminated after.
+
+    Raises:
+        RuntimeError: it exited or did not answer (the message ends with its log's tail).
+    """
+    from engine.llama.library import amx_faults
+    from tests.support.servers import free_port
+
+    port = free_port()
+    repack = ["--no-repack"] if amx_faults(model_path) else []
+    with tempfile.TemporaryFile() as log:
+        proc = subprocess.Popen([binary, "-m", model_path, "--port", str(port), "-t",
+                                 str(threads or len(os.sched_getaffinity(0))), *repack, *flags],
+                                stdout=log, stderr=subprocess.STDOUT)
+        try:
+            try:
+                wait_healthy(port, proc)
+            except RuntimeError as e:
+                log.seek(0)
+                raise RuntimeError(f"{e}: {log.read()[-2000:].decode(errors='replace')}") from None
+            yield port, proc
+        finally:
+            proc.terminate()
+            proc.wait(30)
+
+
+def tree_memory(pid: int) -> dict:
+    """Resident memory of process ``pid`` and every descendant (children of any of its threads,
+    recursively), summed from ``/proc/<pid>/smaps_rollup``: ``rss_mib`` (each process's resident
+    pages; pages two processes share count twice), ``pss_mib`` (proportional: a page shared by n
+    processes counts 1/n in each, so the sum is what the tree holds, less its share of pages that
+    processes outside it map too) and ``processes``. A process that ends during the walk is left
+    out."""
+    totals, seen, todo = {"Rss": 0, "Pss": 0}, 0, [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            with open(f"/proc/{p}/smaps_rollup") as f:
+                kib = {k.rstrip(":"): int(v) for k, v, *_ in map(str.split, f) if k.rstrip(":") in totals}
+            for task in os.listdir(f"/proc/{p}/task"):
+                with open(f"/proc/{p}/task/{task}/children") as f:
+                    todo += [int(c) for c in f.read().split()]
+        except (OSError, ValueError):
+            continue
+        seen += 1
+        for key in totals:
+            totals[key] += kib.get(key, 0)
+    return {"rss_mib": totals["Rss"] / 1024, "pss_mib": totals["Pss"] / 1024, "processes": seen}
 
 
 def limit(batch: int, prompt: int, gen: int, threads: int = 0, weights: str = "auto", all_logits: bool = False) -> dict:

@@ -239,25 +239,17 @@ def machine(threads: int, weights_file: str = "") -> dict:
 
 def peer(binary: str, requests: list[Request], a, max_seq_len: int, threads: int) -> dict:
     """llama.cpp's server at its defaults but slots, context and threads (ours)."""
-    from bench.common import wait_healthy
+    from bench.common import llama_server
     from engine.config import default_model_path
-    from tests.support.servers import free_port
 
-    port = free_port()
-    proc = subprocess.Popen([binary, "-m", default_model_path(), "--port", str(port), "-np", str(a.slots),
-                             "-c", str(a.slots * max_seq_len), "-t", str(threads)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        wait_healthy(port, proc)
+    with llama_server(binary, default_model_path(), "-np", str(a.slots), "-c", str(a.slots * max_seq_len),
+                      threads=threads) as (port, _):
         one_stream(port, Request("warm up", 4), time.perf_counter())
         samples, wall, busy = drive(port, requests, a.concurrency)
         result = summarize(samples, wall, busy)
         result["samples"] = [[s.start_s, s.ttft_ms] for s in samples]
         result["wrk"] = run_wrk(port, requests, a.concurrency, a.wrk_seconds)
         return result
-    finally:
-        proc.terminate()
-        proc.wait(30)
 
 
 def table(result: dict) -> str:

@@ -42,12 +42,11 @@ import http.client
 import json
 import os
 import statistics
-import subprocess
 import sys
 import threading
 import time
 
-from bench.common import limit, limit_mix, save, wait_healthy
+from bench.common import limit, limit_mix, llama_server, save
 from bench.policies import Request, drive, one_stream, percentile, summarize, workload
 
 WORDS = ("harbor lantern meadow orchard granite willow ember falcon compass tide glacier canyon thistle "
@@ -169,10 +168,9 @@ def main(argv=None) -> int:
     import contextlib
 
     from engine.config import EngineConfig, default_model_path
-    from engine.llama.library import amx_faults
     from engine.llama.tokenizer import Tokenizer
     from engine.llama.weights import weights_path
-    from tests.support.servers import free_port, running_server
+    from tests.support.servers import running_server
 
     p = argparse.ArgumentParser(prog="python -m bench.prefill", description=__doc__.split("\n")[0])
     p.add_argument("--llama-server", default=None, help="path of a llama-server binary to compare with")
@@ -202,15 +200,8 @@ def main(argv=None) -> int:
         if s == "ceiling":
             return 0  # no server: the workload's ceiling runs in a child process of its own
         if s == "llama-server":
-            port, path = free_port(), weights_path(default_model_path(), "auto")
-            # Where this CPU faults on AMX, the engine loads without llama.cpp's extra buffer
-            # types (engine/llama/library.py); llama-server then needs the same, or it dies.
-            repack = ["--no-repack"] if amx_faults(path) else []
-            proc = subprocess.Popen([a.llama_server, "-m", path, "--port", str(port), "-np", str(slots),
-                                     "-c", str(slots * max_seq_len), "-t", str(cpus), *repack],
-                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-            stack.callback(lambda: (proc.terminate(), proc.wait(30)))
-            wait_healthy(port, proc)
+            port, _ = stack.enter_context(llama_server(a.llama_server, weights_path(default_model_path(), "auto"),
+                                                       "-np", str(slots), "-c", str(slots * max_seq_len)))
         else:
             extra = ["--deterministic"] if s == "deterministic" else []
             port = stack.enter_context(running_server(*ours_flags, *extra)).port
