@@ -26,10 +26,11 @@ log = logging.getLogger("engine")
 LOGITS_BYTES = 32 << 20
 
 
-def logits_rows(n_vocab: int, max_slots: int, n_batch: int) -> int:
+def logits_rows(n_vocab: int, n_seq_max: int, n_batch: int) -> int:
     """Logits rows a decode may ask for: :data:`LOGITS_BYTES` of float32 rows of ``n_vocab``,
-    at least one per slot (each decoding sequence samples from one) and at most ``n_batch``."""
-    return max(max_slots, min(n_batch, LOGITS_BYTES // (4 * n_vocab)))
+    at most ``n_batch``, and at least one per sequence of the context (each decoding sequence
+    samples from one; llama.cpp's ``output_reserve`` asserts room for ``n_seq_max`` rows)."""
+    return max(n_seq_max, min(n_batch, LOGITS_BYTES // (4 * n_vocab)))
 
 
 def reuse_window(model) -> int | None:
@@ -81,7 +82,7 @@ class Model:
         n_seq_max = max_slots + cache_streams
         #: Logits rows one decode may ask for (:func:`logits_rows`); llama.cpp sizes its output
         #: buffer and the logits in its compute buffer to it.
-        self.max_logits_rows = logits_rows(self.n_vocab, max_slots, n_batch)
+        self.max_logits_rows = logits_rows(self.n_vocab, n_seq_max, n_batch)
         self.params = params = llama_cpp.llama_context_default_params()
         params.n_ctx = n_seq_max * max_seq_len
         params.n_batch = params.n_ubatch = n_batch

@@ -297,3 +297,15 @@ def test_a_recurrent_memory_is_refused_said_and_bounded(tmp_path, caplog):
         assert len(first) == 4 and m.pos_max(1) == 32
     finally:
         m.close()
+
+
+def test_logits_rows_are_32_mib_within_the_batch_and_one_a_sequence_at_least():
+    """The rows a decode may ask for, which llama.cpp allocates twice (output buffer and compute
+    graph): 32 MiB of them, no more than a batch, and never fewer than the context's sequences
+    (llama.cpp's ``output_reserve`` aborts the process below that)."""
+    from engine.llama.model import logits_rows
+
+    assert logits_rows(262_144, 17, 512) == 32  # Gemma 3: 1 MiB a row
+    assert logits_rows(49_152, 17, 512) == 170  # SmolLM2
+    assert logits_rows(49_152, 17, 64) == 64
+    assert logits_rows(262_144, 40, 512) == 40
