@@ -221,7 +221,7 @@ def write_tiny_mamba(path: str, n_embd: int = 64, n_layer: int = 2, n_vocab: int
     """A GGUF of a Mamba model (llama.cpp's ``mamba`` architecture: a recurrent memory, one state
     per sequence) with random float32 weights and a byte vocabulary: real for llama.cpp, small
     enough to write here (no such model is installable). GGUF v3: header, metadata, tensor
-    infos, data aligned to 32 bytes (ggml/docs/gguf.md)."""
+    infos, data aligned to 32 bytes (ggml's GGUF specification)."""
     import struct
 
     rng = np.random.default_rng(0)
