@@ -23,6 +23,11 @@ of every sequence of its class never admitted, to prefill its prompt and the tok
 generated. A scoring sequence is never preempted (its prompt log-probabilities are already being
 read); if only such sequences could make room, the step runs over the budget.
 
+Fair slots (``continuous``): a waiting sequence whose tenant holds fewer than its weighted share
+of the slots gets the slot of the youngest sequence of a tenant over its share, in the same step
+(:meth:`Scheduler.preempt_for_share`); each sequence is preempted so at most once, its cells kept
+in the prefix cache, and it waits in its tenant's fair-share turn.
+
 Prefix cache (:class:`engine.prefix_cache.PrefixCache`, when given): an admitted sequence reuses
 the longest cached or running prefix of its tenant worth copying, a preempted one's cells are kept,
 and in ``continuous`` a sequence waits a step for a sibling prefilling the prefix they share. The
@@ -112,7 +117,7 @@ class Scheduler:
         """Sort key of a waiting sequence (``ranks`` from :meth:`class_ranks`): smaller is
         admitted first."""
         r = seq.request
-        return (ranks[r.priority], not seq.preemptions, self.counters.get(r.tenant, 0.0), r.deadline or math.inf,
+        return (ranks[r.priority], not seq.resumes_first, self.counters.get(r.tenant, 0.0), r.deadline or math.inf,
                 seq.order)
 
     @property
@@ -132,7 +137,7 @@ class Scheduler:
         charged to its tenant's counter). Moves the sequences' state as planned; the KV cells
         and mailboxes are the core's to change, as the plan says."""
         plan = StepPlan()
-        plan.preempted = self.preempt_for_growth(plan)
+        plan.preempted = self.preempt_for_growth(plan) + self.preempt_for_share(now, plan)
         plan.admitted = self.admit(now)
         for seq in plan.admitted:
             self.start(seq, plan)
@@ -236,24 +241,81 @@ class Scheduler:
 
     def preempt_for_growth(self, plan: StepPlan) -> list[Sequence]:
         """Preempt running sequences, youngest of the lowest class first, until this step's
-        decodes fit in ``kv_tokens``: each one's cells kept in the prefix cache and freed, in
-        ``plan.cells``. Returns the preempted, now waiting again."""
+        decodes fit in ``kv_tokens`` (:meth:`preempt`; each waits again ahead of its class's
+        sequences never admitted). Returns the preempted."""
         preempted = []
         while self._kv_cells_after_decode() > self.kv_tokens:
             candidates = [s for s in self.running.values() if not s.scoring]
             if len(self.running) < 2 or not candidates:
                 break
             seq = max(candidates, key=lambda s: (s.request.priority, s.order))
-            if self.cache is not None and seq.n_past:
-                plan.cells += self.cache.keep(seq)
-            plan.cells.append(FreeCells(seq.slot))
-            log.info("preempted the sequence in mailbox %d (%d KV cells) for the KV budget", seq.mailbox, seq.n_past)
-            del self.running[seq.slot]
-            bisect.insort(self.free_slots, seq.slot)
-            seq.preempted()
-            self.waiting.append(seq)
+            self.preempt(seq, plan, resumes_first=True, why="the KV budget")
             preempted.append(seq)
         return preempted
+
+    def slot_shares(self) -> dict[int, float]:
+        """Each backlogged tenant's fair share of the slots: ``max_slots * weight / (sum of the
+        backlogged tenants' weights)``, in slots (not rounded)."""
+        weights = {s.request.tenant: max(s.request.weight, 1e-6) for s in self._backlogged()}
+        total, slots = sum(weights.values()), len(self.running) + len(self.free_slots)
+        return {tenant: slots * w / total for tenant, w in weights.items()}
+
+    def preempt_for_share(self, now: float, plan: StepPlan) -> list[Sequence]:
+        """Free slots for waiting sequences whose tenant holds fewer than its fair share of the
+        slots (:meth:`slot_shares`) while another tenant holds more: the slots that fair share
+        orders the queue by, made fair too (VTC, Sheng et al., OSDI 2024, orders admission; a
+        queue alone leaves a flooding tenant every slot until its answers end).
+
+        The waiting sequences are walked in admission order (:meth:`key`), each taking a free
+        slot while there is one; then the next one, if taking a slot keeps its tenant within its
+        share, gets the slot of a victim: the youngest running sequence of the lowest class, of
+        the tenant furthest over its share, that stays at or over its share without it. Never a
+        sequence of a higher class than the waiting one (vLLM's priority preemption), a scoring
+        one, or one preempted before: each sequence is preempted at most once, which bounds the
+        churn, and a swap leaves the two tenants where neither may take the slot back. The walk
+        stops at the first sequence that gets no slot (no later one overtakes it). A victim's
+        cells are kept in the prefix cache (:meth:`preempt`) and it waits in its tenant's
+        fair-share turn. Only in ``continuous``. Returns the preempted."""
+        if self.policy != "continuous" or not self.waiting:
+            return []
+        share = self.slot_shares()
+        held: dict[int, int] = {}
+        for seq in self.running.values():
+            held[seq.request.tenant] = held.get(seq.request.tenant, 0) + 1
+        free, ranks, preempted = len(self.free_slots), self.class_ranks(now), []
+        for seq in sorted(self.waiting, key=lambda s: self.key(s, ranks)):
+            if self.holds(seq):
+                continue
+            tenant = seq.request.tenant
+            if not free:
+                if held.get(tenant, 0) + 1 > share[tenant]:
+                    break
+                victims = [s for s in self.running.values()
+                           if not s.scoring and not s.preemptions and s.request.priority >= seq.request.priority
+                           and held[s.request.tenant] - 1 >= share[s.request.tenant]]
+                if not victims:
+                    break
+                victim = max(victims, key=lambda s: (s.request.priority,
+                                                     held[s.request.tenant] / share[s.request.tenant], s.order))
+                self.preempt(victim, plan, resumes_first=False, why="a tenant below its fair share of the slots")
+                held[victim.request.tenant] -= 1
+                preempted.append(victim)
+                free += 1
+            free -= 1
+            held[tenant] = held.get(tenant, 0) + 1
+        return preempted
+
+    def preempt(self, seq: Sequence, plan: StepPlan, resumes_first: bool, why: str) -> None:
+        """Preempt one running sequence (vLLM's recompute preemption): its cells kept in the
+        prefix cache and freed (``plan.cells``), its slot freed, and it waits again."""
+        if self.cache is not None and seq.n_past:
+            plan.cells += self.cache.keep(seq)
+        plan.cells.append(FreeCells(seq.slot))
+        log.info("preempted the sequence in mailbox %d (%d KV cells) for %s", seq.mailbox, seq.n_past, why)
+        del self.running[seq.slot]
+        bisect.insort(self.free_slots, seq.slot)
+        seq.preempted(resumes_first)
+        self.waiting.append(seq)
 
     def drop_waiting(self, seq: Sequence) -> None:
         """Remove a sequence that ends before admission (cancelled, expired, engine stopping)."""
