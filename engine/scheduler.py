@@ -129,8 +129,8 @@ class Scheduler:
         return self.kv_cells + sum(1 for s in self.running.values() if s.status == SequenceStatus.DECODE)
 
     def schedule(self, now: float) -> StepPlan:
-        """Plan one step: preempt what the decodes would outgrow (their cells freed, kept in the
-        prefix cache first), admit waiting sequences (:meth:`admit`), each reusing what prefix
+        """Plan one step: preempt what the decodes would outgrow, then for the slots' fair share
+        (:meth:`preempt_for_share`; their cells freed, kept in the prefix cache first), admit waiting sequences (:meth:`admit`), each reusing what prefix
         it can (:meth:`start`), close gaps in the running slots, then fill the batch: one token
         per decoding sequence, then prefill chunks of at most ``backend.max_chunk_tokens`` in
         admission order, within ``n_batch`` tokens (chunked prefill; each first-time token
