@@ -113,11 +113,14 @@ class Scheduler:
             oldest[p] = min(oldest.get(p, seq.arrival), seq.arrival)
         return {p: max(0, p - int((now - t) / self.aging_s)) for p, t in oldest.items()}
 
-    def key(self, seq: Sequence, ranks: dict[int, int]) -> tuple:
-        """Sort key of a waiting sequence (``ranks`` from :meth:`class_ranks`): smaller is
-        admitted first."""
+    def key(self, seq: Sequence, ranks: dict[int, int], below: set[int]) -> tuple:
+        """Sort key of a waiting sequence (``ranks`` from :meth:`class_ranks`, ``below`` from
+        :meth:`below_share`): smaller is admitted first. Inside a class, a tenant below its share
+        of the slots goes before one at or above it, then the smaller counter: a tenant queued
+        behind a flood starts at the flood's counter (the lift), and the tie must not hand the
+        flood back the slot :meth:`preempt_for_share` freed."""
         r = seq.request
-        return (ranks[r.priority], not seq.resumes_first, self.counters.get(r.tenant, 0.0), r.deadline or math.inf,
+        return (ranks[r.priority], not seq.resumes_first, r.tenant not in below, self.counters.get(r.tenant, 0.0), r.deadline or math.inf,
                 seq.order)
 
     @property
@@ -130,8 +133,9 @@ class Scheduler:
 
     def schedule(self, now: float) -> StepPlan:
         """Plan one step: preempt what the decodes would outgrow, then for the slots' fair share
-        (:meth:`preempt_for_share`; their cells freed, kept in the prefix cache first), admit waiting sequences (:meth:`admit`), each reusing what prefix
-        it can (:meth:`start`), close gaps in the running slots, then fill the batch: one token
+        (:meth:`preempt_for_share`; their cells freed, kept in the prefix cache first), admit
+        waiting sequences (:meth:`admit`), each reusing what prefix it can (:meth:`start`),
+        close gaps in the running slots, then fill the batch: one token
         per decoding sequence, then prefill chunks of at most ``backend.max_chunk_tokens`` in
         admission order, within ``n_batch`` tokens (chunked prefill; each first-time token
         charged to its tenant's counter). Moves the sequences' state as planned; the KV cells
@@ -203,8 +207,8 @@ class Scheduler:
             if self.policy == "static" and self.running:
                 return []
             room = len(self.free_slots)
-            ranks = self.class_ranks(now)
-            order = sorted(self.waiting, key=lambda s: self.key(s, ranks))
+            ranks, below = self.class_ranks(now), self.below_share()
+            order = sorted(self.waiting, key=lambda s: self.key(s, ranks, below))
         admitted, cells = [], self._kv_cells_after_decode()
         for seq in order:
             if len(admitted) == room:
@@ -260,6 +264,18 @@ class Scheduler:
         total, slots = sum(weights.values()), len(self.running) + len(self.free_slots)
         return {tenant: slots * w / total for tenant, w in weights.items()}
 
+    def held(self) -> dict[int, int]:
+        """Slots each tenant's running sequences hold."""
+        held: dict[int, int] = {}
+        for seq in self.running.values():
+            held[seq.request.tenant] = held.get(seq.request.tenant, 0) + 1
+        return held
+
+    def below_share(self) -> set[int]:
+        """The backlogged tenants holding fewer slots than their share (:meth:`slot_shares`)."""
+        held = self.held()
+        return {tenant for tenant, share in self.slot_shares().items() if held.get(tenant, 0) < share}
+
     def preempt_for_share(self, now: float, plan: StepPlan) -> list[Sequence]:
         """Free slots for waiting sequences whose tenant holds fewer than its fair share of the
         slots (:meth:`slot_shares`) while another tenant holds more: the slots that fair share
@@ -278,12 +294,9 @@ class Scheduler:
         fair-share turn. Only in ``continuous``. Returns the preempted."""
         if self.policy != "continuous" or not self.waiting:
             return []
-        share = self.slot_shares()
-        held: dict[int, int] = {}
-        for seq in self.running.values():
-            held[seq.request.tenant] = held.get(seq.request.tenant, 0) + 1
+        share, held, below = self.slot_shares(), self.held(), self.below_share()
         free, ranks, preempted = len(self.free_slots), self.class_ranks(now), []
-        for seq in sorted(self.waiting, key=lambda s: self.key(s, ranks)):
+        for seq in sorted(self.waiting, key=lambda s: self.key(s, ranks, below)):
             if self.holds(seq):
                 continue
             tenant = seq.request.tenant

@@ -298,3 +298,14 @@ def test_a_waiting_sequence_never_preempts_a_higher_class():
     decode_step(sched)
     plan = sched.schedule(0.0)
     assert plan.preempted == [flood[3]] and [s.request.tenant for s in plan.admitted] == [2]
+
+
+def test_the_slot_freed_goes_to_the_tenant_below_its_share_even_at_the_floods_counter():
+    """Queued in the step it arrives, B's counter is A's (VTC's lift): the tie would hand the
+    slot freed back to A's victim, so a tenant below its share of the slots sorts first."""
+    sched, flood = flooded()
+    b = make(tenant=1)
+    sched.add(b)
+    assert sched.counters[1] == sched.counters[0]
+    plan = sched.schedule(0.0)
+    assert plan.preempted == [flood[3]] and plan.admitted == [b]
