@@ -25,8 +25,9 @@ read); if only such sequences could make room, the step runs over the budget.
 
 Fair slots (``continuous``): a waiting sequence whose tenant holds fewer than its weighted share
 of the slots gets the slot of the youngest sequence of a tenant over its share, in the same step
-(:meth:`Scheduler.preempt_for_share`); each sequence is preempted so at most once, its cells kept
-in the prefix cache, and it waits in its tenant's fair-share turn.
+(:meth:`Scheduler.preempt_for_share`); a sequence is preempted so at most
+``MAX_SHARE_PREEMPTIONS`` times, its cells kept in the prefix cache, and it waits in its tenant's
+fair-share turn.
 
 Prefix cache (:class:`engine.prefix_cache.PrefixCache`, when given): an admitted sequence reuses
 the longest cached or running prefix of its tenant worth copying, a preempted one's cells are kept,
@@ -49,6 +50,12 @@ from engine.sequence import Sequence, SequenceStatus
 from engine.step_plan import FreeCells, PlannedRow, StepPlan
 
 log = logging.getLogger("engine")
+
+#: Times a sequence may be preempted before it is no longer a fair-share victim: its answer is
+#: delayed at most this many re-admissions (each a copy of its cached cells, not a recompute).
+#: Once (a first try) let a flood's readmitted sequences pile up immune, and a light request
+#: then waited for one of their answers to end.
+MAX_SHARE_PREEMPTIONS = 4
 
 
 class Scheduler:
@@ -120,8 +127,8 @@ class Scheduler:
         behind a flood starts at the flood's counter (the lift), and the tie must not hand the
         flood back the slot :meth:`preempt_for_share` freed."""
         r = seq.request
-        return (ranks[r.priority], not seq.resumes_first, r.tenant not in below, self.counters.get(r.tenant, 0.0), r.deadline or math.inf,
-                seq.order)
+        return (ranks[r.priority], not seq.resumes_first, r.tenant not in below, self.counters.get(r.tenant, 0.0),
+                r.deadline or math.inf, seq.order)
 
     @property
     def kv_cells(self) -> int:
@@ -287,7 +294,7 @@ class Scheduler:
         share, gets the slot of a victim: the youngest running sequence of the lowest class, of
         the tenant furthest over its share, that stays at or over its share without it. Never a
         sequence of a higher class than the waiting one (vLLM's priority preemption), a scoring
-        one, or one preempted before: each sequence is preempted at most once, which bounds the
+        one, or one preempted ``MAX_SHARE_PREEMPTIONS`` times already, which bounds the
         churn, and a swap leaves the two tenants where neither may take the slot back. The walk
         stops at the first sequence that gets no slot (no later one overtakes it). A victim's
         cells are kept in the prefix cache (:meth:`preempt`) and it waits in its tenant's
@@ -304,7 +311,8 @@ class Scheduler:
                 if held.get(tenant, 0) + 1 > share[tenant]:
                     break
                 victims = [s for s in self.running.values()
-                           if not s.scoring and not s.preemptions and s.request.priority >= seq.request.priority
+                           if not s.scoring and s.preemptions < MAX_SHARE_PREEMPTIONS
+                           and s.request.priority >= seq.request.priority
                            and held[s.request.tenant] - 1 >= share[s.request.tenant]]
                 if not victims:
                     break

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 
 from engine.request import EngineRequest, Priority, SamplingParams
-from engine.scheduler import Scheduler
+from engine.scheduler import MAX_SHARE_PREEMPTIONS, Scheduler
 from engine.sequence import Sequence, SequenceStatus
 
 HIGH, NORMAL, LOW = Priority
@@ -266,7 +266,8 @@ def test_weights_set_the_share_of_the_slots():
 def test_fair_slots_never_churn():
     """One slot, two tenants (a share of half a slot each): taking the slot would put B over its
     share, so A's sequence runs on. And a sequence preempted once is never a victim again: B's
-    next request takes the slot of A's older sequence, not of the youngest, preempted before."""
+    next request takes the slot of A's older sequence once the youngest was preempted
+    ``MAX_SHARE_PREEMPTIONS`` times."""
     sched, flood = flooded(slots=1)
     sched.add(make(tenant=1))
     decode_step(sched)
@@ -278,6 +279,7 @@ def test_fair_slots_never_churn():
     assert sched.schedule(0.0).preempted == [flood[1]]
     sched.release(b1)
     assert sched.schedule(0.0).admitted == [flood[1]]  # back in A's turn, now the youngest running
+    flood[1].preemptions = MAX_SHARE_PREEMPTIONS  # as if it had been preempted that often
     sched.add(make(tenant=1))
     decode_step(sched)
     assert sched.schedule(0.0).preempted == [flood[0]]
