@@ -9,7 +9,8 @@ middle planned as a value (vLLM v1's ``schedule() -> execute_model() -> update_f
            -> sample -> finish rule -> publish -> retire (+ keep the cells in the prefix cache)
 
 where schedule may first preempt the youngest sequences when the decodes would outgrow the KV
-budget (their cells kept in the prefix cache when they fit; they wait to prefill again).
+budget, or to give a tenant below its fair share of the slots one of an over-share tenant's
+(their cells kept in the prefix cache when they fit; they wait to prefill again).
 Schedule only decides (:class:`engine.step_plan.StepPlan`); execute is the first phase that
 touches llama.cpp. The finish rule is :func:`engine.finish.finish_of`.
 """

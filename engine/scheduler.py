@@ -23,6 +23,12 @@ of every sequence of its class never admitted, to prefill its prompt and the tok
 generated. A scoring sequence is never preempted (its prompt log-probabilities are already being
 read); if only such sequences could make room, the step runs over the budget.
 
+Fair slots (``continuous``): a waiting sequence whose tenant holds fewer than its weighted share
+of the slots gets the slot of the youngest sequence of a tenant over its share, in the same step
+(:meth:`Scheduler.preempt_for_share`); a sequence is preempted so at most
+``MAX_SHARE_PREEMPTIONS`` times, its cells kept in the prefix cache, and it waits in its tenant's
+fair-share turn.
+
 Prefix cache (:class:`engine.prefix_cache.PrefixCache`, when given): an admitted sequence reuses
 the longest cached or running prefix of its tenant worth copying, a preempted one's cells are kept,
 and in ``continuous`` a sequence waits a step for a sibling prefilling the prefix they share. The
@@ -44,6 +50,12 @@ from engine.sequence import Sequence, SequenceStatus
 from engine.step_plan import FreeCells, PlannedRow, StepPlan
 
 log = logging.getLogger("engine")
+
+#: Times a sequence may be preempted before it is no longer a fair-share victim: its answer is
+#: delayed at most this many re-admissions (each a copy of its cached cells, not a recompute).
+#: Once (a first try) let a flood's readmitted sequences pile up immune, and a light request
+#: then waited for one of their answers to end.
+MAX_SHARE_PREEMPTIONS = 4
 
 
 class Scheduler:
@@ -108,12 +120,15 @@ class Scheduler:
             oldest[p] = min(oldest.get(p, seq.arrival), seq.arrival)
         return {p: max(0, p - int((now - t) / self.aging_s)) for p, t in oldest.items()}
 
-    def key(self, seq: Sequence, ranks: dict[int, int]) -> tuple:
-        """Sort key of a waiting sequence (``ranks`` from :meth:`class_ranks`): smaller is
-        admitted first."""
+    def key(self, seq: Sequence, ranks: dict[int, int], below: set[int]) -> tuple:
+        """Sort key of a waiting sequence (``ranks`` from :meth:`class_ranks`, ``below`` from
+        :meth:`below_share`): smaller is admitted first. Inside a class, a tenant below its share
+        of the slots goes before one at or above it, then the smaller counter: a tenant queued
+        behind a flood starts at the flood's counter (the lift), and the tie must not hand the
+        flood back the slot :meth:`preempt_for_share` freed."""
         r = seq.request
-        return (ranks[r.priority], not seq.preemptions, self.counters.get(r.tenant, 0.0), r.deadline or math.inf,
-                seq.order)
+        return (ranks[r.priority], not seq.resumes_first, r.tenant not in below, self.counters.get(r.tenant, 0.0),
+                r.deadline or math.inf, seq.order)
 
     @property
     def kv_cells(self) -> int:
@@ -124,15 +139,16 @@ class Scheduler:
         return self.kv_cells + sum(1 for s in self.running.values() if s.status == SequenceStatus.DECODE)
 
     def schedule(self, now: float) -> StepPlan:
-        """Plan one step: preempt what the decodes would outgrow (their cells freed, kept in the
-        prefix cache first), admit waiting sequences (:meth:`admit`), each reusing what prefix
-        it can (:meth:`start`), close gaps in the running slots, then fill the batch: one token
+        """Plan one step: preempt what the decodes would outgrow, then for the slots' fair share
+        (:meth:`preempt_for_share`; their cells freed, kept in the prefix cache first), admit
+        waiting sequences (:meth:`admit`), each reusing what prefix it can (:meth:`start`),
+        close gaps in the running slots, then fill the batch: one token
         per decoding sequence, then prefill chunks of at most ``backend.max_chunk_tokens`` in
         admission order, within ``n_batch`` tokens (chunked prefill; each first-time token
         charged to its tenant's counter). Moves the sequences' state as planned; the KV cells
         and mailboxes are the core's to change, as the plan says."""
         plan = StepPlan()
-        plan.preempted = self.preempt_for_growth(plan)
+        plan.preempted = self.preempt_for_growth(plan) + self.preempt_for_share(now, plan)
         plan.admitted = self.admit(now)
         for seq in plan.admitted:
             self.start(seq, plan)
@@ -198,8 +214,8 @@ class Scheduler:
             if self.policy == "static" and self.running:
                 return []
             room = len(self.free_slots)
-            ranks = self.class_ranks(now)
-            order = sorted(self.waiting, key=lambda s: self.key(s, ranks))
+            ranks, below = self.class_ranks(now), self.below_share()
+            order = sorted(self.waiting, key=lambda s: self.key(s, ranks, below))
         admitted, cells = [], self._kv_cells_after_decode()
         for seq in order:
             if len(admitted) == room:
@@ -236,24 +252,91 @@ class Scheduler:
 
     def preempt_for_growth(self, plan: StepPlan) -> list[Sequence]:
         """Preempt running sequences, youngest of the lowest class first, until this step's
-        decodes fit in ``kv_tokens``: each one's cells kept in the prefix cache and freed, in
-        ``plan.cells``. Returns the preempted, now waiting again."""
+        decodes fit in ``kv_tokens`` (:meth:`preempt`; each waits again ahead of its class's
+        sequences never admitted). Returns the preempted."""
         preempted = []
         while self._kv_cells_after_decode() > self.kv_tokens:
             candidates = [s for s in self.running.values() if not s.scoring]
             if len(self.running) < 2 or not candidates:
                 break
             seq = max(candidates, key=lambda s: (s.request.priority, s.order))
-            if self.cache is not None and seq.n_past:
-                plan.cells += self.cache.keep(seq)
-            plan.cells.append(FreeCells(seq.slot))
-            log.info("preempted the sequence in mailbox %d (%d KV cells) for the KV budget", seq.mailbox, seq.n_past)
-            del self.running[seq.slot]
-            bisect.insort(self.free_slots, seq.slot)
-            seq.preempted()
-            self.waiting.append(seq)
+            self.preempt(seq, plan, resumes_first=True, why="the KV budget")
             preempted.append(seq)
         return preempted
+
+    def slot_shares(self) -> dict[int, float]:
+        """Each backlogged tenant's fair share of the slots: ``max_slots * weight / (sum of the
+        backlogged tenants' weights)``, in slots (not rounded)."""
+        weights = {s.request.tenant: max(s.request.weight, 1e-6) for s in self._backlogged()}
+        total, slots = sum(weights.values()), len(self.running) + len(self.free_slots)
+        return {tenant: slots * w / total for tenant, w in weights.items()}
+
+    def held(self) -> dict[int, int]:
+        """Slots each tenant's running sequences hold."""
+        held: dict[int, int] = {}
+        for seq in self.running.values():
+            held[seq.request.tenant] = held.get(seq.request.tenant, 0) + 1
+        return held
+
+    def below_share(self) -> set[int]:
+        """The backlogged tenants holding fewer slots than their share (:meth:`slot_shares`)."""
+        held = self.held()
+        return {tenant for tenant, share in self.slot_shares().items() if held.get(tenant, 0) < share}
+
+    def preempt_for_share(self, now: float, plan: StepPlan) -> list[Sequence]:
+        """Free slots for waiting sequences whose tenant holds fewer than its fair share of the
+        slots (:meth:`slot_shares`) while another tenant holds more: the slots that fair share
+        orders the queue by, made fair too (VTC, Sheng et al., OSDI 2024, orders admission; a
+        queue alone leaves a flooding tenant every slot until its answers end).
+
+        The waiting sequences are walked in admission order (:meth:`key`), each taking a free
+        slot while there is one; then the next one, if taking a slot keeps its tenant within its
+        share, gets the slot of a victim: the youngest running sequence of the lowest class, of
+        the tenant furthest over its share, that stays at or over its share without it. Never a
+        sequence of a higher class than the waiting one (vLLM's priority preemption), a scoring
+        one, or one preempted ``MAX_SHARE_PREEMPTIONS`` times already, which bounds the
+        churn, and a swap leaves the two tenants where neither may take the slot back. The walk
+        stops at the first sequence that gets no slot (no later one overtakes it). A victim's
+        cells are kept in the prefix cache (:meth:`preempt`) and it waits in its tenant's
+        fair-share turn. Only in ``continuous``. Returns the preempted."""
+        if self.policy != "continuous" or not self.waiting:
+            return []
+        share, held, below = self.slot_shares(), self.held(), self.below_share()
+        free, ranks, preempted = len(self.free_slots), self.class_ranks(now), []
+        for seq in sorted(self.waiting, key=lambda s: self.key(s, ranks, below)):
+            if self.holds(seq):
+                continue
+            tenant = seq.request.tenant
+            if not free:
+                if held.get(tenant, 0) + 1 > share[tenant]:
+                    break
+                victims = [s for s in self.running.values()
+                           if not s.scoring and s.preemptions < MAX_SHARE_PREEMPTIONS
+                           and s.request.priority >= seq.request.priority
+                           and held[s.request.tenant] - 1 >= share[s.request.tenant]]
+                if not victims:
+                    break
+                victim = max(victims, key=lambda s: (s.request.priority,
+                                                     held[s.request.tenant] / share[s.request.tenant], s.order))
+                self.preempt(victim, plan, resumes_first=False, why="a tenant below its fair share of the slots")
+                held[victim.request.tenant] -= 1
+                preempted.append(victim)
+                free += 1
+            free -= 1
+            held[tenant] = held.get(tenant, 0) + 1
+        return preempted
+
+    def preempt(self, seq: Sequence, plan: StepPlan, resumes_first: bool, why: str) -> None:
+        """Preempt one running sequence (vLLM's recompute preemption): its cells kept in the
+        prefix cache and freed (``plan.cells``), its slot freed, and it waits again."""
+        if self.cache is not None and seq.n_past:
+            plan.cells += self.cache.keep(seq)
+        plan.cells.append(FreeCells(seq.slot))
+        log.info("preempted the sequence in mailbox %d (%d KV cells) for %s", seq.mailbox, seq.n_past, why)
+        del self.running[seq.slot]
+        bisect.insort(self.free_slots, seq.slot)
+        seq.preempted(resumes_first)
+        self.waiting.append(seq)
 
     def drop_waiting(self, seq: Sequence) -> None:
         """Remove a sequence that ends before admission (cancelled, expired, engine stopping)."""

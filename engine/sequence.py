@@ -46,7 +46,10 @@ class Sequence:
         grammar: ``concurrent.futures.Future`` of the request's compiled grammar while it is
             compiled and then (None: unconstrained); the sampler's constraint copies it.
         status: see :class:`SequenceStatus`.
-        preemptions: times it was preempted (it then waits ahead of sequences never admitted).
+        preemptions: times it was preempted.
+        resumes_first: its last preemption was for the KV budget, so it waits ahead of the
+            sequences of its class never admitted; after a fair-share preemption it waits in its
+            tenant's fair-share turn (:meth:`engine.scheduler.Scheduler.preempt_for_share`).
     """
 
     mailbox: int
@@ -65,6 +68,7 @@ class Sequence:
     grammar: object = None  # a Future of its compiled grammar (engine.llama.grammar.Grammars), if any
     status: SequenceStatus = SequenceStatus.WAITING
     preemptions: int = 0
+    resumes_first: bool = False
 
     @property
     def prompt(self) -> np.ndarray:
@@ -105,11 +109,13 @@ class Sequence:
             return max(self.n_past, len(self.prefill_tokens))
         return self.n_past
 
-    def preempted(self) -> None:
-        """Back to waiting with no KV cells (the scheduler requeues it)."""
+    def preempted(self, resumes_first: bool) -> None:
+        """Back to waiting with no KV cells (the scheduler requeues it), ahead of its class's
+        sequences never admitted when ``resumes_first``."""
         self.status = SequenceStatus.WAITING
         self.slot, self.n_prefilled, self.n_past = -1, 0, 0
         self.preemptions += 1
+        self.resumes_first = resumes_first
 
     def start_history(self) -> None:
         """Allocate :attr:`history` holding the prompt (at admission)."""

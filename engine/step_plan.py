@@ -60,8 +60,9 @@ class StepPlan:
             into a cache stream) and its slot freed; then, for each admitted sequence, the
             prefix it reuses copied into its slot. Slot ids are those at decision time, before
             :attr:`moves`.
-        preempted: running sequences sent back to waiting this step, youngest first, because
-            the decoding ones would have outgrown the KV budget; their mailboxes lose their slot.
+        preempted: running sequences sent back to waiting this step: first, youngest first, those
+            the decoding ones would have outgrown the KV budget with, then those whose slots went
+            to tenants below their fair share of the slots; their mailboxes lose their slot.
         admitted: sequences given a slot this step, in admission order (a preempted one may be
             readmitted in the same step); a sequence's reused prefix is already counted in its
             ``n_cached``, ``n_prefilled`` and ``n_past``.

@@ -314,3 +314,31 @@ def test_an_inproc_engine_that_cannot_load_raises_and_leaves_no_segment(tmp_path
         InprocEngine(EngineConfig(model_path=str(bad), max_slots=2, max_seq_len=256))
     assert mine() == before
     assert set(threading.enumerate()) <= threads
+
+
+def test_a_tenant_below_its_share_gets_a_slot_from_a_flooding_tenant_at_once():
+    """Fair slots on the real engine: tenant 1 holds both slots with long answers; tenant 2's
+    request is admitted while both still run (the youngest is preempted, its cells kept in the
+    prefix cache) and tenant 1's answers finish equal to their solo runs (deterministic profile)."""
+    p = SamplingParams(max_new_tokens=80, temperature=0, ignore_eos=True)
+    prompts = [[700 + i, 701 + i, 702 + i] for i in range(2)]
+    with running_engine(max_slots=2, deterministic=True) as (client, _):
+        alone = []
+        for prompt in prompts:
+            with client.submit(prompt, p, tenant=1) as s:
+                alone.append([t.id for t in s])
+        before = client.snapshot().preemptions
+        flood = [client.submit(prompt, p, tenant=1) for prompt in prompts]
+        its = [iter(s) for s in flood]
+        firsts = [next(it).id for it in its]
+        with client.submit([30, 31], SamplingParams(max_new_tokens=4, temperature=0, ignore_eos=True),
+                           tenant=2) as light:
+            assert len(list(light)) == 4
+            admitted = light.timings().step_admitted
+        together = [[first] + [t.id for t in it] for first, it in zip(firsts, its)]
+        for s in flood:
+            with s:
+                assert s.timings().step_finished > admitted
+        assert client.snapshot().preemptions == before + 1
+        assert_idle_and_clean(client)
+    assert together == alone

@@ -7,8 +7,8 @@ from __future__ import annotations
 import numpy as np
 
 from engine.request import EngineRequest, Priority, SamplingParams
-from engine.scheduler import Scheduler
-from engine.sequence import Sequence
+from engine.scheduler import MAX_SHARE_PREEMPTIONS, Scheduler
+from engine.sequence import Sequence, SequenceStatus
 
 HIGH, NORMAL, LOW = Priority
 
@@ -196,3 +196,118 @@ def test_a_scoring_chunk_takes_the_logits_rows_the_others_leave():
     assert [(r.seq, len(r.tokens)) for r in sorted(plan.rows, key=lambda r: r.seq.order)] == [
         (decoding, 1), (scoring, 18), (after, 2)]  # 20 rows: 1 decode + 18 scored + 1 sampled
     assert sum(len(r.tokens) if r.scores else int(r.samples) for r in plan.rows) == 20
+
+
+def flooded(slots: int = 4, weight_a: float = 1.0) -> tuple[Scheduler, list[Sequence]]:
+    """Tenant 0 (A) holds every slot and has more waiting."""
+    sched = Scheduler(max_slots=slots, policy="continuous", aging_s=1e9)
+    flood = [make(tenant=0, weight=weight_a) for _ in range(slots + 2)]
+    for seq in flood:
+        sched.add(seq)
+    sched.schedule(0.0)
+    return sched, flood
+
+
+def decode_step(sched: Scheduler) -> None:
+    """Charge each running sequence the token it decodes (as the core does on sampling): a
+    tenant queued behind the flood starts at A's counter (VTC's lift) and is behind it a step on."""
+    for seq in sched.running.values():
+        sched.charge(seq, 1)
+
+
+def test_a_tenant_below_its_share_of_the_slots_takes_the_youngest_slot_of_one_above_it():
+    """Two tenants, four slots: a share of two each. B's first two requests each take the slot of
+    A's youngest running sequence in the step they are queued; the third waits (B at its share)."""
+    sched, flood = flooded()
+    b1, b2, b3 = make(tenant=1), make(tenant=1), make(tenant=1)
+    sched.add(b1)
+    decode_step(sched)
+    plan = sched.schedule(0.0)
+    assert plan.preempted == [flood[3]] and plan.admitted == [b1]
+    assert flood[3].status == SequenceStatus.WAITING and flood[3].preemptions == 1
+    sched.add(b2)
+    sched.add(b3)
+    decode_step(sched)
+    plan = sched.schedule(0.0)
+    assert plan.preempted == [flood[2]] and plan.admitted == [b2]
+    plan = sched.schedule(0.0)  # B holds its share, A no more than its own: nobody is preempted
+    assert plan.preempted == [] and plan.admitted == [] and sorted(s.request.tenant for s in sched.running.values()) \
+        == [0, 0, 1, 1]
+
+
+def test_a_victim_waits_in_its_tenants_fair_share_turn_not_ahead():
+    """Preempted for the KV budget, a sequence resumes before the fresh ones; preempted for the
+    slots' fair share it does not: the next free slot goes to B, whose counter is lower."""
+    sched, flood = flooded()
+    sched.add(make(tenant=1))
+    decode_step(sched)
+    sched.schedule(0.0)
+    victim = flood[3]
+    assert not victim.resumes_first
+    sched.release(flood[0])
+    b2 = make(tenant=1)
+    sched.add(b2)
+    decode_step(sched)
+    assert sched.schedule(0.0).admitted == [b2] and victim.status == SequenceStatus.WAITING
+
+
+def test_weights_set_the_share_of_the_slots():
+    """A weighs 3, B 1: of four slots B's share is one, so its second request waits."""
+    sched, flood = flooded(weight_a=3.0)
+    sched.add(make(tenant=1))
+    decode_step(sched)
+    sched.add(make(tenant=1))
+    decode_step(sched)
+    plan = sched.schedule(0.0)
+    assert plan.preempted == [flood[3]] and [s.request.tenant for s in plan.admitted] == [1]
+    assert sched.schedule(0.0).preempted == []
+
+
+def test_fair_slots_never_churn():
+    """One slot, two tenants (a share of half a slot each): taking the slot would put B over its
+    share, so A's sequence runs on. And a sequence preempted once is never a victim again: B's
+    next request takes the slot of A's older sequence once the youngest was preempted
+    ``MAX_SHARE_PREEMPTIONS`` times."""
+    sched, flood = flooded(slots=1)
+    sched.add(make(tenant=1))
+    decode_step(sched)
+    assert sched.schedule(0.0).preempted == []
+    sched, flood = flooded(slots=2)
+    b1 = make(tenant=1)
+    sched.add(b1)
+    decode_step(sched)
+    assert sched.schedule(0.0).preempted == [flood[1]]
+    sched.release(b1)
+    assert sched.schedule(0.0).admitted == [flood[1]]  # back in A's turn, now the youngest running
+    flood[1].preemptions = MAX_SHARE_PREEMPTIONS  # as if it had been preempted that often
+    sched.add(make(tenant=1))
+    decode_step(sched)
+    assert sched.schedule(0.0).preempted == [flood[0]]
+
+
+def test_a_waiting_sequence_never_preempts_a_higher_class():
+    """A's four running sequences are ``high``: B's ``normal`` request waits for a slot to end, C's
+    ``high`` one takes the youngest (vLLM's priority preemption, within the slots' fair share)."""
+    sched = Scheduler(max_slots=4, policy="continuous", aging_s=1e9)
+    flood = [make(tenant=0, priority=HIGH) for _ in range(4)]
+    for seq in flood:
+        sched.add(seq)
+    sched.schedule(0.0)
+    sched.add(make(tenant=1))
+    decode_step(sched)
+    assert sched.schedule(0.0).preempted == []
+    sched.add(make(tenant=2, priority=HIGH))
+    decode_step(sched)
+    plan = sched.schedule(0.0)
+    assert plan.preempted == [flood[3]] and [s.request.tenant for s in plan.admitted] == [2]
+
+
+def test_the_slot_freed_goes_to_the_tenant_below_its_share_even_at_the_floods_counter():
+    """Queued in the step it arrives, B's counter is A's (VTC's lift): the tie would hand the
+    slot freed back to A's victim, so a tenant below its share of the slots sorts first."""
+    sched, flood = flooded()
+    b = make(tenant=1)
+    sched.add(b)
+    assert sched.counters[1] == sched.counters[0]
+    plan = sched.schedule(0.0)
+    assert plan.preempted == [flood[3]] and plan.admitted == [b]
