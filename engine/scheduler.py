@@ -214,7 +214,7 @@ class Scheduler:
             if self.policy == "static" and self.running:
                 return []
             room = len(self.free_slots)
-            ranks, below = self.class_ranks(now), self.below_share()
+            ranks, below = self.class_ranks(now), self.below_share(self.slot_shares(), self.held())
             order = sorted(self.waiting, key=lambda s: self.key(s, ranks, below))
         admitted, cells = [], self._kv_cells_after_decode()
         for seq in order:
@@ -278,10 +278,11 @@ class Scheduler:
             held[seq.request.tenant] = held.get(seq.request.tenant, 0) + 1
         return held
 
-    def below_share(self) -> set[int]:
-        """The backlogged tenants holding fewer slots than their share (:meth:`slot_shares`)."""
-        held = self.held()
-        return {tenant for tenant, share in self.slot_shares().items() if held.get(tenant, 0) < share}
+    @staticmethod
+    def below_share(shares: dict[int, float], held: dict[int, int]) -> set[int]:
+        """The backlogged tenants holding fewer slots (``held``, :meth:`held`) than their share
+        (``shares``, :meth:`slot_shares`)."""
+        return {tenant for tenant, share in shares.items() if held.get(tenant, 0) < share}
 
     def preempt_for_share(self, now: float, plan: StepPlan) -> list[Sequence]:
         """Free slots for waiting sequences whose tenant holds fewer than its fair share of the
@@ -301,7 +302,8 @@ class Scheduler:
         fair-share turn. Only in ``continuous``. Returns the preempted."""
         if self.policy != "continuous" or not self.waiting:
             return []
-        share, held, below = self.slot_shares(), self.held(), self.below_share()
+        share, held = self.slot_shares(), self.held()
+        below = self.below_share(share, held)
         free, ranks, preempted = len(self.free_slots), self.class_ranks(now), []
         for seq in sorted(self.waiting, key=lambda s: self.key(s, ranks, below)):
             if self.holds(seq):
