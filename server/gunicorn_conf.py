@@ -334,6 +334,12 @@ def _engine_exited(pid: int, crashed: bool) -> None:
         if crashed:
             from server.observability.metrics import ENGINE_RESTARTS  # after on_starting prepared the directory
             ENGINE_RESTARTS.inc()
+    supervisor = _state.get("supervisor")  # None once on_exit took it
+    if supervisor is not None and supervisor.failed:
+        # The engine logged why in one line; the same model will not load on a restart. Stop as
+        # on a lost gRPC port: gunicorn's quick stop, exit status 1 (on_exit).
+        _state["exit_status"] = 1
+        os.kill(os.getpid(), signal.SIGINT)
 
 
 def child_exit(server, worker) -> None:

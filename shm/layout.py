@@ -49,12 +49,14 @@ class ErrorCode(IntEnum):
 
 class EngineState(IntEnum):
     """The engine process's state in the control block. ``STOPPED``: exited because it was asked
-    to; ``DEAD``: crashed (or its supervisor saw it gone without ``STOPPED``)."""
+    to; ``DEAD``: crashed (or its supervisor saw it gone without ``STOPPED``); ``FAILED``: could
+    not load the model, which a restart would not change."""
 
     STARTING = 0
     READY = 1
     DEAD = 2
     STOPPED = 3
+    FAILED = 4
 
 
 @dataclass(frozen=True)
