@@ -1,0 +1,426 @@
+"""Many tenants on one model: this server against llama-server alone and behind LiteLLM Proxy.
+
+    python -m bench.tenants_vs_peers [--servers ours,llama-server,litellm] [--seconds 120]
+                                     [--llama-server PATH] [--json out.json] [--png chart.png]
+
+Every server runs the bundled SmolLM2-135M on the file ours computes with (its Q8_0 copy), 16
+slots and 32,768 KV cells (ours' defaults; llama-server ``-np 16 -c 32768 --kv-unified
+--kv-unified-per-slot 8192``, as ``bench.models``), one resident at a time, in the order given.
+
+* ``ours``: the defaults plus a tenant file as an operator writes it (:data:`TENANTS`: a key per
+  tenant, equal weights, ``E`` allowed the ``high`` class), nothing tuned to the run.
+* ``llama-server``: no keys; first come, first served.
+* ``litellm``: llama-server behind LiteLLM Proxy (:mod:`bench.litellm_proxy`), with a virtual
+  key per tenant and the flooding tenant's key limited as its documentation says an operator
+  protects the others (:data:`GATEWAY_LIMITS`: at most half the slots at once). Requests it
+  refuses (429) are retried by the flood after :data:`RETRY_S` and counted, not as errors.
+
+Workloads, per server:
+
+1. **Noisy neighbour** (streamed chat, temperature 0, ``ignore_eos``): tenant A keeps
+   :data:`FLOOD_STREAMS` streams of :data:`FLOOD_TOKENS` tokens going, back to back; B, C and D
+   each send a short question for :data:`LIGHT_TOKENS` tokens every :data:`PERIOD_S` seconds for
+   ``--seconds``, open loop (a request is sent on time whether or not the last one answered);
+   E sends the same at ``priority: "high"`` (the priority row; only ours has classes, the
+   peers get E's requests without the field). The flood runs until every light request answered,
+   then is cut. Reported: B–D's time to first token (the first chunk with content, from the
+   request's send) p50 and p99 and tokens/s; E's the same; A's tokens/s and its share of what the
+   light tenants left; the total; errors. Tokens are counted by re-tokenizing what each stream
+   received (one rule for every server: ours may put several tokens in a chunk).
+2. **Shared prefixes**: four tenants, each its own system prompt of about
+   :data:`SYSTEM_TOKENS` tokens; :data:`PREFIX_CLIENTS` clients (four a tenant) each hold a
+   conversation of :data:`TURNS` turns (:data:`ANSWER_TOKENS` tokens an answer, the answer sent
+   back in the next turn). Reported: time to first token p50/p99, requests/s, and the prompt
+   tokens the server computed (ours: prompt less ``cached_tokens``; llama-server: its
+   ``timings.prompt_n``). Ours and llama-server only (the gateway adds nothing to caching).
+
+Exit status 1 when ours had an error. Figures and their reading: ``bench/RESULTS.md``, "Tenants".
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import http.client
+import json
+import os
+import socket
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+
+from bench.policies import percentile
+from engine.config import EngineConfig
+
+SERVERS = ("ours", "llama-server", "litellm")
+#: The tenant file ours runs with: one key a tenant, equal weights, E's ceiling ``high``.
+TENANTS = {"tenants": [{"id": t, "api_keys": [f"key-{t.lower()}"], **({"priority": "high"} if t == "E" else {})}
+                       for t in "ABCDE"]}
+#: The gateway's virtual keys (LiteLLM's ``/key/generate`` fields): the flood may hold half the slots.
+GATEWAY_LIMITS = {"A": {"max_parallel_requests": EngineConfig.max_slots // 2}, "B": {}, "C": {}, "D": {}, "E": {}}
+FLOOD_STREAMS, FLOOD_TOKENS = 32, 512
+LIGHT, PRIORITY = ("B", "C", "D"), "E"
+LIGHT_TOKENS, PERIOD_S = 64, 2.0
+#: Seconds the flood waits after a 429 before it asks again (the gateway's refusals).
+RETRY_S = 0.5
+SYSTEM_TOKENS, PREFIX_CLIENTS, TURNS, ANSWER_TOKENS = 1000, 16, 4, 32
+MODEL_ID = "local-model"
+#: Seconds a request may take before it counts as an error.
+TIMEOUT_S = 600
+
+
+@dataclass
+class Answer:
+    """One streamed chat answer: its tenant, when it was sent (``perf_counter``), the time to its
+    first content (s, None if none came), the text received, the HTTP status (0: the connection
+    failed), the prompt's tokens and those of them the server reported computing (None: not
+    reported)."""
+
+    tenant: str
+    sent: float
+    ttft: float | None = None
+    text: str = ""
+    status: int = 0
+    prompt: int | None = None
+    computed: int | None = None
+    error: str = ""
+
+
+@dataclass
+class Target:
+    """A server under test: its port, the key of each tenant (None: no keys), and whether it
+    knows priority classes."""
+
+    name: str
+    port: int
+    keys: dict[str, str] | None
+    priorities: bool = False
+    open_conns: set = field(default_factory=set)
+
+
+def chat(target: Target, tenant: str, messages: list[dict], max_tokens: int, priority: str | None = None,
+         cut: bool = False) -> Answer:
+    """Stream one chat answer. With ``cut``, the connection is registered in ``target.open_conns``
+    so :func:`cut_all` can end it (the text so far is kept)."""
+    body = {"model": MODEL_ID, "messages": messages, "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    if priority and target.priorities:
+        body["priority"] = priority
+    headers = {"Content-Type": "application/json"}
+    if target.keys:
+        headers["Authorization"] = f"Bearer {target.keys[tenant]}"
+    a = Answer(tenant, time.perf_counter())
+    conn = http.client.HTTPConnection("127.0.0.1", target.port, timeout=TIMEOUT_S)
+    try:
+        conn.request("POST", "/v1/chat/completions", json.dumps(body), headers)
+        if cut:
+            target.open_conns.add(conn)
+        resp = conn.getresponse()
+        a.status = resp.status
+        if resp.status != 200:
+            a.error = resp.read()[:200].decode(errors="replace")
+            return a
+        parts = []
+        for line in resp:
+            if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
+                continue
+            chunk = json.loads(line[6:])
+            content = chunk["choices"][0]["delta"].get("content") if chunk.get("choices") else None
+            if content:
+                if a.ttft is None:
+                    a.ttft = time.perf_counter() - a.sent
+                parts.append(content)
+            a.computed = computed_tokens(chunk, a.computed)
+            if chunk.get("usage"):
+                a.prompt = chunk["usage"]["prompt_tokens"]
+        a.text = "".join(parts)
+    except (OSError, http.client.HTTPException, ValueError) as e:
+        a.error = a.error or f"{type(e).__name__}: {e}"
+    finally:
+        target.open_conns.discard(conn)
+        conn.close()
+    return a
+
+
+def computed_tokens(chunk: dict, known: int | None) -> int | None:
+    """The prompt tokens a server computed, from a stream chunk: llama-server's
+    ``timings.prompt_n``, else OpenAI's usage less ``prompt_tokens_details.cached_tokens``."""
+    if "timings" in chunk:
+        return chunk["timings"]["prompt_n"]
+    usage = chunk.get("usage")
+    if usage and known is None:
+        return usage["prompt_tokens"] - ((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+    return known
+
+
+def cut_all(target: Target) -> None:
+    """End every registered stream now: the reader sees the connection close."""
+    for conn in list(target.open_conns):
+        with contextlib.suppress(OSError, AttributeError):
+            conn.sock.shutdown(socket.SHUT_RDWR)
+
+
+def question(tenant: str, i: int) -> list[dict]:
+    return [{"role": "user", "content": f"Tenant {tenant}, question {i}: name three colours and say why you like them."}]
+
+
+def story(i: int) -> list[dict]:
+    return [{"role": "user", "content": f"Write a very long story about ship number {i}, its crew and every port it saw."}]
+
+
+def noisy_neighbour(target: Target, seconds: float, count_tokens, flood_streams: int = FLOOD_STREAMS,
+                    flood_tokens: int = FLOOD_TOKENS, light_tokens: int = LIGHT_TOKENS) -> dict:
+    """Workload 1 (see the module) against ``target``: its figures."""
+    answers: list[Answer] = []
+    refused = [0]
+    lock = threading.Lock()
+    light_done = threading.Event()
+    t0 = time.perf_counter()
+
+    def flood(i: int) -> None:
+        n = 0
+        while not light_done.is_set():
+            a = chat(target, "A", story(i * 1000 + n), flood_tokens, cut=True)
+            n += 1
+            if light_done.is_set():
+                a.error = ""  # cut by cut_all: its text so far counts, the cut is no error
+            with lock:
+                if a.status == 429:
+                    refused[0] += 1
+                else:
+                    answers.append(a)
+            if a.status == 429:
+                light_done.wait(RETRY_S)
+
+    def light(tenant: str, i: int, priority: str | None) -> None:
+        a = chat(target, tenant, question(tenant, i), light_tokens, priority)
+        with lock:
+            answers.append(a)
+
+    floods = [threading.Thread(target=flood, args=(i,), daemon=True) for i in range(flood_streams)]
+    for th in floods:
+        th.start()
+    lights = []
+    tenants = LIGHT + (PRIORITY,)
+    for i in range(max(1, int(seconds / PERIOD_S))):
+        for k, tenant in enumerate(tenants):
+            # The tenants' requests spread over the period, not sent in one burst.
+            delay = t0 + i * PERIOD_S + k * PERIOD_S / len(tenants) - time.perf_counter()
+            if delay > 0:
+                time.sleep(delay)
+            th = threading.Thread(target=light, args=(tenant, i, "high" if tenant == PRIORITY else None), daemon=True)
+            th.start()
+            lights.append(th)
+    for th in lights:
+        th.join()
+    light_done.set()
+    cut_all(target)
+    end = time.perf_counter() - t0
+    for th in floods:
+        th.join(30)
+    return figures(answers, refused[0], end, count_tokens)
+
+
+def figures(answers: list[Answer], refused: int, seconds: float, count_tokens) -> dict:
+    """The noisy-neighbour figures from every answer of a run that lasted ``seconds``."""
+    def ttfts(tenants):
+        return [a.ttft for a in answers if a.tenant in tenants and a.ttft is not None]
+
+    def tok_per_s(tenants):
+        return sum(count_tokens(a.text) for a in answers if a.tenant in tenants) / seconds
+
+    errors = [a for a in answers if a.error or a.status != 200]
+    light, high = ttfts(LIGHT), ttfts((PRIORITY,))
+    out = {"seconds": seconds,
+           "light_ttft_p50_s": percentile(light, 50), "light_ttft_p99_s": percentile(light, 99),
+           "light_answers": len(light), "light_tok_per_s": tok_per_s(LIGHT),
+           "high_ttft_p50_s": percentile(high, 50), "high_ttft_p99_s": percentile(high, 99),
+           "high_answers": len(high),
+           "flood_tok_per_s": tok_per_s(("A",)), "flood_refused": refused,
+           "errors": len(errors), "error_samples": sorted({a.error[:120] for a in errors})[:3]}
+    out["total_tok_per_s"] = out["flood_tok_per_s"] + out["light_tok_per_s"] + tok_per_s((PRIORITY,))
+    return out
+
+
+def system_prompt(tenant: int, tokens: int = SYSTEM_TOKENS) -> str:
+    """Tenant ``tenant``'s system prompt: rules of its own, about ``tokens`` tokens (SmolLM2's
+    tokenizer: a rule is 30 tokens)."""
+    rules = " ".join(f"Rule {k} of team {tenant}: answer question {k} politely, cite source {tenant * 100 + k}, "
+                     f"and never mention project {chr(65 + tenant)}{k}." for k in range(max(1, tokens // 30)))
+    return f"You are the assistant of team {tenant}. {rules}"
+
+
+def shared_prefixes(target: Target, clients: int = PREFIX_CLIENTS, turns: int = TURNS,
+                    system_tokens: int = SYSTEM_TOKENS, answer_tokens: int = ANSWER_TOKENS) -> dict:
+    """Workload 2 (see the module) against ``target``: its figures."""
+    answers: list[Answer] = []
+    lock = threading.Lock()
+    names = ("A", "B", "C", "D")
+
+    def client(i: int) -> None:
+        tenant = i % len(names)
+        messages = [{"role": "system", "content": system_prompt(tenant, system_tokens)}]
+        for turn in range(turns):
+            messages.append({"role": "user", "content": f"Client {i}, turn {turn}: what does rule {turn + i} say?"})
+            a = chat(target, names[tenant], messages, answer_tokens)
+            with lock:
+                answers.append(a)
+            messages.append({"role": "assistant", "content": a.text})
+
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(clients)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    seconds = time.perf_counter() - t0
+    ttft = [a.ttft for a in answers if a.ttft is not None]
+    return {"ttft_p50_s": percentile(ttft, 50), "ttft_p99_s": percentile(ttft, 99),
+            "req_per_s": len(answers) / seconds, "requests": len(answers),
+            "prompt_tokens": sum(a.prompt or 0 for a in answers),
+            "prompt_tokens_computed": sum(a.computed or 0 for a in answers),
+            "errors": sum(1 for a in answers if a.error)}
+
+
+@contextlib.contextmanager
+def serve(name: str, binary: str):
+    """Start server ``name`` (see :data:`SERVERS`) on the bundled model; yields its :class:`Target`."""
+    from bench.common import llama_server
+    from bench.models import llama_server_flags
+    from engine.config import default_model_path
+    from engine.llama.weights import weights_path
+    from tests.support.servers import running_server
+
+    if name == "ours":
+        with tempfile.NamedTemporaryFile("w", suffix=".json") as f:
+            json.dump(TENANTS, f)
+            f.flush()
+            with running_server("--tenants", f.name) as s:
+                yield Target(name, s.port, {t["id"]: t["api_keys"][0] for t in TENANTS["tenants"]}, priorities=True)
+        return
+    with llama_server(binary, weights_path(default_model_path(), "auto"), *llama_server_flags(None)) as (port, _):
+        if name == "llama-server":
+            yield Target(name, port, None)
+            return
+        from bench.litellm_proxy import litellm_proxy
+
+        with litellm_proxy(f"http://127.0.0.1:{port}/v1", MODEL_ID, GATEWAY_LIMITS) as (url, keys):
+            yield Target(name, int(url.rsplit(":", 1)[1].split("/")[0]), keys)
+
+
+def table(results: dict) -> str:
+    """The noisy-neighbour and shared-prefix tables (Markdown) from ``results[server]``."""
+    names = [s for s in SERVERS if s in results]
+    rows = [("light tenants B–D: TTFT p50 (s)", "light_ttft_p50_s"), ("light tenants B–D: TTFT p99 (s)", "light_ttft_p99_s"),
+            ("light tenants B–D: answers", "light_answers"), ("light tenants B–D: tok/s", "light_tok_per_s"),
+            ("flooding tenant A: tok/s", "flood_tok_per_s"), ("flooding tenant A: requests refused (429)", "flood_refused"),
+            ("total tok/s", "total_tok_per_s"), ("errors", "errors"),
+            ("priority row: E's `high` requests, TTFT p50 (s)", "high_ttft_p50_s"),
+            ("priority row: E's `high` requests, TTFT p99 (s)", "high_ttft_p99_s")]
+    out = ["Noisy neighbour", "", "| measure | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
+    for label, key in rows:
+        out.append(f"| {label} | " + " | ".join(fmt(results[s]["noisy"][key]) for s in names) + " |")
+    if "ours" in results:
+        ours = results["ours"]["noisy"]
+        for peer in names[1:]:
+            p = results[peer]["noisy"]
+            out.append(f"\nours ÷ {peer}: light TTFT p99 {ratio(ours['light_ttft_p99_s'], p['light_ttft_p99_s'])}, "
+                       f"total tok/s {ratio(ours['total_tok_per_s'], p['total_tok_per_s'])}")
+    prefix = [s for s in names if "prefix" in results[s]]
+    if prefix:
+        out += ["", "Shared prefixes", "", "| measure | " + " | ".join(prefix) + " |", "|---" * (len(prefix) + 1) + "|"]
+        for label, key in [("TTFT p50 (s)", "ttft_p50_s"), ("TTFT p99 (s)", "ttft_p99_s"), ("requests/s", "req_per_s"),
+                           ("prompt tokens sent", "prompt_tokens"), ("prompt tokens computed", "prompt_tokens_computed"),
+                           ("errors", "errors")]:
+            out.append(f"| {label} | " + " | ".join(fmt(results[s]["prefix"][key]) for s in prefix) + " |")
+    return "\n".join(out)
+
+
+def fmt(v: float) -> str:
+    """A figure as :func:`bench.models.number` prints it; ``n/a`` for NaN (no answer to take a
+    percentile of)."""
+    from bench.models import number
+
+    return "n/a" if v != v else number(v)
+
+
+def ratio(a: float, b: float) -> str:
+    return f"{a / b:.3f}" if b else "n/a"
+
+
+def plot(results: dict, out: str) -> None:
+    """TTFT p99 per tenant class per server (log scale): the chart the README links."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [s for s in SERVERS if s in results]
+    groups = [("light tenants B–D", "light_ttft_p99_s"), ("E at priority high", "high_ttft_p99_s")]
+    fig, ax = plt.subplots(figsize=(7, 3.6))
+    width = 0.8 / len(names)
+    for k, name in enumerate(names):
+        values = [results[name]["noisy"][key] for _, key in groups]
+        bars = ax.bar([g + k * width for g in range(len(groups))], values, width, label=name)
+        ax.bar_label(bars, [f"{v:.1f} s" for v in values], fontsize=8)
+    ax.set_xticks([g + width * (len(names) - 1) / 2 for g in range(len(groups))], [g for g, _ in groups])
+    ax.set_ylabel("time to first token, p99 (s)")
+    ax.set_yscale("log")
+    ax.set_title(f"Tenant A floods {FLOOD_STREAMS} streams; B–E ask every {PERIOD_S:.0f} s (SmolLM2-135M, 16 slots)",
+                 fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+
+
+def main(argv=None) -> int:
+    from bench.common import save
+    from bench.models import DEFAULT_LLAMA_SERVER
+    from engine.config import default_model_path
+    from engine.llama.tokenizer import Tokenizer
+
+    p = argparse.ArgumentParser(prog="python -m bench.tenants_vs_peers", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--servers", default=",".join(SERVERS))
+    p.add_argument("--seconds", type=float, default=120.0, help="how long the light tenants keep asking")
+    p.add_argument("--flood-streams", type=int, default=FLOOD_STREAMS)
+    p.add_argument("--flood-tokens", type=int, default=FLOOD_TOKENS)
+    p.add_argument("--light-tokens", type=int, default=LIGHT_TOKENS)
+    p.add_argument("--prefix-clients", type=int, default=PREFIX_CLIENTS)
+    p.add_argument("--turns", type=int, default=TURNS)
+    p.add_argument("--system-tokens", type=int, default=SYSTEM_TOKENS)
+    p.add_argument("--llama-server", default=os.environ.get("LLAMA_SERVER", DEFAULT_LLAMA_SERVER))
+    p.add_argument("--json")
+    p.add_argument("--png")
+    a = p.parse_args(argv)
+    servers = a.servers.split(",")
+    unknown = set(servers) - set(SERVERS)
+    if unknown:
+        p.error(f"--servers: unknown {', '.join(sorted(unknown))} (choose from {', '.join(SERVERS)})")
+    tokenizer = Tokenizer(default_model_path())
+
+    def count_tokens(text: str) -> int:
+        return len(tokenizer.encode(text, add_bos=False)) if text else 0
+
+    results = {}
+    for name in servers:
+        started = time.perf_counter()
+        with serve(name, a.llama_server) as target:
+            chat(target, "B", question("B", -1), 4)  # warm-up
+            results[name] = {"noisy": noisy_neighbour(target, a.seconds, count_tokens, a.flood_streams,
+                                                      a.flood_tokens, a.light_tokens)}
+            if name != "litellm":
+                results[name]["prefix"] = shared_prefixes(target, a.prefix_clients, a.turns, a.system_tokens)
+        print(f"{name}: {time.perf_counter() - started:.0f} s", file=sys.stderr)
+    print(table(results))
+    save(results, a.json)
+    if a.png:
+        plot(results, a.png)
+    ours = results.get("ours", {})
+    return 1 if ours.get("noisy", {}).get("errors") or ours.get("prefix", {}).get("errors") else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
