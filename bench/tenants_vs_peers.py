@@ -22,11 +22,12 @@ Workloads, per server:
    each send a short question for :data:`LIGHT_TOKENS` tokens every :data:`PERIOD_S` seconds for
    ``--seconds``, open loop (a request is sent on time whether or not the last one answered);
    E sends the same at ``priority: "high"`` (the priority row; only ours has classes, the
-   peers get E's requests without the field). The flood runs until every light request answered,
-   then is cut. Reported: B–D's time to first token (the first chunk with content, from the
-   request's send) p50 and p99 and tokens/s; E's the same; A's tokens/s and its share of what the
-   light tenants left; the total; errors. Tokens are counted by re-tokenizing what each stream
-   received (one rule for every server: ours may put several tokens in a chunk).
+   peers get E's requests without the field). The flood is cut when the window ends; a light
+   request still waiting then is answered after (which favours a server that kept it waiting).
+   Reported: B–D's time to first token (the first chunk with content, from the request's send)
+   p50 and p99 and tokens/s; E's the same; A's tokens/s; the total; errors; when the last light
+   answer ended. Tokens/s count what arrived within the window, by re-tokenizing the text each
+   stream received (one rule for every server: ours may put several tokens in a chunk).
 2. **Shared prefixes**: four tenants, each its own system prompt of about
    :data:`SYSTEM_TOKENS` tokens; :data:`PREFIX_CLIENTS` clients (four a tenant) each hold a
    conversation of :data:`TURNS` turns (:data:`ANSWER_TOKENS` tokens an answer, the answer sent
@@ -55,6 +56,7 @@ from bench.policies import percentile
 from engine.config import EngineConfig
 
 SERVERS = ("ours", "llama-server", "litellm")
+LABELS = {"ours": "ours", "llama-server": "llama-server", "litellm": "LiteLLM Proxy + llama-server"}
 #: The tenant file ours runs with: one key a tenant, equal weights, E's ceiling ``high``.
 TENANTS = {"tenants": [{"id": t, "api_keys": [f"key-{t.lower()}"], **({"priority": "high"} if t == "E" else {})}
                        for t in "ABCDE"]}
@@ -74,18 +76,27 @@ TIMEOUT_S = 600
 @dataclass
 class Answer:
     """One streamed chat answer: its tenant, when it was sent (``perf_counter``), the time to its
-    first content (s, None if none came), the text received, the HTTP status (0: the connection
-    failed), the prompt's tokens and those of them the server reported computing (None: not
-    reported)."""
+    first content (s, None if none came), the content received with each piece's arrival
+    (``perf_counter``), the HTTP status (0: no response head), whether :func:`cut_all` ended it,
+    the prompt's tokens and those of them the server reported computing (None: not reported)."""
 
     tenant: str
     sent: float
     ttft: float | None = None
-    text: str = ""
+    parts: list[tuple[float, str]] = field(default_factory=list)
     status: int = 0
+    cut: bool = False
     prompt: int | None = None
     computed: int | None = None
     error: str = ""
+
+    @property
+    def text(self) -> str:
+        return "".join(c for _, c in self.parts)
+
+    def text_until(self, t: float) -> str:
+        """The content that arrived by ``t`` (``perf_counter``)."""
+        return "".join(c for at, c in self.parts if at <= t)
 
 
 @dataclass
@@ -122,20 +133,19 @@ def chat(target: Target, tenant: str, messages: list[dict], max_tokens: int, pri
         if resp.status != 200:
             a.error = resp.read()[:200].decode(errors="replace")
             return a
-        parts = []
         for line in resp:
             if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
                 continue
             chunk = json.loads(line[6:])
             content = chunk["choices"][0]["delta"].get("content") if chunk.get("choices") else None
             if content:
+                now = time.perf_counter()
                 if a.ttft is None:
-                    a.ttft = time.perf_counter() - a.sent
-                parts.append(content)
+                    a.ttft = now - a.sent
+                a.parts.append((now, content))
             a.computed = computed_tokens(chunk, a.computed)
             if chunk.get("usage"):
                 a.prompt = chunk["usage"]["prompt_tokens"]
-        a.text = "".join(parts)
     except (OSError, http.client.HTTPException, ValueError) as e:
         a.error = a.error or f"{type(e).__name__}: {e}"
     finally:
@@ -176,23 +186,22 @@ def noisy_neighbour(target: Target, seconds: float, count_tokens, flood_streams:
     answers: list[Answer] = []
     refused = [0]
     lock = threading.Lock()
-    light_done = threading.Event()
+    window_over = threading.Event()
     t0 = time.perf_counter()
 
     def flood(i: int) -> None:
         n = 0
-        while not light_done.is_set():
+        while not window_over.is_set():
             a = chat(target, "A", story(i * 1000 + n), flood_tokens, cut=True)
             n += 1
-            if light_done.is_set():
-                a.error = ""  # cut by cut_all: its text so far counts, the cut is no error
+            a.cut = window_over.is_set()  # its text so far counts; the cut is no error
             with lock:
                 if a.status == 429:
                     refused[0] += 1
                 else:
                     answers.append(a)
             if a.status == 429:
-                light_done.wait(RETRY_S)
+                window_over.wait(RETRY_S)
 
     def light(tenant: str, i: int, priority: str | None) -> None:
         a = chat(target, tenant, question(tenant, i), light_tokens, priority)
@@ -213,33 +222,36 @@ def noisy_neighbour(target: Target, seconds: float, count_tokens, flood_streams:
             th = threading.Thread(target=light, args=(tenant, i, "high" if tenant == PRIORITY else None), daemon=True)
             th.start()
             lights.append(th)
-    for th in lights:
-        th.join()
-    light_done.set()
+    delay = t0 + seconds - time.perf_counter()
+    if delay > 0:
+        time.sleep(delay)
+    window_over.set()
     cut_all(target)
-    end = time.perf_counter() - t0
-    for th in floods:
-        th.join(30)
-    return figures(answers, refused[0], end, count_tokens)
+    for th in floods + lights:
+        th.join()
+    return figures(answers, refused[0], t0, seconds, count_tokens)
 
 
-def figures(answers: list[Answer], refused: int, seconds: float, count_tokens) -> dict:
-    """The noisy-neighbour figures from every answer of a run that lasted ``seconds``."""
+def figures(answers: list[Answer], refused: int, t0: float, seconds: float, count_tokens) -> dict:
+    """The noisy-neighbour figures from every answer of a window that began at ``t0``
+    (``perf_counter``) and lasted ``seconds``: tokens/s count what arrived in the window."""
     def ttfts(tenants):
         return [a.ttft for a in answers if a.tenant in tenants and a.ttft is not None]
 
     def tok_per_s(tenants):
-        return sum(count_tokens(a.text) for a in answers if a.tenant in tenants) / seconds
+        return sum(count_tokens(a.text_until(t0 + seconds)) for a in answers if a.tenant in tenants) / seconds
 
-    errors = [a for a in answers if a.error or a.status != 200]
+    errors = [a for a in answers if not a.cut and (a.error or a.status != 200)]
     light, high = ttfts(LIGHT), ttfts((PRIORITY,))
-    out = {"seconds": seconds,
+    out = {"seconds": seconds, "light_last_answer_s": max((a.parts[-1][0] - t0 for a in answers
+                                                            if a.tenant != "A" and a.parts), default=0.0),
            "light_ttft_p50_s": percentile(light, 50), "light_ttft_p99_s": percentile(light, 99),
            "light_answers": len(light), "light_tok_per_s": tok_per_s(LIGHT),
            "high_ttft_p50_s": percentile(high, 50), "high_ttft_p99_s": percentile(high, 99),
            "high_answers": len(high),
            "flood_tok_per_s": tok_per_s(("A",)), "flood_refused": refused,
-           "errors": len(errors), "error_samples": sorted({a.error[:120] for a in errors})[:3]}
+           "errors": len(errors), "error_samples": sorted({a.error[:120] for a in errors})[:3],
+           "ttft_p99_s_by_tenant": {t: percentile(ttfts((t,)), 99) for t in LIGHT + (PRIORITY,)}}
     out["total_tok_per_s"] = out["flood_tok_per_s"] + out["light_tok_per_s"] + tok_per_s((PRIORITY,))
     return out
 
@@ -317,6 +329,7 @@ def table(results: dict) -> str:
             ("light tenants B–D: answers", "light_answers"), ("light tenants B–D: tok/s", "light_tok_per_s"),
             ("flooding tenant A: tok/s", "flood_tok_per_s"), ("flooding tenant A: requests refused (429)", "flood_refused"),
             ("total tok/s", "total_tok_per_s"), ("errors", "errors"),
+            ("last light answer, s after the start", "light_last_answer_s"),
             ("priority row: E's `high` requests, TTFT p50 (s)", "high_ttft_p50_s"),
             ("priority row: E's `high` requests, TTFT p99 (s)", "high_ttft_p99_s")]
     out = ["Noisy neighbour", "", "| measure | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
@@ -358,19 +371,20 @@ def plot(results: dict, out: str) -> None:
     import matplotlib.pyplot as plt
 
     names = [s for s in SERVERS if s in results]
-    groups = [("light tenants B–D", "light_ttft_p99_s"), ("E at priority high", "high_ttft_p99_s")]
-    fig, ax = plt.subplots(figsize=(7, 3.6))
+    tenants = LIGHT + (PRIORITY,)
+    fig, ax = plt.subplots(figsize=(8, 3.8))
     width = 0.8 / len(names)
     for k, name in enumerate(names):
-        values = [results[name]["noisy"][key] for _, key in groups]
-        bars = ax.bar([g + k * width for g in range(len(groups))], values, width, label=name)
-        ax.bar_label(bars, [f"{v:.1f} s" for v in values], fontsize=8)
-    ax.set_xticks([g + width * (len(names) - 1) / 2 for g in range(len(groups))], [g for g, _ in groups])
+        values = [results[name]["noisy"]["ttft_p99_s_by_tenant"][t] for t in tenants]
+        bars = ax.bar([g + k * width for g in range(len(tenants))], values, width, label=LABELS[name])
+        ax.bar_label(bars, [f"{v:.1f}" for v in values], fontsize=7)
+    ax.set_xticks([g + width * (len(names) - 1) / 2 for g in range(len(tenants))],
+                  [f"tenant {t}" + (" (priority high)" if t == PRIORITY else "") for t in tenants])
     ax.set_ylabel("time to first token, p99 (s)")
     ax.set_yscale("log")
     ax.set_title(f"Tenant A floods {FLOOD_STREAMS} streams; B–E ask every {PERIOD_S:.0f} s (SmolLM2-135M, 16 slots)",
                  fontsize=9)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="center right")
     fig.tight_layout()
     fig.savefig(out, dpi=110)
 

@@ -19,20 +19,23 @@ def test_computed_prompt_tokens_from_either_servers_chunks():
     assert computed_tokens({"choices": []}, None) is None
 
 
-def test_figures_split_tenants_and_count_errors():
-    answers = [Answer("A", 0, 0.5, "x" * 30, 200), Answer("A", 0, None, "", 200),
-               Answer("B", 0, 1.0, "x" * 4, 200), Answer("C", 0, 3.0, "x" * 4, 200),
-               Answer("D", 0, None, "", 503, error="server busy"), Answer("E", 0, 0.2, "x" * 2, 200)]
-    f = figures(answers, refused=5, seconds=2.0, count_tokens=len)
-    assert f["light_answers"] == 2 and f["light_ttft_p99_s"] == pytest.approx(2.98) and f["light_tok_per_s"] == 4.0
+def test_figures_split_tenants_count_the_window_and_errors():
+    answers = [Answer("A", 0, 0.5, [(0.5, "x" * 20), (1.9, "x" * 10), (2.5, "x" * 50)], 200, cut=True),
+               Answer("A", 0, None, [], 0, cut=True, error="RemoteDisconnected"),
+               Answer("B", 0, 1.0, [(1.0, "x" * 4)], 200), Answer("C", 0, 3.0, [(3.0, "x" * 4)], 200),
+               Answer("D", 0, None, [], 503, error="server busy"), Answer("E", 0, 0.2, [(0.2, "x" * 2)], 200)]
+    f = figures(answers, refused=5, t0=0.0, seconds=2.0, count_tokens=len)
+    assert f["light_answers"] == 2 and f["light_ttft_p99_s"] == pytest.approx(2.98)
+    assert f["light_tok_per_s"] == 2.0  # C's answer came after the window: its TTFT counts, its tokens do not
     assert f["high_answers"] == 1 and f["high_ttft_p50_s"] == 0.2
     assert f["flood_tok_per_s"] == 15.0 and f["flood_refused"] == 5
-    assert f["total_tok_per_s"] == 20.0 and f["errors"] == 1 and f["error_samples"] == ["server busy"]
+    assert f["total_tok_per_s"] == 18.0 and f["light_last_answer_s"] == 3.0
+    assert f["errors"] == 1 and f["error_samples"] == ["server busy"]  # a cut flood stream is none
 
 
 def test_table_has_a_column_per_server_and_the_ratios():
     noisy = {"light_ttft_p50_s": 0.5, "light_ttft_p99_s": 1.0, "light_answers": 180, "light_tok_per_s": 20.0,
-             "flood_tok_per_s": 100.0, "flood_refused": 0, "total_tok_per_s": 130.0, "errors": 0,
+             "flood_tok_per_s": 100.0, "flood_refused": 0, "total_tok_per_s": 130.0, "errors": 0, "light_last_answer_s": 121.0,
              "high_ttft_p50_s": 0.2, "high_ttft_p99_s": 0.4}
     results = {"ours": {"noisy": noisy, "prefix": {"ttft_p50_s": 0.1, "ttft_p99_s": 0.3, "req_per_s": 4.0,
                                                     "prompt_tokens": 9000, "prompt_tokens_computed": 5000, "errors": 0}},
