@@ -256,6 +256,20 @@ def figures(answers: list[Answer], refused: int, t0: float, seconds: float, coun
     return out
 
 
+def preemptions(target: Target) -> float:
+    """Ours' ``inference_preemptions_total`` (fair share and KV budget: docs/metrics.md); NaN for
+    a peer."""
+    if not target.priorities:
+        return float("nan")
+    conn = http.client.HTTPConnection("127.0.0.1", target.port, timeout=30)
+    try:
+        conn.request("GET", "/metrics")
+        text = conn.getresponse().read().decode()
+    finally:
+        conn.close()
+    return next(float(line.split()[1]) for line in text.splitlines() if line.startswith("inference_preemptions_total "))
+
+
 def system_prompt(tenant: int, tokens: int = SYSTEM_TOKENS) -> str:
     """Tenant ``tenant``'s system prompt: rules of its own, about ``tokens`` tokens (SmolLM2's
     tokenizer: a rule is 30 tokens)."""
@@ -330,11 +344,12 @@ def table(results: dict) -> str:
             ("flooding tenant A: tok/s", "flood_tok_per_s"), ("flooding tenant A: requests refused (429)", "flood_refused"),
             ("total tok/s", "total_tok_per_s"), ("errors", "errors"),
             ("last light answer, s after the start", "light_last_answer_s"),
+            ("preemptions (ours: fair share of slots)", "preemptions"),
             ("priority row: E's `high` requests, TTFT p50 (s)", "high_ttft_p50_s"),
             ("priority row: E's `high` requests, TTFT p99 (s)", "high_ttft_p99_s")]
     out = ["Noisy neighbour", "", "| measure | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
     for label, key in rows:
-        out.append(f"| {label} | " + " | ".join(fmt(results[s]["noisy"][key]) for s in names) + " |")
+        out.append(f"| {label} | " + " | ".join(fmt(results[s]["noisy"].get(key, float("nan"))) for s in names) + " |")
     if "ours" in results:
         ours = results["ours"]["noisy"]
         for peer in names[1:]:
@@ -423,8 +438,10 @@ def main(argv=None) -> int:
         started = time.perf_counter()
         with serve(name, a.llama_server) as target:
             chat(target, "B", question("B", -1), 4)  # warm-up
+            before = preemptions(target)
             results[name] = {"noisy": noisy_neighbour(target, a.seconds, count_tokens, a.flood_streams,
                                                       a.flood_tokens, a.light_tokens)}
+            results[name]["noisy"]["preemptions"] = preemptions(target) - before
             if name != "litellm":
                 results[name]["prefix"] = shared_prefixes(target, a.prefix_clients, a.turns, a.system_tokens)
         print(f"{name}: {time.perf_counter() - started:.0f} s", file=sys.stderr)

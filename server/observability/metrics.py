@@ -60,9 +60,10 @@ ENGINE_RESTARTS = Counter("inference_engine_restarts", "Engine processes started
 class EngineStateCollector:
     """Collector of ``inference_kv_slot_utilization`` (busy slots / slots, 0-1),
     ``inference_kv_cells`` (KV cells the running sequences hold or are promised),
-    ``inference_preemptions_total`` (sequences requeued for the KV budget), ``inference_queue_depth``
-    (sequences waiting for a slot) and ``inference_engine_up`` (1 when the engine is ready), read
-    from the control block at scrape time."""
+    ``inference_preemptions_total`` (sequences requeued for the KV budget or a tenant's fair
+    share of slots), ``inference_queue_depth`` (sequences waiting for a slot) and
+    ``inference_engine_up`` (1 when the engine is ready), read from the control block at scrape
+    time."""
 
     def __init__(self, engine: EngineClient):
         self.engine = engine
@@ -74,8 +75,9 @@ class EngineStateCollector:
                                 value=busy / len(snap.slot_mailbox))
         yield GaugeMetricFamily("inference_kv_cells", "KV cells the running sequences hold or are promised "
                                 "(at most --kv-cache-tokens), as of the last engine step", value=snap.kv_cells)
-        yield CounterMetricFamily("inference_preemptions", "Running sequences preempted and requeued because "
-                                  "growing sequences outgrew --kv-cache-tokens", value=snap.preemptions)
+        yield CounterMetricFamily("inference_preemptions", "Running sequences preempted and requeued: growing "
+                                  "sequences outgrew --kv-cache-tokens, or a tenant below its fair share of "
+                                  "the slots took one", value=snap.preemptions)
         yield GaugeMetricFamily("inference_queue_depth", "Sequences waiting for a KV slot, as of the last engine step",
                                 value=snap.n_waiting)
         yield GaugeMetricFamily("inference_engine_up", "1 when the engine process is ready",
