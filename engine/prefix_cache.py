@@ -85,6 +85,13 @@ class Entry:
     used: int = 0
 
 
+def worth_copying(n: int, cells: int) -> bool:
+    """Whether copying a source of ``cells`` KV cells to give a prompt ``n`` tokens is worth it:
+    at least :data:`MIN_REUSE_TOKENS`, and at least 1/:data:`COPY_CELLS_PER_REUSED_TOKEN` of the
+    cells (a copy carries them all)."""
+    return n >= MIN_REUSE_TOKENS and n >= cells // COPY_CELLS_PER_REUSED_TOKEN
+
+
 @dataclass
 class PrefixCache:
     """Which cache stream holds which tokens of which tenant, and when a sequence reuses or
@@ -206,7 +213,7 @@ class PrefixCache:
                 k = self._given(other.n_past, common_prefix(other.kv_tokens(), prompt), prompt)
                 if k > n:
                     source, cells, n = other.slot, other.n_past, k
-        if n < MIN_REUSE_TOKENS or n < cells // COPY_CELLS_PER_REUSED_TOKEN:
+        if not worth_copying(n, cells):
             return None
         return CopyCells(source, seq.slot, n)
 
@@ -232,8 +239,9 @@ class PrefixCache:
                 shared = common_prefix(other.prompt, seq.prompt)
                 if shared - other.n_past < MIN_REUSE_TOKENS:
                     continue  # too little left to gain to be worth a step's wait
-                if resident is None:
-                    resident = self.lookup(seq.request.tenant, seq.prompt, touch=False)[1]
+                if resident is None:  # what a copy from the cache would give it (reuse)
+                    entry, n = self.lookup(seq.request.tenant, seq.prompt, touch=False)
+                    resident = n if entry is not None and worth_copying(n, len(entry.tokens)) else 0
                 if other.n_past >= resident:
                     return True
         return False

@@ -52,3 +52,33 @@ def test_a_windowed_or_recurrent_source_gives_only_what_it_keeps():
     assert cache.lookup(1, np.concatenate([long[:550], [1, 2]])) == (None, 0)  # a part of it: no
     assert cache.lookup(1, np.concatenate([short[:250], [1, 2]]))[1] == 250  # under the window: any part
     assert cache.insert(1, long[:550])[0] == 6  # not covered by the longer entry, which cannot give it
+
+
+def test_a_sibling_prefilling_a_shared_prefix_is_waited_for_unless_the_cache_gives_more():
+    """PrefixCache.awaits: a prompt waits a step for a running sibling of its tenant that is
+    prefilling a prefix they share, unless what a copy from the cache would give it is more
+    than the sibling has done. An entry sharing only the template's opening (under
+    MIN_REUSE_TOKENS: no copy) gives nothing, so it must not send the prompt to prefill the
+    prefix beside the sibling: HTTP requests of one tenant arriving together did, each
+    computing the same system prompt."""
+    from engine.prefix_cache import MIN_REUSE_TOKENS, PrefixCache
+    from engine.request import EngineRequest, Priority, SamplingParams
+    from engine.sequence import Sequence, SequenceStatus
+
+    def sequence(prompt, n_past=0):
+        request = EngineRequest(np.asarray(prompt, np.int32), SamplingParams(max_new_tokens=4), Priority.NORMAL,
+                                0.0, 1, 1.0)
+        seq = Sequence(mailbox=0, lease=1, request=request, arrival=0.0)
+        seq.status, seq.n_past = SequenceStatus.PREFILL, n_past
+        return seq
+
+    shared = np.arange(100, 400)
+    cache = PrefixCache(first_stream=4, n_streams=3, max_tokens=2000)
+    cache.insert(1, np.concatenate([shared[:MIN_REUSE_TOKENS - 3], np.full(100, 7)]))
+    sibling, seq = sequence(np.concatenate([shared, [1, 2]])), sequence(np.concatenate([shared, [3, 4]]))
+    assert cache.awaits(seq, [sibling])
+    cache.insert(1, shared[:200])  # a copy would give it 200 tokens: admitted now, it starts ahead
+    assert not cache.awaits(seq, [sibling])
+    sibling.n_past = 250
+    assert cache.awaits(seq, [sibling])
+    assert not cache.awaits(seq, [sequence(np.arange(1000, 1300))])  # nothing shared
