@@ -23,7 +23,8 @@ Workloads, per server:
    ``--seconds``, open loop (a request is sent on time whether or not the last one answered);
    E sends the same at ``priority: "high"`` (the priority row; only ours has classes, the
    peers get E's requests without the field). The flood is cut when the window ends; a light
-   request still waiting then is answered after (which favours a server that kept it waiting).
+   request still waiting then gets :data:`DRAIN_S` more seconds without the flood, then is cut
+   and counts its wait as its time to first token (both favour a server that kept it waiting).
    Reported: B–D's time to first token (the first chunk with content, from the request's send)
    p50 and p99 and tokens/s; E's the same; A's tokens/s; the total; errors; when the last light
    answer ended. Tokens/s count what arrived within the window, by re-tokenizing the text each
@@ -69,6 +70,9 @@ LIGHT_TOKENS, PERIOD_S = 64, 2.0
 RETRY_S = 0.5
 SYSTEM_TOKENS, PREFIX_CLIENTS, TURNS, ANSWER_TOKENS = 1000, 16, 4, 32
 MODEL_ID = "local-model"
+#: Seconds the light tenants' requests still waiting when the window ends may take to start
+#: answering; then they are cut, and their wait counts as their time to first token (a lower bound).
+DRAIN_S = 20.0
 #: Seconds a request may take before it counts as an error.
 TIMEOUT_S = 600
 
@@ -78,7 +82,9 @@ class Answer:
     """One streamed chat answer: its tenant, when it was sent (``perf_counter``), the time to its
     first content (s, None if none came), the content received with each piece's arrival
     (``perf_counter``), the HTTP status (0: no response head), whether :func:`cut_all` ended it,
-    the prompt's tokens and those of them the server reported computing (None: not reported)."""
+    whether it had no first token by then (``censored``: its ``ttft`` is its wait until the cut, a
+    lower bound), the prompt's tokens and those of them the server reported computing (None: not
+    reported)."""
 
     tenant: str
     sent: float
@@ -86,6 +92,7 @@ class Answer:
     parts: list[tuple[float, str]] = field(default_factory=list)
     status: int = 0
     cut: bool = False
+    censored: bool = False
     prompt: int | None = None
     computed: int | None = None
     error: str = ""
@@ -108,13 +115,12 @@ class Target:
     port: int
     keys: dict[str, str] | None
     priorities: bool = False
-    open_conns: set = field(default_factory=set)
 
 
 def chat(target: Target, tenant: str, messages: list[dict], max_tokens: int, priority: str | None = None,
-         cut: bool = False) -> Answer:
-    """Stream one chat answer. With ``cut``, the connection is registered in ``target.open_conns``
-    so :func:`cut_all` can end it (the text so far is kept)."""
+         conns: set | None = None) -> Answer:
+    """Stream one chat answer. Its connection is in ``conns`` while it is open, so that
+    :func:`cut_all` can end it (the text so far is kept)."""
     body = {"model": MODEL_ID, "messages": messages, "max_tokens": max_tokens, "temperature": 0,
             "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
     if priority and target.priorities:
@@ -126,8 +132,8 @@ def chat(target: Target, tenant: str, messages: list[dict], max_tokens: int, pri
     conn = http.client.HTTPConnection("127.0.0.1", target.port, timeout=TIMEOUT_S)
     try:
         conn.request("POST", "/v1/chat/completions", json.dumps(body), headers)
-        if cut:
-            target.open_conns.add(conn)
+        if conns is not None:
+            conns.add(conn)
         resp = conn.getresponse()
         a.status = resp.status
         if resp.status != 200:
@@ -149,7 +155,8 @@ def chat(target: Target, tenant: str, messages: list[dict], max_tokens: int, pri
     except (OSError, http.client.HTTPException, ValueError) as e:
         a.error = a.error or f"{type(e).__name__}: {e}"
     finally:
-        target.open_conns.discard(conn)
+        if conns is not None:
+            conns.discard(conn)
         conn.close()
     return a
 
@@ -165,9 +172,9 @@ def computed_tokens(chunk: dict, known: int | None) -> int | None:
     return known
 
 
-def cut_all(target: Target) -> None:
-    """End every registered stream now: the reader sees the connection close."""
-    for conn in list(target.open_conns):
+def cut_all(conns: set) -> None:
+    """End every stream of ``conns`` now: its reader sees the connection close."""
+    for conn in list(conns):
         with contextlib.suppress(OSError, AttributeError):
             conn.sock.shutdown(socket.SHUT_RDWR)
 
@@ -186,13 +193,15 @@ def noisy_neighbour(target: Target, seconds: float, count_tokens, flood_streams:
     answers: list[Answer] = []
     refused = [0]
     lock = threading.Lock()
-    window_over = threading.Event()
+    window_over, drain_over = threading.Event(), threading.Event()
+    flood_conns: set = set()
+    light_conns: set = set()
     t0 = time.perf_counter()
 
     def flood(i: int) -> None:
         n = 0
         while not window_over.is_set():
-            a = chat(target, "A", story(i * 1000 + n), flood_tokens, cut=True)
+            a = chat(target, "A", story(i * 1000 + n), flood_tokens, conns=flood_conns)
             n += 1
             a.cut = window_over.is_set()  # its text so far counts; the cut is no error
             with lock:
@@ -204,7 +213,11 @@ def noisy_neighbour(target: Target, seconds: float, count_tokens, flood_streams:
                 window_over.wait(RETRY_S)
 
     def light(tenant: str, i: int, priority: str | None) -> None:
-        a = chat(target, tenant, question(tenant, i), light_tokens, priority)
+        a = chat(target, tenant, question(tenant, i), light_tokens, priority, light_conns)
+        if drain_over.is_set():
+            a.cut = True
+            if a.ttft is None:
+                a.ttft, a.censored = time.perf_counter() - a.sent, True
         with lock:
             answers.append(a)
 
@@ -226,8 +239,15 @@ def noisy_neighbour(target: Target, seconds: float, count_tokens, flood_streams:
     if delay > 0:
         time.sleep(delay)
     window_over.set()
-    cut_all(target)
-    for th in floods + lights:
+    cut_all(flood_conns)
+    for th in floods:
+        th.join()
+    deadline = time.perf_counter() + DRAIN_S
+    for th in lights:
+        th.join(max(0.0, deadline - time.perf_counter()))
+    drain_over.set()
+    cut_all(light_conns)
+    for th in lights:
         th.join()
     return figures(answers, refused[0], t0, seconds, count_tokens)
 
@@ -242,6 +262,7 @@ def figures(answers: list[Answer], refused: int, t0: float, seconds: float, coun
         return sum(count_tokens(a.text_until(t0 + seconds)) for a in answers if a.tenant in tenants) / seconds
 
     errors = [a for a in answers if not a.cut and (a.error or a.status != 200)]
+    censored = sum(a.censored for a in answers)
     light, high = ttfts(LIGHT), ttfts((PRIORITY,))
     out = {"seconds": seconds, "light_last_answer_s": max((a.parts[-1][0] - t0 for a in answers
                                                             if a.tenant != "A" and a.parts), default=0.0),
@@ -250,7 +271,7 @@ def figures(answers: list[Answer], refused: int, t0: float, seconds: float, coun
            "high_ttft_p50_s": percentile(high, 50), "high_ttft_p99_s": percentile(high, 99),
            "high_answers": len(high),
            "flood_tok_per_s": tok_per_s(("A",)), "flood_refused": refused,
-           "errors": len(errors), "error_samples": sorted({a.error[:120] for a in errors})[:3],
+           "errors": len(errors), "light_censored": censored, "error_samples": sorted({a.error[:120] for a in errors})[:3],
            "ttft_p99_s_by_tenant": {t: percentile(ttfts((t,)), 99) for t in LIGHT + (PRIORITY,)}}
     out["total_tok_per_s"] = out["flood_tok_per_s"] + out["light_tok_per_s"] + tok_per_s((PRIORITY,))
     return out
@@ -340,10 +361,12 @@ def table(results: dict) -> str:
     """The noisy-neighbour and shared-prefix tables (Markdown) from ``results[server]``."""
     names = [s for s in SERVERS if s in results]
     rows = [("light tenants B–D: TTFT p50 (s)", "light_ttft_p50_s"), ("light tenants B–D: TTFT p99 (s)", "light_ttft_p99_s"),
-            ("light tenants B–D: answers", "light_answers"), ("light tenants B–D: tok/s", "light_tok_per_s"),
+            ("light tenants B–D: requests", "light_answers"), ("light tenants B–D: tok/s", "light_tok_per_s"),
             ("flooding tenant A: tok/s", "flood_tok_per_s"), ("flooding tenant A: requests refused (429)", "flood_refused"),
             ("total tok/s", "total_tok_per_s"), ("errors", "errors"),
             ("last light answer, s after the start", "light_last_answer_s"),
+            (f"light requests with no token {DRAIN_S:.0f} s after the window (TTFT: their wait, a lower bound)",
+             "light_censored"),
             ("preemptions (ours: fair share of slots)", "preemptions"),
             ("priority row: E's `high` requests, TTFT p50 (s)", "high_ttft_p50_s"),
             ("priority row: E's `high` requests, TTFT p99 (s)", "high_ttft_p99_s")]

@@ -18,6 +18,7 @@ LONGEST_FIRST = ("test_generated_requests.py", "test_engine.py", "test_prefix_ca
                  "test_structured.py", "test_kv_memory.py", "test_resilience.py", "test_http_server.py",
                  "test_second_model.py", "test_tools_clients.py", "test_soak.py", "test_grpc.py", "test_drain.py",
                  "test_openai_conformance.py", "test_responses.py", "test_bench_threads.py", "test_bench_policies.py",
+                 "test_bench_tenants.py",
                  "test_openapi.py",
                  "test_http_contract.py", "test_multinode.py", "test_lm_eval.py", "test_connections.py",
                  "test_metrics.py", "test_disconnect_storm.py")

@@ -23,9 +23,10 @@ def test_figures_split_tenants_count_the_window_and_errors():
     answers = [Answer("A", 0, 0.5, [(0.5, "x" * 20), (1.9, "x" * 10), (2.5, "x" * 50)], 200, cut=True),
                Answer("A", 0, None, [], 0, cut=True, error="RemoteDisconnected"),
                Answer("B", 0, 1.0, [(1.0, "x" * 4)], 200), Answer("C", 0, 3.0, [(3.0, "x" * 4)], 200),
-               Answer("D", 0, None, [], 503, error="server busy"), Answer("E", 0, 0.2, [(0.2, "x" * 2)], 200)]
+               Answer("D", 0, None, [], 503, error="server busy"), Answer("E", 0, 0.2, [(0.2, "x" * 2)], 200),
+               Answer("B", 1.0, 22.0, [], 0, cut=True, censored=True, error="RemoteDisconnected")]
     f = figures(answers, refused=5, t0=0.0, seconds=2.0, count_tokens=len)
-    assert f["light_answers"] == 2 and f["light_ttft_p99_s"] == pytest.approx(2.98)
+    assert f["light_answers"] == 3 and f["light_ttft_p99_s"] == pytest.approx(21.62) and f["light_censored"] == 1
     assert f["light_tok_per_s"] == 2.0  # C's answer came after the window: its TTFT counts, its tokens do not
     assert f["high_answers"] == 1 and f["high_ttft_p50_s"] == 0.2
     assert f["flood_tok_per_s"] == 15.0 and f["flood_refused"] == 5
