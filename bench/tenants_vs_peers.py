@@ -370,18 +370,20 @@ def table(results: dict) -> str:
             ("preemptions (ours: fair share of slots)", "preemptions"),
             ("priority row: E's `high` requests, TTFT p50 (s)", "high_ttft_p50_s"),
             ("priority row: E's `high` requests, TTFT p99 (s)", "high_ttft_p99_s")]
-    out = ["Noisy neighbour", "", "| measure | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
+    out = ["Noisy neighbour", "", "| measure | " + " | ".join(LABELS[s] for s in names) + " |",
+           "|---" * (len(names) + 1) + "|"]
     for label, key in rows:
         out.append(f"| {label} | " + " | ".join(fmt(results[s]["noisy"].get(key, float("nan"))) for s in names) + " |")
     if "ours" in results:
         ours = results["ours"]["noisy"]
         for peer in names[1:]:
             p = results[peer]["noisy"]
-            out.append(f"\nours ÷ {peer}: light TTFT p99 {ratio(ours['light_ttft_p99_s'], p['light_ttft_p99_s'])}, "
+            out.append(f"\nours ÷ {LABELS[peer]}: light TTFT p99 {ratio(ours['light_ttft_p99_s'], p['light_ttft_p99_s'])}, "
                        f"total tok/s {ratio(ours['total_tok_per_s'], p['total_tok_per_s'])}")
     prefix = [s for s in names if "prefix" in results[s]]
     if prefix:
-        out += ["", "Shared prefixes", "", "| measure | " + " | ".join(prefix) + " |", "|---" * (len(prefix) + 1) + "|"]
+        out += ["", "Shared prefixes", "", "| measure | " + " | ".join(LABELS[s] for s in prefix) + " |",
+                "|---" * (len(prefix) + 1) + "|"]
         for label, key in [("TTFT p50 (s)", "ttft_p50_s"), ("TTFT p99 (s)", "ttft_p99_s"), ("requests/s", "req_per_s"),
                            ("prompt tokens sent", "prompt_tokens"), ("prompt tokens computed", "prompt_tokens_computed"),
                            ("errors", "errors")]:
