@@ -172,11 +172,15 @@ def computed_tokens(chunk: dict, known: int | None) -> int | None:
     return known
 
 
-def cut_all(conns: set) -> None:
-    """End every stream of ``conns`` now: its reader sees the connection close."""
-    for conn in list(conns):
-        with contextlib.suppress(OSError, AttributeError):
-            conn.sock.shutdown(socket.SHUT_RDWR)
+def cut_all(conns: set, threads: list[threading.Thread]) -> None:
+    """End every stream of ``conns`` (its reader sees the connection close) until ``threads``,
+    which stop sending once told, have ended: one may have sent a last request as it was told."""
+    for th in threads:
+        while th.is_alive():
+            for conn in list(conns):
+                with contextlib.suppress(OSError, AttributeError):
+                    conn.sock.shutdown(socket.SHUT_RDWR)
+            th.join(0.2)
 
 
 def question(tenant: str, i: int) -> list[dict]:
@@ -239,16 +243,12 @@ def noisy_neighbour(target: Target, seconds: float, count_tokens, flood_streams:
     if delay > 0:
         time.sleep(delay)
     window_over.set()
-    cut_all(flood_conns)
-    for th in floods:
-        th.join()
+    cut_all(flood_conns, floods)
     deadline = time.perf_counter() + DRAIN_S
     for th in lights:
         th.join(max(0.0, deadline - time.perf_counter()))
     drain_over.set()
-    cut_all(light_conns)
-    for th in lights:
-        th.join()
+    cut_all(light_conns, lights)
     return figures(answers, refused[0], t0, seconds, count_tokens)
 
 
