@@ -19,6 +19,10 @@ requests in flight (a stream holds its slot until it ends or the client disconne
 ``rpm_limit`` / ``tpm_limit`` count over a one-minute window; ``tpm_limit`` reserves an estimate
 (prompt + ``max_tokens``) at admission and settles it with the reported usage after.
 
+Its cost, measured here (one worker, streamed chats against llama-server, 2026-12-06): about
+20 ms more to the first token, and about 25 ms of CPU a request plus 1.5 ms a streamed chunk,
+on the cores the upstream computes on.
+
 Install (tried with litellm 1.108.7)::
 
     python3 -m venv /tmp/litellm-venv && /tmp/litellm-venv/bin/pip install 'litellm[proxy]'

@@ -220,9 +220,10 @@ class PrefixCache:
     def awaits(self, seq: Sequence, running: Iterable[Sequence]) -> bool:
         """Whether ``seq`` should wait a step for a running sequence of its tenant that is
         prefilling a prefix they share, at least :data:`MIN_REUSE_TOKENS` of which it has still
-        to prefill, and is already at least as far into it as ``seq`` would start (what the cache
-        holds): admitted now, ``seq`` would prefill the same tokens beside it, in the same steps'
-        token budget, so no sooner; admitted once they are in the KV cache, it copies them.
+        to prefill, and is already at least as far into it as ``seq`` would start (what a copy
+        from the cache would give it: :func:`worth_copying`): admitted now, ``seq`` would prefill
+        the same tokens beside it, in the same steps' token budget, so no sooner; admitted once
+        they are in the KV cache, it copies them.
         Sixteen requests with one new system prompt then prefill it once, not sixteen times.
 
         Where the model keeps only a window of a sequence (``window`` not None), only for another

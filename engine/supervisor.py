@@ -86,8 +86,10 @@ class EngineSupervisor:
         self.stall_s = stall_s
         self.proc: subprocess.Popen | None = None
         self.restarts = 0
-        #: The engine could not load the model (``EngineState.FAILED``): no restart follows.
+        #: The engine could not load the model (``EngineState.FAILED``) and never had: no
+        #: restart follows.
         self.failed = False
+        self._ready_once = False
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -146,10 +148,13 @@ class EngineSupervisor:
                 self.reclaim()
                 if self.t.control.state == EngineState.READY:
                     failures = 0
+                    self._ready_once = True
                     self._kill_if_stalled()
                 continue
             stopped = self.t.control.state == EngineState.STOPPED
-            self.failed = self.t.control.state == EngineState.FAILED
+            # A model that loaded once and fails on a restart (memory short for a moment) is
+            # retried as a crash; only one that never loaded stops the server.
+            self.failed = self.t.control.state == EngineState.FAILED and not self._ready_once
             self.t.control.set_state(EngineState.DEAD)
             crashed = not stopped and not self.failed
             if crashed:

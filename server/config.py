@@ -18,8 +18,7 @@ from dataclasses import MISSING, dataclass, field, fields
 from typing import NamedTuple
 from urllib.parse import urlparse
 
-from engine.config import (POLICIES, WEIGHTS, ConfigError, EngineConfig, check_model_file, default_model_path,
-                           one_line)
+from engine.config import POLICIES, WEIGHTS, ConfigError, EngineConfig, check_model_file, default_model_path
 from server.gguf import metadata_strings
 
 _ENGINE = {f.name: f.default for f in fields(EngineConfig)}

@@ -336,8 +336,10 @@ def _engine_exited(pid: int, crashed: bool) -> None:
             ENGINE_RESTARTS.inc()
     supervisor = _state.get("supervisor")  # None once on_exit took it
     if supervisor is not None and supervisor.failed:
-        # The engine logged why in one line; the same model will not load on a restart. Stop as
-        # on a lost gRPC port: gunicorn's quick stop, exit status 1 (on_exit).
+        # The engine logged why; the same model will not load on a restart. Stop as on a lost
+        # gRPC port: gunicorn's quick stop, exit status 1 (on_exit).
+        logging.getLogger("gunicorn.error").error("inference-server: the engine cannot load the model (its line "
+                                                  "above says why); stopping")
         _state["exit_status"] = 1
         os.kill(os.getpid(), signal.SIGINT)
 

@@ -12,7 +12,8 @@ the worker's traceback.
 """
 from __future__ import annotations
 
-from server.config import ServerConfig, one_line
+from engine.config import one_line
+from server.config import ServerConfig
 from server.gunicorn_conf import accepted_tenants, worker_cannot_start
 from server.http.worker_app import build
 from server.tenancy.tenants import TenantRegistry

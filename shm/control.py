@@ -30,7 +30,7 @@ class Snapshot:
         cache_entries, cache_tokens: prefix-cache entries and the tokens they hold.
         cache_kv_pos_max: ``[cache streams]`` highest KV position per cache stream (-1: none).
         kv_cells: KV cells the running sequences hold or are promised.
-        preemptions: sequences preempted for the KV budget so far.
+        preemptions: sequences preempted so far, for the KV budget or a tenant's fair share of slots.
     """
 
     step: int
@@ -105,7 +105,8 @@ class ControlBlock:
 
     @property
     def preemptions(self) -> int:
-        """Running sequences preempted (requeued) for the KV budget since the segment was made."""
+        """Running sequences preempted (requeued) since the segment was made: for the KV budget or
+        a tenant's fair share of slots."""
         return int(self._c["preemptions"])
 
     def publish(self, step: int, slot_mailbox, kv_pos_max, n_waiting: int,

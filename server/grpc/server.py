@@ -24,7 +24,8 @@ from grpc_reflection.v1alpha import reflection
 
 from engine.client import EngineClient
 from proto import inference_pb2_grpc
-from server.config import ServerConfig, one_line
+from engine.config import one_line
+from server.config import ServerConfig
 from server.generation.pipeline import Generator
 from server.grpc.keeper import BIND_FAILED, report_bind_failed
 from server.grpc.service import SERVICE_NAME, InferenceService
