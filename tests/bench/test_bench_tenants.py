@@ -49,8 +49,8 @@ def test_table_has_a_column_per_server_and_the_ratios():
 
 def test_the_benchmark_on_ours_at_a_small_size(tmp_path, capsys):
     out = tmp_path / "r.json"
-    assert main(["--servers", "ours", "--seconds", "2", "--flood-streams", "3", "--flood-tokens", "64",
-                 "--light-tokens", "8", "--prefix-clients", "8", "--turns", "2", "--system-tokens", "150",
+    assert main(["--servers", "ours", "--seconds", "2", "--flood-streams", "2", "--flood-tokens", "16",
+                 "--light-tokens", "4", "--prefix-clients", "8", "--turns", "2", "--system-tokens", "60",
                  "--json", str(out)]) == 0
     r = json.loads(out.read_text())["ours"]
     noisy, prefix = r["noisy"], r["prefix"]
