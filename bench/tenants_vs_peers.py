@@ -458,6 +458,12 @@ def main(argv=None) -> int:
     unknown = set(servers) - set(SERVERS)
     if unknown:
         p.error(f"--servers: unknown {', '.join(sorted(unknown))} (choose from {', '.join(SERVERS)})")
+    if set(servers) - {"ours"} and not os.access(a.llama_server, os.X_OK):
+        p.error(f"--llama-server: no executable at {a.llama_server} (bench/README.md builds one)")
+    from bench import litellm_proxy
+    if "litellm" in servers and not litellm_proxy.available():
+        p.error("--servers litellm: no LiteLLM Proxy (bench/litellm_proxy.py says how to install it), "
+                "or leave it out: --servers ours,llama-server")
     tokenizer = Tokenizer(default_model_path())
 
     def count_tokens(text: str) -> int:

@@ -59,8 +59,7 @@ def test_a_sibling_prefilling_a_shared_prefix_is_waited_for_unless_the_cache_giv
     prefilling a prefix they share, unless what a copy from the cache would give it is more
     than the sibling has done. An entry sharing only the template's opening (under
     MIN_REUSE_TOKENS: no copy) gives nothing, so it must not send the prompt to prefill the
-    prefix beside the sibling: HTTP requests of one tenant arriving together did, each
-    computing the same system prompt."""
+    prefix beside the sibling."""
     from engine.prefix_cache import MIN_REUSE_TOKENS, PrefixCache
     from engine.request import EngineRequest, Priority, SamplingParams
     from engine.sequence import Sequence, SequenceStatus
