@@ -14,6 +14,7 @@ import os
 import signal
 import threading
 import time
+import types
 
 import grpc
 import pytest
@@ -24,7 +25,7 @@ from proto import inference_pb2_grpc
 from shm.segment import remove_orphans
 from tests.support.http import CHAT, STREAM_CUT, chat_body, get, open_stream, post
 from tests.support.servers import needs_redis, redis_server, running_replicas
-from tests.support.nginx import AFFINITY, FAIL_TIMEOUT_S, LEAST_CONN, Nginx, needs_nginx
+from tests.support.nginx import AFFINITY, FAIL_TIMEOUT_S, LEAST_CONN, TEMPLATE, Nginx, needs_nginx, nginx_variables
 from tests.support.tenants import write_tenants
 
 pytestmark = [needs_nginx, needs_redis]
@@ -159,6 +160,28 @@ def test_the_shipped_configuration_passes_nginx_t_and_with_no_replica_answers_50
             proxy.stop()
         # every replica refused: the replicas' own overload answer, not nginx's HTML 502
         assert status == 503 and body["error"]["code"] == "no_replica_available"
+
+
+def test_the_recipe_renders_any_number_of_replicas_and_keeps_nginx_variables():
+    """docs/operations.md's recipe for replicas without Docker: docker/nginx/render.sh (which the
+    Nginx helper runs) for five replicas; `nginx -t` accepts the file, nginx's own $variables
+    are all still there, and /metrics is not passed to any replica."""
+    absent = [types.SimpleNamespace(host="127.0.0.2", port=port, grpc_port=0) for port in range(1, 6)]  # no one there
+    proxy = Nginx(absent)
+    try:
+        text = open(proxy.conf).read()
+        servers = [line.split()[1] for line in text.splitlines() if line.strip().startswith("server 127.")]
+        assert servers[:5] == [f"127.0.0.2:{p}" for p in range(1, 6)] and len(servers) == 10  # and 5 gRPC
+        assert nginx_variables(text) == nginx_variables(TEMPLATE.read_text())
+        assert "binary_remote_addr" in nginx_variables(text)
+        check = proxy.run("-t")
+        assert check.returncode == 0 and "test is successful" in check.stderr, check.stderr
+        # answered by nginx itself (no replica listens: a proxied request would get a 503)
+        status, _, body = get(proxy, "/metrics").parsed()
+        assert status == 404 and body["error"]["message"] == "no route for GET /metrics"
+        assert ask(proxy, "Hi", 1, "absent")[0] == 503
+    finally:
+        proxy.stop()
 
 
 def test_streams_pass_through_unbuffered_with_their_keepalive_comments(cluster):

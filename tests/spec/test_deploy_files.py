@@ -1,16 +1,22 @@
 """Docker and Kubernetes files, validated offline (no container engine or cluster here)."""
 from __future__ import annotations
 
+import os
 import pathlib
+import re
 import shutil
 import subprocess
 import sys
 
+import pytest
 import yaml
 
 from server.config import OPTIONS
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+needs_envsubst = pytest.mark.skipif(shutil.which("envsubst") is None,
+                                    reason="no envsubst (Debian's gettext-base; .ci/run installs it)")
 
 
 def load_all(name: str) -> list[dict]:
@@ -178,13 +184,49 @@ def test_compose_runs_three_replicas_behind_nginx_from_the_shipped_template():
     assert env["REDIS_URL"] == "redis://redis:6379/0" and "redis" in replicas[0]["depends_on"]
     assert float(env["DRAIN_TIMEOUT"]) > 10  # the proxy's retry window (proxy_next_upstream_timeout 10s)
     fill = nginx["environment"]
-    assert set(fill) - {"NGINX_ENVSUBST_OUTPUT_DIR"} == placeholders()
-    assert fill["NGINX_ENVSUBST_OUTPUT_DIR"] == "/etc/nginx" and fill["BALANCE"] == "least_conn"
-    for i in (1, 2, 3):  # the image's ports (docker/Dockerfile: PORT=8080 GRPC_PORT=50051)
-        assert fill[f"REPLICA_{i}"] == f"inference-{i}:8080" and fill[f"REPLICA_{i}_GRPC"] == f"inference-{i}:50051"
+    # render.sh's variables: one per placeholder of the template, REPLICA(_GRPC) as lists
+    assert set(fill) == {"REPLICAS" if p == "REPLICA" else "REPLICAS_GRPC" if p == "REPLICA_GRPC" else p
+                         for p in placeholders()}
+    assert fill["BALANCE"] == "least_conn"
+    # the image's ports (docker/Dockerfile: PORT=8080 GRPC_PORT=50051)
+    assert fill["REPLICAS"].split() == [f"inference-{i}:8080" for i in (1, 2, 3)]
+    assert fill["REPLICAS_GRPC"].split() == [f"inference-{i}:50051" for i in (1, 2, 3)]
+    for i in (1, 2, 3):
         assert nginx["depends_on"][f"inference-{i}"] == {"condition": "service_healthy"}
     assert fill["MAX_BODY_BYTES"] == env["MAX_BODY_BYTES"]
-    (template,) = nginx["volumes"]
-    source, target, _ = template.split(":")
-    assert (ROOT / "docker" / source).exists() and target == "/etc/nginx/templates/nginx.conf.template"
+    (folder,) = nginx["volumes"]
+    source, target, _ = folder.split(":")
+    assert (ROOT / "docker" / source / "render.sh").exists() and (ROOT / "docker" / source / "nginx.conf.template").exists()
+    assert f"/bin/sh {target}/render.sh > /etc/nginx/nginx.conf && exec nginx -g 'daemon off;'" in nginx["command"][-1]
     assert {f"{fill[k]}:{fill[k]}" for k in ("LISTEN_HTTP", "LISTEN_GRPC")} == set(nginx["ports"])
+
+
+def test_render_substitutes_only_the_templates_variables():
+    """render.sh's envsubst list is exactly the template's placeholders but the per-replica
+    ones, which its awk writes; plain `envsubst` would blank nginx's own $variables."""
+    from tests.support.nginx import RENDER, placeholders
+
+    script = RENDER.read_text()
+    (listed,) = re.findall(r"envsubst '([^']*)'", script)
+    assert set(re.findall(r"\$\{(\w+)\}", listed)) == placeholders() - {"REPLICA", "REPLICA_GRPC"}
+    assert {"REPLICA", "REPLICA_GRPC"} <= placeholders()
+    assert os.access(RENDER, os.X_OK) and script.startswith("#!/bin/sh\n")
+
+
+@needs_envsubst
+def test_render_writes_a_server_line_per_replica_and_keeps_nginx_variables():
+    from tests.support.nginx import TEMPLATE, nginx_variables, render
+
+    http = [f"10.0.0.{i}:8080" for i in range(1, 6)]
+    text = render(http, LISTEN_HTTP="8080", LISTEN_GRPC="50051", BALANCE="hash $affinity consistent",
+                  MAX_BODY_BYTES="65536")
+    assert re.findall(r"^\s*server (\S+) max_fails=1 fail_timeout=2s;$", text, re.M) == \
+        http + [f"10.0.0.{i}:50051" for i in range(1, 6)]  # REPLICAS_GRPC defaults to port 50051
+    code = "\n".join(line for line in text.splitlines() if not line.lstrip().startswith("#"))
+    assert "${" not in code and "client_max_body_size 65536;" in code and "hash $affinity consistent;" in code
+    assert nginx_variables(text) == nginx_variables(TEMPLATE.read_text())
+    assert {"binary_remote_addr", "proxy_add_x_forwarded_for", "http_x_conversation_id"} <= nginx_variables(text)
+    with pytest.raises(AssertionError, match="render.sh: REPLICAS names no replica"):
+        render([])
+    with pytest.raises(AssertionError, match="render.sh: REPLICAS has 1 addresses but REPLICAS_GRPC has 2"):
+        render(["a:1"], ["a:2", "b:2"])

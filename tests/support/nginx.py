@@ -1,10 +1,11 @@
-"""The shipped load balancer, ``docker/nginx/nginx.conf.template``, filled in and run in front of
-real replicas (``tests/support/servers.py``'s ``RunningServer``), for ``tests/e2e/test_multinode.py`` and
-``python -m bench.multinode``.
+"""The shipped load balancer, ``docker/nginx/nginx.conf.template``, filled in by the shipped
+``docker/nginx/render.sh`` (the recipe of docs/operations.md, "Load balancing") and run in front
+of real replicas (``tests/support/servers.py``'s ``RunningServer``), for
+``tests/e2e/test_multinode.py`` and ``python -m bench.multinode``.
 
-The template's ``${NAME}`` placeholders are what the nginx image's entrypoint fills with
-envsubst; here they are filled the same way (``string.Template``, which leaves nginx's own
-lower-case ``$variables`` alone), and nginx runs from Debian's package (``.ci/run`` installs it).
+render.sh substitutes only the template's own ``${NAME}`` placeholders (``envsubst`` with an
+explicit list, from Debian's gettext-base) and writes one ``server`` line per replica; nginx runs
+from Debian's package (``.ci/run`` installs both).
 """
 from __future__ import annotations
 
@@ -13,7 +14,6 @@ import pathlib
 import re
 import shutil
 import socket
-import string
 import subprocess
 import tempfile
 import time
@@ -23,9 +23,11 @@ import pytest
 from tests.support.servers import free_port
 
 TEMPLATE = pathlib.Path(__file__).resolve().parents[2] / "docker" / "nginx" / "nginx.conf.template"
+RENDER = TEMPLATE.parent / "render.sh"
 
-NO_NGINX = ("no nginx: install Debian's nginx package (`apt-get install nginx`, as .ci/run does) to run the "
-            "load-balancer test, which starts the shipped docker/nginx/nginx.conf.template")
+NO_NGINX = ("no nginx or no envsubst: install Debian's nginx and gettext-base packages (`apt-get install nginx "
+            "gettext-base`, as .ci/run does) to run the load-balancer test, which starts the shipped "
+            "docker/nginx/nginx.conf.template, filled by docker/nginx/render.sh")
 
 #: the balancing methods the template's ``${BALANCE}`` takes (docs/operations.md, "Load balancing")
 LEAST_CONN, AFFINITY = "least_conn", "hash $affinity consistent"
@@ -38,43 +40,56 @@ def nginx_executable() -> str | None:
     return shutil.which("nginx") or next((p for p in ("/usr/sbin/nginx",) if os.access(p, os.X_OK)), None)
 
 
-needs_nginx = pytest.mark.skipif(nginx_executable() is None, reason=NO_NGINX)
+needs_nginx = pytest.mark.skipif(nginx_executable() is None or shutil.which("envsubst") is None, reason=NO_NGINX)
 
 
 def placeholders() -> set[str]:
-    """The names the template needs filled (the variables compose must give the nginx service)."""
-    return set(re.findall(r"\$\{(\w+)\}", TEMPLATE.read_text()))
+    """The template's ``${NAME}`` placeholders, comments left out: ``REPLICA`` and
+    ``REPLICA_GRPC`` (one line per replica) and the variables render.sh substitutes."""
+    code = "\n".join(line for line in TEMPLATE.read_text().splitlines() if not line.lstrip().startswith("#"))
+    return set(re.findall(r"\$\{(\w+)\}", code))
 
 
-def render(variables: dict[str, str]) -> str:
-    """The template with every placeholder filled. Raises KeyError naming one left unfilled."""
-    missing = placeholders() - set(variables)
-    if missing:
-        raise KeyError(f"placeholders not filled: {sorted(missing)}")
-    return string.Template(TEMPLATE.read_text()).safe_substitute(variables)
+def nginx_variables(text: str) -> set[str]:
+    """nginx's own ``$variables`` that ``text`` uses (lower-case names; comments left out)."""
+    code = "\n".join(line for line in text.splitlines() if not line.lstrip().startswith("#"))
+    return set(re.findall(r"\$([a-z_][a-z0-9_]*)", code))
+
+
+def render(replicas: list[str], replicas_grpc: list[str] | None = None, **variables: str) -> str:
+    """The configuration render.sh writes for ``replicas`` (HTTP ``host:port`` each) and
+    ``replicas_grpc``, with ``variables`` (LISTEN_HTTP, LISTEN_GRPC, BALANCE, MAX_BODY_BYTES) in
+    its environment. Raises AssertionError with render.sh's message when it refuses them."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("REPLICAS", "REPLICAS_GRPC", "LISTEN_HTTP", "LISTEN_GRPC", "BALANCE", "MAX_BODY_BYTES")}
+    env["REPLICAS"] = " ".join(replicas)
+    if replicas_grpc is not None:
+        env["REPLICAS_GRPC"] = " ".join(replicas_grpc)
+    out = subprocess.run([str(RENDER)], env={**env, **variables}, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    return out.stdout
 
 
 class Nginx:
-    """nginx from the shipped template in front of three replicas (the template names three: for
-    fewer, repeat one), listening on 127.0.0.1 (``port`` for HTTP, ``grpc_port``).
+    """nginx from the shipped template, filled by render.sh, in front of ``replicas`` (any number;
+    one listed twice gets two ``server`` lines), listening on 127.0.0.1 (``port`` for HTTP,
+    ``grpc_port``).
 
     ``replicas``: objects with ``host``, ``port`` and ``grpc_port`` (``RunningServer``).
     Raises AssertionError with nginx's message when ``nginx -t`` refuses the filled template.
     """
 
     def __init__(self, replicas, balance: str = LEAST_CONN, max_body_bytes: int = 1_048_576):
-        assert len(replicas) == 3, "the template names three replicas"
+        self.port, self.grpc_port = free_port(), free_port()
+        text = render([f"{r.host}:{r.port}" for r in replicas],
+                      [f"{r.host}:{r.grpc_port or free_port(r.host)}" for r in replicas],
+                      LISTEN_HTTP=f"127.0.0.1:{self.port}", LISTEN_GRPC=f"127.0.0.1:{self.grpc_port}",
+                      BALANCE=balance, MAX_BODY_BYTES=str(max_body_bytes))
         self.prefix = tempfile.mkdtemp(prefix="nginx-")
         os.chmod(self.prefix, 0o755)  # run as root, nginx's workers are another user
-        self.port, self.grpc_port = free_port(), free_port()
-        variables = {"LISTEN_HTTP": f"127.0.0.1:{self.port}", "LISTEN_GRPC": f"127.0.0.1:{self.grpc_port}",
-                     "BALANCE": balance, "MAX_BODY_BYTES": str(max_body_bytes)}
-        for i, r in enumerate(replicas, 1):
-            variables[f"REPLICA_{i}"] = f"{r.host}:{r.port}"
-            variables[f"REPLICA_{i}_GRPC"] = f"{r.host}:{r.grpc_port or free_port(r.host)}"
         self.conf = os.path.join(self.prefix, "nginx.conf")
         with open(self.conf, "w") as f:
-            f.write(render(variables))
+            f.write(text)
         self.log = os.path.join(self.prefix, "nginx.log")  # access log (stdout) and error log (stderr)
         self.url = f"http://127.0.0.1:{self.port}"
         self.proc = None
