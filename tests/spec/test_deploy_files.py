@@ -122,14 +122,18 @@ def test_hpas_target_the_deployment_and_services_select_its_pods():
     (slots,) = load_all("hpa-slots.yaml")[0]["spec"]["metrics"]
     assert slots["pods"]["metric"]["name"] == "inference_kv_slot_utilization"
     (service,) = load_all("service.yaml")
-    assert service["spec"]["selector"] == labels
+    (metrics_service,) = load_all("service-metrics.yaml")
+    assert service["spec"]["selector"] == metrics_service["spec"]["selector"] == labels
     (pdb,) = load_all("pdb.yaml")
     assert pdb["spec"]["selector"]["matchLabels"] == labels
     container = deploy["spec"]["template"]["spec"]["containers"][0]
     names = {p["name"] for p in container["ports"]}
-    assert {p["targetPort"] for p in service["spec"]["ports"]} == names
-    metrics = next(p for p in service["spec"]["ports"] if p["name"] == "metrics")
-    assert service["metadata"]["annotations"]["prometheus.io/port"] == str(metrics["port"])
+    # The public Service has HTTP and gRPC; the metrics port has a Service of its own.
+    assert {p["targetPort"] for p in service["spec"]["ports"]} == names - {"metrics"}
+    (metrics,) = metrics_service["spec"]["ports"]
+    assert metrics["targetPort"] == "metrics"
+    assert metrics_service["metadata"]["annotations"]["prometheus.io/port"] == str(metrics["port"])
+    assert "prometheus.io/scrape" not in service["metadata"].get("annotations", {})
 
 
 def test_compose_and_dockerfile():
@@ -230,3 +234,86 @@ def test_render_writes_a_server_line_per_replica_and_keeps_nginx_variables():
         render([])
     with pytest.raises(AssertionError, match="render.sh: REPLICAS has 1 addresses but REPLICAS_GRPC has 2"):
         render(["a:1"], ["a:2", "b:2"])
+
+
+# --- Secure as shipped: keys required, metrics private ----------------------------------------
+
+def _compose() -> dict:
+    return yaml.safe_load((ROOT / "docker" / "compose.yaml").read_text())
+
+
+def _dockerfile_env() -> dict[str, str]:
+    """The Dockerfile's ENV settings (``ENV A=1 B=2`` over continued lines)."""
+    text = (ROOT / "docker" / "Dockerfile").read_text().replace("\\\n", " ")
+    return dict(kv.split("=", 1) for line in re.findall(r"^ENV (.*)$", text, re.M) for kv in line.split())
+
+
+def test_compose_requires_keys_from_a_secret_that_is_not_committed():
+    compose = _compose()
+    env = compose["services"]["inference-1"]["environment"]
+    (name,) = compose["services"]["inference-1"]["secrets"]
+    # compose mounts a service's secret at /run/secrets/<name>
+    assert env["ADMIN_KEYS_FILE"] == f"/run/secrets/{name}"
+    source = ROOT / "docker" / compose["secrets"][name]["file"]
+    relative = str(source.resolve().relative_to(ROOT))
+    ignored = subprocess.run(["git", "-C", str(ROOT), "check-ignore", "-q", relative])
+    assert ignored.returncode == 0, f"{relative} is not in .gitignore"
+    tracked = subprocess.run(["git", "-C", str(ROOT), "ls-files", str(source.parent.relative_to(ROOT))],
+                             capture_output=True, text=True)
+    assert tracked.stdout == "", tracked.stdout
+    assert f"openssl rand -hex 32 > {relative}" in (ROOT / "docker" / "compose.yaml").read_text()
+    assert f"openssl rand -hex 32 > {relative}" in (ROOT / "docs/operations.md").read_text()
+
+
+def test_deployment_requires_keys_from_a_secret_mounted_read_only():
+    (deploy,) = load_all("deployment.yaml")
+    pod = deploy["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    path = pathlib.PurePosixPath(env["ADMIN_KEYS_FILE"])
+    mount = next(m for m in container["volumeMounts"] if m["mountPath"] == str(path.parent))
+    assert mount["readOnly"] is True and "subPath" not in mount
+    volume = next(v for v in pod["volumes"] if v["name"] == mount["name"])
+    secret = volume["secret"]["secretName"]
+    assert "optional" not in volume["secret"]  # no Secret, no pod: never served without keys
+    # The Secret is created with kubectl from a file of the operator's (k8s/README.md), never
+    # committed: no manifest here holds one.
+    kinds = {d["kind"] for f in (ROOT / "k8s").glob("*.yaml") for d in load_all(f.name)}
+    assert "Secret" not in kinds
+    readme = (ROOT / "k8s" / "README.md").read_text()
+    assert f"kubectl create secret generic {secret} --from-file={path.name}=" in readme
+
+
+def test_metrics_are_served_on_their_own_port_and_scraped_there():
+    from server.config import ServerConfig
+
+    compose = _compose()
+    env = {**_dockerfile_env(), **compose["services"]["inference-1"]["environment"]}
+    (cm,) = load_all("configmap.yaml")
+    for settings in (env, cm["data"]):
+        port = int(settings["METRICS_PORT"])
+        assert port and port not in (int(settings["PORT"]), int(settings["GRPC_PORT"]))
+        # the server accepts it (the key files are on the deployment's volumes, not here)
+        config = ServerConfig.from_env({k: v for k, v in settings.items()
+                                        if k not in ("MODEL_PATH", "ADMIN_KEYS_FILE", "TENANTS_FILE")})
+        assert config.metrics_port == port and config.metrics
+    # compose: Prometheus scrapes that port (test above); no replica publishes a port, and only
+    # Prometheus' and Grafana's own ports are published, on this host only
+    services = compose["services"]
+    assert all("ports" not in services[f"inference-{i}"] for i in (1, 2, 3))
+    for name in ("prometheus", "grafana"):
+        assert all(p.startswith("127.0.0.1:") for p in services[name]["ports"])
+    assert env["METRICS_PORT"] not in " ".join(services["nginx"]["ports"])
+
+
+def test_nginx_never_proxies_to_the_metrics_port_and_answers_metrics_itself():
+    compose = _compose()
+    metrics_port = compose["services"]["inference-1"]["environment"]["METRICS_PORT"]
+    fill = compose["services"]["nginx"]["environment"]
+    upstreams = fill["REPLICAS"].split() + fill["REPLICAS_GRPC"].split()
+    assert all(not a.endswith(f":{metrics_port}") for a in upstreams)
+    from tests.support.nginx import TEMPLATE
+
+    template = TEMPLATE.read_text()
+    block = re.search(r"location = /metrics \{(.*?)\}", template, re.S)
+    assert block and "return 404" in block[1] and "proxy_pass" not in block[1]
