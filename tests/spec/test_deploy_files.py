@@ -107,6 +107,12 @@ def test_configmap_keys_are_real_settings():
     (cm,) = load_all("configmap.yaml")
     known = {o.env for o in OPTIONS}
     assert set(cm["data"]) <= known
+    # and what the Deployment and compose set besides (ADMIN_KEYS_FILE included)
+    (deploy,) = load_all("deployment.yaml")
+    env = {e["name"] for e in deploy["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert env - {"XDG_CACHE_HOME"} <= known
+    compose = yaml.safe_load((ROOT / "docker" / "compose.yaml").read_text())
+    assert set(compose["services"]["inference-1"]["environment"]) <= known
 
 
 def test_hpas_target_the_deployment_and_services_select_its_pods():
