@@ -112,8 +112,19 @@ class ServerConfig:
     tenants_file: str = _option("--tenants", "TENANTS_FILE",
                                 "tenant file (JSON or TOML): API keys, priority, weight, limits; SIGHUP reloads it",
                                 "", shown="none")
-    redis_url: str = _option("--redis-url", "REDIS_URL", "Redis for rate limits and stored responses shared across replicas", "",
-                             shown="none")
+    redis_url: str = _option("--redis-url", "REDIS_URL", "Redis for rate limits, stored responses, projects, keys, "
+                             "spend and usage shared across replicas", "", shown="none")
+    admin_keys_file: str = _option("--admin-keys-file", "ADMIN_KEYS_FILE",
+                                   "file of admin keys, one a line, for the Admin API and /admin (the environment "
+                                   "variable ADMIN_KEYS may list more, comma-separated); with any, every request "
+                                   "needs a key", "", shown="none")
+    control_db: str = _option("--control-db", "CONTROL_DB",
+                              "SQLite file of projects, keys, limits, spend and usage without --redis-url",
+                              "", shown="$XDG_STATE_HOME/inference-server/control.db")
+    prices_file: str = _option("--prices", "PRICES_FILE",
+                               "JSON file of prices per model, US dollars per million tokens: "
+                               "{\"<model>\": {\"input\": ..., \"cached_input\": ..., \"output\": ...}}",
+                               "", shown="none (every token free)")
     response_store_max_entries: int = _option("--response-store-max-entries", "RESPONSE_STORE_MAX_ENTRIES",
                                               "stored responses (/v1/responses, store: true) kept per tenant; the "
                                               "least recently used go first", 1000)
@@ -263,13 +274,25 @@ class ServerConfig:
         return f"the model's {TEMPLATE_KEY}"
 
     def check_files(self) -> None:
-        """Raise ConfigError (one line) unless the model, the chat template and the tenant file
-        are usable."""
+        """Raise ConfigError (one line) unless the model, the chat template, the tenant file, the
+        admin keys and the prices are usable."""
         from server.tenancy.tenants import Tenants
+
+        from server.control.accounting import Prices
+        from server.control.state import ADMIN_KEYS_ENV, load_admin_keys
 
         self.check_model()
         self.chat_template_origin()
         Tenants.load(self.tenants_file or None)
+        load_admin_keys(self.admin_keys_file, os.environ.get(ADMIN_KEYS_ENV, ""))
+        Prices.load(self.prices_file)
+
+    def control_db_path(self) -> str:
+        """The SQLite file of the control plane (without Redis)."""
+        if self.control_db:
+            return self.control_db
+        state = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
+        return os.path.join(state, "inference-server", "control.db")
 
     def to_env(self) -> dict[str, str]:
         """The environment variables that reproduce this configuration."""

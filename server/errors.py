@@ -18,7 +18,9 @@ import math
 
 from engine.errors import (ClientDisconnected, ConstraintFailed, DeadlineExceeded, EngineUnavailable, RateLimited,
                            RequestError, Saturated, ShuttingDown)
-from server.api.errors import ModelNotFound, PermissionDenied, Unauthenticated
+from server.api.errors import Conflict, ModelNotFound, NotFound, PermissionDenied, Unauthenticated
+from server.control.accounting import QuotaExceeded
+from server.control.store import ControlUnavailable
 from server.responses.store import ResponseNotFound, StoreUnavailable
 
 log = logging.getLogger("server")
@@ -27,7 +29,7 @@ CLIENT_CLOSED = f"{CLIENT_CLOSED_STATUS} Client Closed Request"
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
           404: "invalid_request_error",
-          405: "invalid_request_error", 408: "invalid_request_error", 424: "server_error", 413: "invalid_request_error",
+          405: "invalid_request_error", 409: "invalid_request_error", 408: "invalid_request_error", 424: "server_error", 413: "invalid_request_error",
           415: "invalid_request_error",
           429: "rate_limit_error", 503: "server_error", 500: "server_error"}
 
@@ -63,7 +65,7 @@ def http_status(ex: BaseException) -> int:
     if isinstance(ex, ConstraintFailed):  # the client's grammar cannot be followed: the client's to fix
         return 400
     if isinstance(ex, RequestError):
-        return _STATUS.get(type(ex), 400)
+        return next((status for kind, status in _STATUS.items() if isinstance(ex, kind)), 400)
     if isinstance(ex, (Saturated, EngineUnavailable)):
         return 503
     return 500
@@ -75,6 +77,8 @@ def http_error(ex: Exception) -> tuple[int, dict, dict]:
     status, param, code, headers = http_status(ex), None, None, {}
     if isinstance(ex, APIError):
         message, param, code, headers = ex.message, ex.param, ex.code, ex.headers
+    elif isinstance(ex, QuotaExceeded):  # OpenAI's type and code; Retry-After: the month's end
+        return status, error_body(ex.message, ex.code, None, ex.code), rate_limit_headers(ex)
     elif isinstance(ex, RateLimited):
         message, headers = ex.message, rate_limit_headers(ex)
         code = "concurrency_limit_exceeded" if ex.kind == "concurrency" else ex.code
@@ -86,7 +90,8 @@ def http_error(ex: Exception) -> tuple[int, dict, dict]:
     elif isinstance(ex, (Saturated, EngineUnavailable)):
         message = str(ex) or "engine unavailable"
         code = ("server_overloaded" if isinstance(ex, Saturated) else
-                "server_shutting_down" if isinstance(ex, ShuttingDown) else "engine_unavailable")
+                "server_shutting_down" if isinstance(ex, ShuttingDown) else
+                "control_plane_unavailable" if isinstance(ex, ControlUnavailable) else "engine_unavailable")
         headers = {"Retry-After": str(ex.retry_after)}
     else:
         log.error("unhandled error: %r", ex, exc_info=ex)
@@ -95,10 +100,10 @@ def http_error(ex: Exception) -> tuple[int, dict, dict]:
 
 
 _STATUS = {ModelNotFound: 404, Unauthenticated: 401, PermissionDenied: 403, ResponseNotFound: 404,
-           StoreUnavailable: 424}  # 424 Failed Dependency: the store (Redis) could not be reached
+           NotFound: 404, Conflict: 409, StoreUnavailable: 424}  # 424 Failed Dependency: the store (Redis) could not be reached
 
 #: gRPC status names (``grpc.StatusCode``) of the HTTP statuses :func:`http_error` gives.
-_GRPC = {400: "INVALID_ARGUMENT", 401: "UNAUTHENTICATED", 403: "PERMISSION_DENIED", 404: "NOT_FOUND",
+_GRPC = {400: "INVALID_ARGUMENT", 401: "UNAUTHENTICATED", 403: "PERMISSION_DENIED", 404: "NOT_FOUND", 409: "ABORTED",
          424: "UNAVAILABLE", 413: "INVALID_ARGUMENT", 415: "INVALID_ARGUMENT", 429: "RESOURCE_EXHAUSTED",
          503: "UNAVAILABLE", 500: "INTERNAL"}
 

@@ -39,6 +39,7 @@ from server.grpc.keeper import Sidecar, check_port as check_grpc_port
 from server.http.worker import discard_body
 from server.observability import metrics_dir
 from server.responses.store import RESPONSES_DB_ENV, create_database
+from server.control.state import ControlPlane
 from server.tenancy.tenants import Tenants
 
 #: The private directory of the Responses store's SQLite file without ``--redis-url``.
@@ -78,6 +79,9 @@ def on_starting(server) -> None:
         _config.check_files()
         _state["chat_template"] = _config.chat_template_origin()
         _state["tenants"] = Tenants.load(_config.tenants_file or None)
+        # which projects and keys are in force, and from where (this also creates the node's
+        # SQLite file before any worker opens it)
+        server.log.info("tenants: %s", ControlPlane.of(_config, _state["tenants"]).describe())
         if _config.grpc_port:
             check_grpc_port(_config.host, _config.grpc_port)
     except ConfigError as e:

@@ -30,3 +30,22 @@ class ModelNotFound(RequestError):
     """The request names a model this server does not serve (HTTP 404, gRPC NOT_FOUND)."""
 
     code = "model_not_found"
+
+
+class NotFound(RequestError):
+    """The route names an object that does not exist (HTTP 404, gRPC NOT_FOUND)."""
+
+    code = "not_found"
+
+
+class Conflict(RequestError):
+    """The object cannot be changed that way now: a project the tenant file defines, a bound
+    reached (HTTP 409)."""
+
+    code = "conflict"
+
+
+class AdminOnly(PermissionDenied):
+    """A tenant's key on an admin route (HTTP 403)."""
+
+    code = "admin_key_required"

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Callable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator
 
 from engine.client import EngineClient
 from engine.request import FieldNames, RequestKind, SamplingParams
@@ -17,6 +17,9 @@ from server.generation.request import Choice, Delta, GenerationRequest, ToolCall
 from server.generation.submission import Submission, check_choices
 from server.tenancy.ratelimit import RateLimiter
 from server.tenancy.tenants import DEFAULT_TENANT, Tenant
+
+if TYPE_CHECKING:  # injected by the front ends; the control plane imports the request schema
+    from server.control.accounting import Accounting
 
 
 @dataclass(frozen=True)
@@ -54,7 +57,8 @@ class Generation:
         prompts: token ids of each prompt. prompt_param: the request field they came from.
         req: the request; its ``n``, ``stop``, ``echo``, ``max_tokens``, ``max_tokens_param``,
             ``priority`` and ``deadline_ms`` are read here.
-        tenant: who asks. limiter: its rate limits (None: none).
+        tenant: who asks. limiter: its rate limits (None: none). accounting: its spend and usage
+            (None: not recorded).
         watch_socket: the client connection; when it closes, every choice is cancelled.
         echo_texts: with ``req.echo``, each prompt's text, which starts each of its choices.
         sampling: the engine's settings to submit (with the request's final grammar).
@@ -68,7 +72,7 @@ class Generation:
                  req: GenerationRequest, prompt_param: str, tenant: Tenant = DEFAULT_TENANT,
                  limiter: RateLimiter | None = None, watch_socket=None, echo_texts: list[str] | None = None, *,
                  sampling: SamplingParams, grammar_param: str | None = None,
-                 new_tool_parser: Callable[[], ToolParser] | None = None):
+                 new_tool_parser: Callable[[], ToolParser] | None = None, accounting: Accounting | None = None):
         self.n_choices = check_choices(engine, len(prompts), req.n, tenant)
         self.req, self.prompts, self.watch_socket = req, prompts, watch_socket
         self.fields = FieldNames(prompt_param, req.max_tokens_param, grammar_param)
@@ -79,7 +83,7 @@ class Generation:
         self.kind = RequestKind.SCORE if scores or not generates else RequestKind.GENERATE
         self.sampling = sampling if generates else dataclasses.replace(sampling, max_new_tokens=0)
         self.submits = generates or scores
-        self.submission = Submission(engine, tenant, limiter)
+        self.submission = Submission(engine, tenant, limiter, accounting)
         #: The submitted sequences, choice by choice (empty: nothing submitted).
         self.streams: list[Stream] = self.submission.streams
         self.choices = [ChoiceState(k, pieces, req.stop, new_tool_parser() if new_tool_parser else None,
@@ -158,9 +162,13 @@ class Generation:
         return choices
 
     def close(self) -> None:
-        """Cancel every unfinished choice, then wait for each and release it, and charge what
-        is left to charge (idempotent)."""
+        """Cancel every unfinished choice, then wait for each and release it, charge what is
+        left to charge, and settle the spend to the usage (idempotent)."""
         self.submission.close()
+        reservation = self.submission.reservation
+        if reservation is not None and not reservation.done:
+            usage = self.usage()
+            reservation.settle(usage.prompt_tokens, usage.completion_tokens, usage.cached_tokens)
 
     def usage(self) -> Usage:
         """Prompt tokens counted once per prompt, and as cached those the prefix cache gave every

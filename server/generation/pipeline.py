@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+from typing import TYPE_CHECKING
 
 from engine.client import EngineClient
 from engine.errors import InvalidRequest, PromptTooLong
@@ -30,6 +31,9 @@ from server.tools.grammar import checked_arguments, tool_grammar
 from server.tools.parser import ToolCallParser
 from server.tools.spec import NONE, Tool, ToolRequest
 
+if TYPE_CHECKING:  # injected by the front ends; the control plane imports the request schema
+    from server.control.accounting import Accounting
+
 #: The text of OpenAI's default prompt: the document separator, a new document's start.
 DOCUMENT_START = "<|endoftext|>"
 
@@ -42,12 +46,14 @@ class Generator:
         engine: the engine client. tokenizer: the served model's. template: its chat template
             (:meth:`ChatTemplate.of`); None: it has none (a base model), and every chat is
             refused (:class:`NoChatTemplate`) while completions, scoring and ``/infer`` serve.
-        limiter: tenants' rate limits (None: no limits).
+        limiter: tenants' rate limits (None: no limits). accounting: projects' spend and usage
+            (``server/control/accounting.py``; None: not recorded).
     """
 
     def __init__(self, engine: EngineClient, tokenizer: Tokenizer, template: ChatTemplate | None,
-                 limiter: RateLimiter | None = None):
+                 limiter: RateLimiter | None = None, accounting: Accounting | None = None):
         self.engine, self.tokenizer, self.template, self.limiter = engine, tokenizer, template, limiter
+        self.accounting = accounting
         self.grammars = CheckedGrammars()
         #: How the template's model writes tool calls (``server/tools/formats.py``); without a
         #: template, no tools are offered (no chat is), and this is never read.
@@ -94,7 +100,8 @@ class Generator:
         new_tool_parser = None if tools is None else functools.partial(
             ToolCallParser, self.tool_format, None if tools.parallel else 1, tools.calls_only, json_answer)
         return Generation(self.engine, self.tool_pieces if offered else self.tokenizer.pieces, [ids], req,
-                          prompt_param, limiter=self.limiter, sampling=sampling, grammar_param=grammar_param,
+                          prompt_param, limiter=self.limiter, accounting=self.accounting, sampling=sampling,
+                          grammar_param=grammar_param,
                           new_tool_parser=new_tool_parser, **submit).submit()
 
     def prompt_ids(self, messages: list[dict], offered: tuple[Tool, ...] = (), render: dict | None = None,
@@ -270,4 +277,4 @@ class Generator:
                       self.tokenizer.decode(i[len(added):] if added and i[:1] == added else i, special=True)
                       for p, i in zip(prompts, ids)] if req.echo else None
         return Generation(self.engine, self.tokenizer.pieces, ids, req, prompt_param, limiter=self.limiter,
-                          sampling=sampling, grammar_param=grammar_param, echo_texts=echo_texts, **submit).submit()
+                          accounting=self.accounting, sampling=sampling, grammar_param=grammar_param, echo_texts=echo_texts, **submit).submit()

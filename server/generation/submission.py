@@ -1,7 +1,8 @@
 """A request's sequences on their way into the engine (:class:`Submission`), each step once:
 
     prepare (every prompt checked and resolved: ``EngineClient.prepare``) -> admit (the tenant's
-    quota) -> submit (``n`` sequences per prepared prompt) ... charge generated tokens -> close
+    rate limits) -> reserve (its spend: ``server/control/accounting.py``) -> submit (``n``
+    sequences per prepared prompt) ... charge generated tokens -> close -> settle (the usage)
 
 A request that can never run is refused before it costs quota; one refused later is refunded.
 """
@@ -10,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import socket
 import time
+from typing import TYPE_CHECKING
 
 from engine.client import EngineClient
 from engine.errors import InvalidRequest
@@ -17,6 +19,9 @@ from engine.request import EngineRequest, FieldNames, Priority, RequestKind, Sam
 from engine.stream import Stream
 from server.tenancy.ratelimit import RateLimiter
 from server.tenancy.tenants import Tenant
+
+if TYPE_CHECKING:  # injected by the front ends; the control plane imports the request schema
+    from server.control.accounting import Accounting, Reservation
 
 #: Generated tokens are charged to the tenant's token bucket every this many tokens or seconds,
 #: whichever comes first, so a long answer keeps its tenant's bucket current with few calls.
@@ -51,8 +56,11 @@ class Submission:
             remaining, reset seconds)}`` (empty: no limits), for ``x-ratelimit-*`` headers.
     """
 
-    def __init__(self, engine: EngineClient, tenant: Tenant, limiter: RateLimiter | None):
-        self.engine, self.tenant, self.limiter = engine, tenant, limiter
+    def __init__(self, engine: EngineClient, tenant: Tenant, limiter: RateLimiter | None,
+                 accounting: Accounting | None = None):
+        self.engine, self.tenant, self.limiter, self.accounting = engine, tenant, limiter, accounting
+        #: The spend reserved at admission (None: no accounting, or not admitted).
+        self.reservation: Reservation | None = None
         self.streams: list[Stream] = []
         self.rate_buckets: dict = {}
         self._admitted: int | None = None  # prompt tokens taken with the request, refunded on a refusal
@@ -67,19 +75,27 @@ class Submission:
 
         Raises:
             InvalidRequest, PromptTooLong: a prompt does not fit (naming the field of
-            ``fields`` at fault). RateLimited: over the tenant's quota or concurrency limit.
+            ``fields`` at fault). RateLimited: over the tenant's quota or concurrency limit
+            (``QuotaExceeded``: its spend limit or token quota). ControlUnavailable: the spend
+            could not be reserved.
             Saturated, EngineUnavailable: no room or no engine. Nothing stays submitted, and a
             refused request is refunded to its tenant's buckets.
         """
         try:
             prepared = self.prepare(prompts, sampling, kind, fields)
             self.admit(n * sum(len(p) for p in prompts) if submits else 0)
+            if self.accounting is not None:
+                self.reservation = self.accounting.reserve(
+                    self.tenant, sum(len(p) for p in prompts),
+                    n * sum(r.sampling.max_new_tokens for r in prepared) if submits else 0)
             if submits:
                 self.submit(prepared, n, priority, deadline_ms, watch_socket, fields.grammar)
         except BaseException:
             self.close()  # nothing stays submitted
             if self._admitted is not None:
                 self.limiter.refund(self.tenant, self._admitted)
+            if self.reservation is not None:
+                self.reservation.release()
             raise
 
     def prepare(self, prompts: list[list[int]], sampling: SamplingParams, kind: RequestKind,

@@ -30,6 +30,8 @@ from server.generation.pipeline import Generator
 from server.grpc.keeper import BIND_FAILED, report_bind_failed
 from server.grpc.service import SERVICE_NAME, InferenceService
 from server.tenancy.ratelimit import RateLimiter
+from server.control.accounting import Accounting, Prices
+from server.control.state import ControlPlane
 from server.tenancy.tenants import TenantRegistry, Tenants
 from server.text.chat_template import ChatTemplate
 from engine.llama.tokenizer import Tokenizer
@@ -64,8 +66,11 @@ def build(config: ServerConfig, engine: EngineClient,
         ConfigError, RuntimeError: llama.cpp cannot load the model's vocabulary."""
     tokenizer = Tokenizer(config.resolved_model_path())
     _ = config.model_ids  # the GGUF's name read now, not by a first request
+    accounting = None
+    if tenants.control is not None:
+        accounting = Accounting(tenants.control, Prices.load(config.prices_file), config.model_ids[0])
     generator = Generator(engine, tokenizer, ChatTemplate.of(tokenizer, config.chat_template_source()),
-                          RateLimiter(engine.buckets, config.redis_url))
+                          RateLimiter(engine.buckets, config.redis_url), accounting)
     # No cap on concurrent calls: gRPC would refuse the excess with RESOURCE_EXHAUSTED (which
     # means "over quota" here) and count health probes against it. Calls beyond the threads
     # wait for one; the default has a thread for every mailbox and spare ones, so a saturated
@@ -105,7 +110,8 @@ def main() -> int:
     ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     config = ServerConfig.from_env()
-    tenants = TenantRegistry(Tenants.load(config.tenants_file or None))
+    file = Tenants.load(config.tenants_file or None)
+    tenants = TenantRegistry(file, ControlPlane.of(config, file).start())
     engine = EngineClient.attach(os.environ["INFERENCE_SHM"])
     try:
         server, health_servicer = build(config, engine, tenants)

@@ -7,12 +7,14 @@ import falcon
 from server import errors
 from server.config import ServerConfig
 from server.generation.pipeline import Generator
+from server.control.admin import Admin
+from server.http.admin import add_routes as add_admin_routes
 from server.http.completions import ChatCompletions, Completions
 from server.http.health import Health
 from server.http.infer import Infer
 from server.http.middleware import Admission, Authenticate, MetricsPort, Observe, VaryOrigin
 from server.http.models import Models
-from server.http.openapi import OpenAPIDocument
+from server.http.openapi import OpenAPIDocument, admin_paths
 from server.http.responses import InputItems, Responses, StoredResponse
 from server.http.tokenize import Detokenize, Tokenize, TokenizerInfo
 from server.observability.telemetry import Telemetry
@@ -34,7 +36,8 @@ def create_app(config: ServerConfig, generator: Generator, tenants: TenantRegist
     """Routes: ``/v1/chat/completions``, ``/v1/completions``, ``/v1/responses`` (and
     ``/v1/responses/{id}``, ``/v1/responses/{id}/input_items``), ``/v1/models``,
     ``/v1/models/{model}``, ``/tokenize``, ``/detokenize``, ``/tokenizer_info``, ``/health``
-    (= ``/health/ready``), ``/health/live``, ``/infer``, and
+    (= ``/health/ready``), ``/health/live``, ``/infer``, with a control plane the Admin API
+    (``/v1/organization/...``) and ``/admin`` (:mod:`server.http.admin`), and
     ``/metrics`` with metrics on (on its own port with ``--metrics-port``), and ``/openapi.json``
     (:mod:`server.http.openapi`). Errors follow :mod:`server.errors`.
 
@@ -76,9 +79,14 @@ def create_app(config: ServerConfig, generator: Generator, tenants: TenantRegist
     app.add_route("/health/ready", health)
     app.add_route("/health/live", health, suffix="live")
     app.add_route("/infer", Infer(config, generator, tenants))
+    if generator.accounting is not None:  # the Admin API over the control plane the accounting uses
+        add_admin_routes(app, config, Admin(generator.accounting.control, generator.accounting.prices, config.model_ids),
+                         generator.engine)
     if telemetry.metrics is not None:
         from server.observability.metrics import Scrape
         app.add_route("/metrics", Scrape(generator.engine))
     metrics_here = telemetry.metrics is not None and not config.metrics_port
-    app.add_route("/openapi.json", OpenAPIDocument(() if metrics_here else ("/metrics",)))
+    admin_on = generator.accounting is not None and bool(generator.accounting.control.admin_keys)
+    app.add_route("/openapi.json", OpenAPIDocument((() if metrics_here else ("/metrics",))
+                                                   + (() if admin_on else admin_paths())))
     return app

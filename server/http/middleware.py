@@ -11,7 +11,8 @@ import falcon
 from engine.client import EngineClient
 from engine.errors import Saturated
 from server import errors
-from server.api.errors import Unauthenticated
+from server.api.errors import AdminOnly, NotFound, Unauthenticated
+from server.control.state import admin_id
 from server.observability.telemetry import Telemetry
 from server.tenancy.tenants import TenantRegistry, key_of
 
@@ -107,11 +108,14 @@ class MetricsPort:
 
 class Authenticate:
     """Falcon middleware: sets ``req.context.tenant`` from ``Authorization: Bearer <key>`` or
-    ``X-Tenant-ID: <key>``.
+    ``X-Tenant-ID: <key>``; on an admin route (a resource with ``admin = True``), sets
+    ``req.context.admin`` to the admin key's id instead.
 
     Raises:
-        Unauthenticated: a tenant file is loaded and the key is missing or unknown (401). The
-        message never repeats the key.
+        Unauthenticated: keys are required and the key is missing or unknown (401); on an admin
+            route, anything but a tenant's key or an admin key. The message never repeats the key.
+        AdminOnly: a tenant's key on an admin route (403).
+        NotFound: an admin route while no admin key is configured (the Admin API is off).
     """
 
     def __init__(self, tenants: TenantRegistry):
@@ -121,7 +125,21 @@ class Authenticate:
         if resource is None or getattr(resource, "public", False) or req.method == "OPTIONS":
             return  # a CORS preflight carries no credentials
         key = key_of(req.get_header("Authorization"), req.get_header("X-Tenant-ID"))
+        if getattr(resource, "admin", False):
+            self._admin(req, key)
+            return
         tenant = self.tenants.authenticate(key)
         if tenant is None:
             raise Unauthenticated.of(key, "Authorization")
         req.context.tenant = tenant
+
+    def _admin(self, req: falcon.Request, key: str | None) -> None:
+        control = self.tenants.control
+        if control is None or not control.admin_keys:
+            raise NotFound("the Admin API is off: start the server with --admin-keys-file or ADMIN_KEYS", "path")
+        if control.is_admin(key):
+            req.context.admin = admin_id(key)
+            return
+        if key and not self.tenants.open and self.tenants.authenticate(key) is not None:
+            raise AdminOnly("this route needs an admin key; a project's key cannot manage projects")
+        raise Unauthenticated.of(key, "Authorization")

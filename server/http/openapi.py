@@ -4,8 +4,8 @@ The document is ``server/http/openapi.json`` (package data), written by hand and
 ``tests/spec/test_openapi.py``: its routes are the app's, its request fields are those
 ``server/api/requests.py`` and ``server/api/infer.py`` take, with their bounds, and schemathesis runs it
 against a real server. It is served as it is, except for routes this app does not serve on its
-port (``/metrics`` with ``--no-metrics`` or ``--metrics-port``), so it describes what a client
-can reach here.
+port (``/metrics`` with ``--no-metrics`` or ``--metrics-port``; the Admin API and ``/admin``
+without admin keys), so it describes what a client can reach here.
 """
 from __future__ import annotations
 
@@ -40,3 +40,9 @@ class OpenAPIDocument:
         resp.data = self.body
 
     on_head = on_get
+
+
+def admin_paths(doc: dict | None = None) -> tuple[str, ...]:
+    """The document's paths of the Admin API and the admin page (tag ``Admin``)."""
+    doc = doc or load()
+    return tuple(p for p, item in doc["paths"].items() if any("Admin" in op.get("tags", ()) for op in item.values()))

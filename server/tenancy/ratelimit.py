@@ -1,14 +1,15 @@
 """Per-tenant token buckets, shared across replicas through Redis, failing open to buckets shared
 by the processes of this node.
 
-Two buckets per tenant, both optional: requests per second (each request costs 1) and tokens per
-second (the prompt at admission, generated tokens while they are produced). A request is
+Up to three buckets per tenant, each optional: requests per second (each request costs 1),
+tokens per second (the prompt at admission, generated tokens while they are produced), and
+requests per day (OpenAI's ``max_requests_per_1_day``: a bucket of that burst refilled over a day). A request is
 admitted only when every bucket it has holds at least 1; admission takes from both atomically.
 Generated tokens are charged without a check, so a running request is never cut and a tenant
 that overran waits until its bucket refills above 1.
 
 Redis: one Lua script refills, checks and takes atomically, with the time from Redis ``TIME``
-(not each replica's clock), keys hash-tagged per tenant (``ratelimit:{<tenant>}:requests``) so
+(not each replica's clock), keys hash-tagged per tenant (``ratelimit:{<tenant>}:requests``, ``:tokens``, ``:requests_per_day``) so
 they share one Redis Cluster slot, and a TTL so idle tenants leave nothing behind.
 
 Fail-open (``server/tenancy/redis_link.py``): socket and connect timeouts of 50 ms and no
@@ -32,36 +33,32 @@ from server.tenancy.redis_link import Breaker, fast_redis
 from server.tenancy.tenants import Rate, Tenant
 
 log = logging.getLogger("ratelimit")
+_INT63 = (1 << 63) - 1
 
 _SCRIPT = """
--- KEYS: requests bucket, tokens bucket. ARGV: per bucket rate, burst, cost (rate 0: the tenant
--- has no such limit), then check (1: admission, all-or-nothing against level >= 1).
+-- KEYS: one bucket each. ARGV: per bucket rate, burst, cost, then check (1: admission,
+-- all-or-nothing against level >= 1).
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
+local check = ARGV[#ARGV] == '1'
 local levels, allowed = {}, 1
-for i = 1, 2 do
+for i = 1, #KEYS do
   local rate, burst = tonumber(ARGV[3 * i - 2]), tonumber(ARGV[3 * i - 1])
-  if rate > 0 then
-    local v = redis.call('HMGET', KEYS[i], 'level', 't')
-    local level = burst
-    if v[1] then level = math.min(burst, tonumber(v[1]) + math.max(0, now - tonumber(v[2])) * rate) end
-    levels[i] = level
-    if ARGV[7] == '1' and level < 1 then allowed = 0 end
-  end
+  local v = redis.call('HMGET', KEYS[i], 'level', 't')
+  local level = burst
+  if v[1] then level = math.min(burst, tonumber(v[1]) + math.max(0, now - tonumber(v[2])) * rate) end
+  levels[i] = level
+  if check and level < 1 then allowed = 0 end
 end
 local out = {allowed}
-for i = 1, 2 do
+for i = 1, #KEYS do
   local rate, burst, cost = tonumber(ARGV[3 * i - 2]), tonumber(ARGV[3 * i - 1]), tonumber(ARGV[3 * i])
-  if rate > 0 then
-    local level = levels[i]
-    if allowed == 1 then level = math.min(burst, level - cost) end
-    redis.call('HSET', KEYS[i], 'level', tostring(level), 't', tostring(now))
-    -- Gone once full again (capped so Lua prints it as an integer).
-    redis.call('PEXPIRE', KEYS[i], math.min(100000000000, math.ceil(((burst - level) / rate + 1) * 1000)))
-    out[i + 1] = tostring(level)
-  else
-    out[i + 1] = ''
-  end
+  local level = levels[i]
+  if allowed == 1 then level = math.min(burst, level - cost) end
+  redis.call('HSET', KEYS[i], 'level', tostring(level), 't', tostring(now))
+  -- Gone once full again (capped so Lua prints it as an integer).
+  redis.call('PEXPIRE', KEYS[i], math.min(100000000000, math.ceil(((burst - level) / rate + 1) * 1000)))
+  out[i + 1] = tostring(level)
 end
 return out
 """
@@ -86,8 +83,13 @@ def _decide(limits: dict[str, Rate], levels: dict[str, float], allowed: bool) ->
     return Decision(allowed, retry, buckets)
 
 
+#: The buckets a tenant may have, each with its number in the node's local keys.
+KINDS = ("requests", "tokens", "requests_per_day")
+
+
 def _limits(tenant: Tenant) -> dict[str, Rate]:
-    return {k: r for k, r in (("requests", tenant.requests_per_second), ("tokens", tenant.tokens_per_second)) if r}
+    rates = (tenant.requests_per_second, tenant.tokens_per_second, tenant.requests_per_day)
+    return {k: r for k, r in zip(KINDS, rates) if r}
 
 
 class RateLimiter:
@@ -154,18 +156,15 @@ class RateLimiter:
         return self._local(tenant, limits, costs, check)
 
     def _redis(self, tenant: Tenant, limits, costs, check: bool) -> Decision:
-        args = []
-        for kind in ("requests", "tokens"):
-            rate = limits.get(kind)
-            args += [rate.rate, rate.burst, costs.get(kind, 0)] if rate else [0, 0, 0]
+        kinds = list(limits)
+        args = [x for k in kinds for x in (limits[k].rate, limits[k].burst, costs.get(k, 0))]
         tag = "{" + quote(tenant.id, safe="") + "}"  # braces escaped: one tag per tenant, never shared
-        out = self._script(keys=[f"ratelimit:{tag}:requests", f"ratelimit:{tag}:tokens"], args=args + [int(check)])
-        levels = {k: float(v) for k, v in zip(("requests", "tokens"), out[1:]) if k in limits}
-        return _decide(limits, levels, bool(int(out[0])))
+        out = self._script(keys=[f"ratelimit:{tag}:{k}" for k in kinds], args=args + [int(check)])
+        return _decide(limits, {k: float(v) for k, v in zip(kinds, out[1:])}, bool(int(out[0])))
 
     def _local(self, tenant: Tenant, limits, costs, check: bool) -> Decision:
         kinds = list(limits)
-        keys = {"requests": 2 * tenant.index, "tokens": 2 * tenant.index + 1}
+        keys = {k: ((tenant.index << 2) | i) & _INT63 or 1 for i, k in enumerate(KINDS)}
         allowed, levels = self.local.take([(keys[k], limits[k].rate, limits[k].burst, costs.get(k, 0)) for k in kinds],
                                           check, self.clock())
         return _decide(limits, dict(zip(kinds, levels)), allowed)

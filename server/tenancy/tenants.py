@@ -15,6 +15,7 @@ appears in a message this module produces.
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import hmac
 import json
@@ -42,7 +43,8 @@ class Rate:
 class Tenant:
     """One tenant. ``index`` is its fair-share identity in the engine (stable across processes
     and reloads: 62 bits of the id's SHA-256, :func:`tenant_index`; 0 is the keyless default
-    tenant). A limit of None means unlimited. ``priority`` is a ceiling: a request may ask for a
+    tenant; a tenant is a project of the control plane, ``server/control/``). A limit of None
+    means unlimited. ``priority`` is a ceiling: a request may ask for a
     lower class, never a higher one.
     """
 
@@ -53,6 +55,9 @@ class Tenant:
     requests_per_second: Rate | None = None
     tokens_per_second: Rate | None = None
     max_concurrent: int | None = None
+    requests_per_day: Rate | None = None
+    #: The API key the request came with (``key_...``, never its value; None: no key).
+    key_id: str | None = None
 
     def priority_for(self, asked: Priority) -> Priority:
         """The class a request runs at: the one it asked for, capped at the tenant's."""
@@ -83,6 +88,17 @@ def _digest(key: str) -> bytes:
     return hashlib.sha256(key.encode("utf-8")).digest()
 
 
+def key_id(digest: bytes) -> str:
+    """A key's public id: ``key_`` and 16 hex digits of the SHA-256 of its digest (so the id
+    tells nothing of the key, and the same key has the same id in every process)."""
+    return "key_" + hashlib.sha256(digest).hexdigest()[:16]
+
+
+def redact(key: str) -> str:
+    """A key as the admin API shows it after creation: its first 3 and last 4 characters."""
+    return f"{key[:3]}...{key[-4:]}" if len(key) >= 12 else "..."
+
+
 class Tenants:
     """The loaded tenant file, or the one keyless default tenant when there is none.
 
@@ -94,7 +110,10 @@ class Tenants:
     def __init__(self, tenants: list[tuple[Tenant, list[str]]], path: str | None = None):
         self.path = path
         self.by_id = {t.id: t for t, _ in tenants}
-        self._by_digest = {_digest(k): (_digest(k), t) for t, keys in tenants for k in keys}
+        self._by_digest = {_digest(k): (_digest(k), dataclasses.replace(t, key_id=key_id(_digest(k))))
+                           for t, keys in tenants for k in keys}
+        #: Each tenant's keys as the admin API lists them: ``{id: [(key id, redacted value)]}``.
+        self.keys_of = {t.id: [(key_id(_digest(k)), redact(k)) for k in keys] for t, keys in tenants}
 
     @property
     def open(self) -> bool:
@@ -235,19 +254,32 @@ def key_of(authorization: str | None, x_tenant_id: str | None) -> str | None:
 
 
 class TenantRegistry:
-    """The tenants in force in this process; :meth:`reload` (on SIGHUP) replaces them at once,
-    so a request sees either the old file or the new one, and in-flight requests keep running.
+    """The tenants in force in this process: the tenant file's (:meth:`reload`, on SIGHUP,
+    replaces them at once, so a request sees either the old file or the new one, and in-flight
+    requests keep running), and with a control plane (``server/control/state.py``) its
+    projects' keys, the file's winning for a project both name.
     """
 
-    def __init__(self, tenants: Tenants):
-        self.current = tenants
+    def __init__(self, tenants: Tenants, control=None):
+        self.current, self.control = tenants, control
 
     def authenticate(self, key: str | None) -> Tenant | None:
-        return self.current.authenticate(key)
+        """The tenant of ``key`` (the default tenant while :attr:`open`); None: missing or
+        unknown (revoked, expired, its project archived)."""
+        if self.open:
+            return DEFAULT_TENANT
+        if not key:
+            return None
+        tenant = self.current.authenticate(key) if self.current.by_id else None
+        if tenant is None and self.control is not None:
+            tenant = self.control.state.authenticate(key)
+        return tenant
 
     @property
     def open(self) -> bool:
-        return self.current.open
+        """Requests need no key: no tenant file, and (with a control plane) no admin keys and
+        no project made through the Admin API."""
+        return self.current.open if self.control is None else self.control.open
 
     def reload(self) -> bool:
         """Read the file again; a bad file keeps the tenants in force and logs why."""
@@ -260,5 +292,7 @@ class TenantRegistry:
             log.error("tenant file not reloaded, keeping the previous one: %s", type(e).__name__)
             return False
         self.current = new
+        if self.control is not None:
+            self.control.replace_file(new)
         log.info("tenant file reloaded: %d tenants", len(new.by_id))
         return True

@@ -188,7 +188,10 @@ class RunningServer:
         self.url = f"http://[{host}]:{self.port}" if ":" in host else f"http://{host}:{self.port}"
         self.shm = f"infer-test-{secrets.token_hex(4)}"
         self.log = tempfile.NamedTemporaryFile(prefix="server-", suffix=".log", delete=False).name
-        environ = {**os.environ, "INFERENCE_SHM": self.shm, **(env or {})}
+        # its own control-plane state unless the test names one (never the user's default file)
+        self.control_dir = None if "CONTROL_DB" in (env or {}) else tempfile.mkdtemp(prefix="control-")
+        control = {"CONTROL_DB": os.path.join(self.control_dir, "control.db")} if self.control_dir else {}
+        environ = {**os.environ, "INFERENCE_SHM": self.shm, **control, **(env or {})}
         with open(self.log, "wb") as out:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "server.cli", "--port", str(self.port), *flags],
@@ -260,6 +263,9 @@ class RunningServer:
                 self.proc.wait()
         with contextlib.suppress(FileNotFoundError):  # read while it ran; a run leaves no log in /tmp
             os.unlink(self.log)
+        if self.control_dir:
+            import shutil
+            shutil.rmtree(self.control_dir, ignore_errors=True)
         assert not os.path.exists(f"/dev/shm/{self.shm}"), "server left its shared memory behind"
 
 
@@ -288,6 +294,27 @@ def running_replicas(hosts: tuple[str, ...], *flags: str, **options):
         for s in starts:
             if s.exception() is None:
                 s.result().stop()
+
+
+#: The admin key of :func:`admin_app`.
+APP_ADMIN_KEY = "app-admin-key-0123456789"
+
+
+def admin_app(app: "AppServer") -> "AppServer":
+    """``app``'s configuration and engine with a control plane in memory (SQLite ``:memory:``)
+    and the admin key :data:`APP_ADMIN_KEY`: the Admin API is served, and every request needs a
+    key."""
+    from server.control.accounting import Accounting, Prices
+    from server.control.state import ControlPlane, load_admin_keys
+    from server.control.store import SqliteControl
+    from server.generation.pipeline import Generator
+    from server.tenancy.tenants import TenantRegistry, Tenants
+
+    model = app.config.model_ids[0]
+    control = ControlPlane(SqliteControl(":memory:"), Tenants([]), model, load_admin_keys("", APP_ADMIN_KEY))
+    generator = Generator(app.engine, app.generator.tokenizer, app.generator.template, app.generator.limiter,
+                          Accounting(control, Prices({}), model))
+    return AppServer(app.config, generator, TenantRegistry(Tenants([]), control))
 
 
 class AppServer:

@@ -1,0 +1,388 @@
+"""The Admin API's operations, in OpenAI's shapes (``Project``, ``ProjectServiceAccount``,
+``ProjectApiKey``, ``ProjectRateLimit``, ``ProjectSpendLimitResource``; OpenAI's OpenAPI
+document), over the control plane (``server/control/state.py``). Protocol-neutral: bodies in,
+OpenAI objects out; the routes are ``server/http/admin.py``'s.
+
+Our fields, in OpenAI's style (listed in ``server/http/openapi.json``):
+
+- on a project: ``priority`` (``high`` | ``normal`` | ``low``, the ceiling of its requests'
+  class), ``weight`` (its fair share), ``max_concurrent`` (sequences in flight per replica),
+  ``monthly_token_quota`` (input + output tokens a UTC month, for an operator who sets no
+  prices), ``source`` (``api`` | ``file``);
+- on a service account's creation and a new key: ``expires_in_seconds``; on a key,
+  ``expires_at``;
+- ``POST .../api_keys/{id}/rotate`` (``grace_period_seconds``): a new key for the same
+  service account, the old one working until the grace period ends;
+- on a spend limit: ``spent_amount`` and ``reserved_amount`` (cents, this month),
+  ``tokens_used`` (this month), ``prices_set`` (whether any price is set: without one, the
+  limit cannot fire and ``enforcement.status`` is ``inactive``).
+
+Bounds, so that no caller can grow the state without end: :data:`MAX_PROJECTS` projects,
+:data:`MAX_ACCOUNTS` service accounts and :data:`MAX_KEYS` keys per project, names of at most
+:data:`MAX_NAME` characters. A key's value is in the answer that creates it, and nowhere else.
+"""
+from __future__ import annotations
+
+import hashlib
+import math
+import secrets
+import time
+
+from engine.errors import InvalidRequest
+from engine.request import Priority
+from server.api.errors import Conflict, NotFound
+from server.api.fields import check_number, shown
+from server.control.state import ControlPlane, ControlState
+from server.control.store import month_of
+from server.tenancy.tenants import key_id, redact
+
+MAX_PROJECTS, MAX_ACCOUNTS, MAX_KEYS, MAX_NAME = 10_000, 100, 100, 256
+#: Longest grace period of a rotation, and longest key lifetime, seconds (a year).
+MAX_SECONDS = 366 * 86400
+NANO_PER_CENT = 10_000_000
+
+
+def _fields(body: dict, allowed: set[str], where: str = "") -> None:
+    """Refuse a field this route does not take (never accepted and ignored)."""
+    for name in body:
+        if name not in allowed:
+            raise InvalidRequest(f"unknown field {where}{name} (this server takes {', '.join(sorted(allowed))})",
+                                 where + name)
+
+
+def _name(body: dict, required: bool) -> str | None:
+    value = body.get("name")
+    if value is None and not required:
+        return None
+    if not isinstance(value, str) or not value.strip() or len(value) > MAX_NAME:
+        raise InvalidRequest(f"name must be a non-empty string of at most {MAX_NAME} characters", "name")
+    return value
+
+
+def _optional_int(body: dict, name: str, lo: int, hi: int):
+    value = body.get(name)
+    return None if value is None else check_number(name, value, lo, hi, integer=True)
+
+
+def _unsupported(body: dict, *names: str) -> None:
+    for name in names:
+        if body.get(name) is not None:
+            raise InvalidRequest(f"{name} is not supported by this server", name)
+
+
+def _page(items: list[dict], after: str | None, limit: int) -> dict:
+    """OpenAI's list object over ``items`` (oldest first), from after the item ``after``."""
+    if after is not None:
+        ids = [i["id"] for i in items]
+        if after not in ids:
+            raise InvalidRequest(f"after: no item with id {shown(after)}", "after")
+        items = items[ids.index(after) + 1:]
+    data = items[:limit]
+    return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
+            "last_id": data[-1]["id"] if data else None, "has_more": len(items) > limit}
+
+
+def new_key() -> str:
+    """A new API key's value: ``sk-proj-`` and 43 URL-safe characters (256 random bits)."""
+    return "sk-proj-" + secrets.token_urlsafe(32)
+
+
+class Admin:
+    """The operations. Each change is written to the store and is in force in this process at
+    once, in the others within ``POLL_S``; each returns the OpenAI object and the
+    ``(action, target)`` the audit log line names."""
+
+    def __init__(self, control: ControlPlane, prices, model_names: tuple[str, ...] = (), clock=time.time):
+        self.control, self.prices, self.clock = control, prices, clock
+        #: every name the model is served under: ``rl-<name>`` names its rate limit
+        self.model_names = model_names or (control.model,)
+
+    @property
+    def state(self) -> ControlState:
+        return self.control.state
+
+    # projects
+    def project(self, project_id: str, writable: bool = False) -> dict:
+        doc = self.state.projects.get(project_id)
+        if doc is None:
+            raise NotFound(f"No project found with id {shown(project_id)}", "project_id")
+        if writable and doc.get("source") == "file":
+            raise Conflict(f"project {shown(project_id)} is defined by the tenant file; change it there", "project_id")
+        return doc
+
+    def project_object(self, doc: dict) -> dict:
+        return {"id": doc["id"], "object": "organization.project", "name": doc["name"],
+                "created_at": doc["created_at"], "archived_at": doc.get("archived_at"),
+                "status": "archived" if doc.get("archived_at") else "active", "source": doc.get("source", "api"),
+                "priority": doc["priority"], "weight": doc["weight"], "max_concurrent": doc.get("max_concurrent"),
+                "monthly_token_quota": doc.get("monthly_token_quota")}
+
+    def list_projects(self, after: str | None, limit: int, include_archived: bool) -> dict:
+        docs = sorted(self.state.projects.values(), key=lambda d: (d["created_at"], d["id"]))
+        docs = [d for d in docs if include_archived or not d.get("archived_at")]
+        return _page([self.project_object(d) for d in docs], after, limit)
+
+    def _project_settings(self, body: dict, doc: dict) -> dict:
+        if "priority" in body:
+            p = body["priority"]
+            if not (isinstance(p, str) and p.upper() in Priority.__members__):
+                raise InvalidRequest(f"priority must be high, normal or low, got {shown(p)}", "priority")
+            doc["priority"] = p.lower()
+        if "weight" in body:
+            doc["weight"] = check_number("weight", body["weight"], 1e-6, 1e6)
+        if "max_concurrent" in body:
+            doc["max_concurrent"] = _optional_int(body, "max_concurrent", 1, 1_000_000)
+        if "monthly_token_quota" in body:
+            doc["monthly_token_quota"] = _optional_int(body, "monthly_token_quota", 0, 10 ** 15)
+        return doc
+
+    def create_project(self, body: dict) -> tuple[dict, tuple[str, str]]:
+        _fields(body, {"name", "residency", "external_key_id", "priority", "weight", "max_concurrent",
+                       "monthly_token_quota"})
+        _unsupported(body, "residency", "external_key_id")
+        name = _name(body, True)
+        if len(self.state.projects) >= MAX_PROJECTS:
+            raise Conflict(f"this server holds at most {MAX_PROJECTS} projects; archive and reuse one", "name")
+        doc = self._project_settings(body, {"id": "proj_" + secrets.token_hex(12), "name": name,
+                                            "created_at": int(self.clock()), "archived_at": None,
+                                            "priority": "normal", "weight": 1.0, "max_concurrent": None,
+                                            "monthly_token_quota": None})
+        self.control.write({f"project/{doc['id']}": doc})
+        return self.project_object(doc), ("project.create", doc["id"])
+
+    def modify_project(self, project_id: str, body: dict) -> tuple[dict, tuple[str, str]]:
+        doc = dict(self.project(project_id, writable=True))
+        _fields(body, {"name", "external_key_id", "priority", "weight", "max_concurrent", "monthly_token_quota"})
+        _unsupported(body, "external_key_id")
+        if body.get("name") is not None:
+            doc["name"] = _name(body, True)
+        self._project_settings(body, doc)
+        self.control.write({f"project/{project_id}": doc})
+        return self.project_object(doc), ("project.update", project_id)
+
+    def archive_project(self, project_id: str) -> tuple[dict, tuple[str, str]]:
+        """Archived: its keys stop working at once; its usage and spend stay readable."""
+        doc = dict(self.project(project_id, writable=True))
+        doc["archived_at"] = doc.get("archived_at") or int(self.clock())
+        self.control.write({f"project/{project_id}": doc})
+        return self.project_object(doc), ("project.archive", project_id)
+
+    # service accounts and keys
+    def _account(self, project_id: str, account_id: str) -> dict:
+        self.project(project_id)
+        doc = self.state.doc("service_account", account_id)
+        if doc is None or doc["project_id"] != project_id:
+            raise NotFound(f"No service account found with id {shown(account_id)}", "service_account_id")
+        return doc
+
+    @staticmethod
+    def account_object(doc: dict) -> dict:
+        return {"object": "organization.project.service_account", "id": doc["id"], "name": doc["name"],
+                "role": doc["role"], "created_at": doc["created_at"]}
+
+    def list_accounts(self, project_id: str, after: str | None, limit: int) -> dict:
+        self.project(project_id)
+        accounts = self.state.of_kind("service_account", project_id=project_id)
+        return _page([self.account_object(d) for d in accounts], after, limit)
+
+    def get_account(self, project_id: str, account_id: str) -> dict:
+        return self.account_object(self._account(project_id, account_id))
+
+    def _key_docs(self, project_id: str, account: dict, body: dict, name: str) -> tuple[dict, str]:
+        """A new key's document and its value."""
+        if len(self.state.of_kind("api_key", project_id=project_id)) >= MAX_KEYS:
+            raise Conflict(f"a project holds at most {MAX_KEYS} keys; revoke one first", "project_id")
+        expires_in = _optional_int(body, "expires_in_seconds", 1, MAX_SECONDS)
+        value, now = new_key(), self.clock()
+        digest = hashlib.sha256(value.encode()).digest()
+        # whole seconds, rounded up: a key lives at least what was asked
+        doc = {"id": key_id(digest), "project_id": project_id, "service_account_id": account["id"], "name": name,
+               "digest": digest.hex(), "redacted_value": redact(value), "created_at": int(now),
+               "expires_at": math.ceil(now + expires_in) if expires_in else None}
+        return doc, value
+
+    @staticmethod
+    def _created_key(doc: dict, value: str) -> dict:
+        return {"object": "organization.project.service_account.api_key", "value": value, "name": doc["name"],
+                "created_at": doc["created_at"], "id": doc["id"], "expires_at": doc["expires_at"]}
+
+    def create_account(self, project_id: str, body: dict) -> tuple[dict, tuple[str, str]]:
+        """A service account with its first key (the value is in this answer only)."""
+        project = self.project(project_id, writable=True)
+        if project.get("archived_at"):
+            raise Conflict(f"project {shown(project_id)} is archived", "project_id")
+        _fields(body, {"name", "create_service_account_only", "expires_in_seconds"})
+        name = _name(body, True)
+        only = body.get("create_service_account_only")
+        if only is not None and not isinstance(only, bool):
+            raise InvalidRequest("create_service_account_only must be a boolean", "create_service_account_only")
+        if len(self.state.of_kind("service_account", project_id=project_id)) >= MAX_ACCOUNTS:
+            raise Conflict(f"a project holds at most {MAX_ACCOUNTS} service accounts", "project_id")
+        account = {"id": "svc_acct_" + secrets.token_hex(12), "project_id": project_id, "name": name,
+                   "role": "member", "created_at": int(self.clock())}
+        puts, out = {f"service_account/{account['id']}": account}, {**self.account_object(account), "api_key": None}
+        if not only:
+            key, value = self._key_docs(project_id, account, body, name)
+            puts[f"api_key/{key['id']}"] = key
+            out["api_key"] = self._created_key(key, value)
+        self.control.write(puts)
+        return out, ("service_account.create", account["id"])
+
+    def update_account(self, project_id: str, account_id: str, body: dict) -> tuple[dict, tuple[str, str]]:
+        self.project(project_id, writable=True)
+        doc = dict(self._account(project_id, account_id))
+        _fields(body, {"name", "role"})
+        if body.get("name") is not None:
+            doc["name"] = _name(body, True)
+        if body.get("role") not in (None, "member"):
+            raise InvalidRequest("role: this server has one role for service accounts, member", "role")
+        self.control.write({f"service_account/{account_id}": doc})
+        return self.account_object(doc), ("service_account.update", account_id)
+
+    def delete_account(self, project_id: str, account_id: str) -> tuple[dict, tuple[str, str]]:
+        """The account and every key it holds."""
+        self.project(project_id, writable=True)
+        self._account(project_id, account_id)
+        keys = self.state.of_kind("api_key", service_account_id=account_id)
+        self.control.write({}, (f"service_account/{account_id}", *(f"api_key/{k['id']}" for k in keys)))
+        return ({"object": "organization.project.service_account.deleted", "id": account_id, "deleted": True},
+                ("service_account.delete", account_id))
+
+    def create_account_key(self, project_id: str, account_id: str, body: dict) -> tuple[dict, tuple[str, str]]:
+        """Another key for a service account (OpenAI's ``CreateProjectServiceAccountApiKeyBody``)."""
+        self.project(project_id, writable=True)
+        account = self._account(project_id, account_id)
+        _fields(body, {"name", "scopes", "expires_in_seconds"})
+        if body.get("scopes") is not None:
+            raise InvalidRequest("scopes: this server's keys have one scope, the project's routes", "scopes")
+        key, value = self._key_docs(project_id, account, body, _name(body, False) or account["name"])
+        self.control.write({f"api_key/{key['id']}": key})
+        return self._created_key(key, value), ("api_key.create", key["id"])
+
+    def key_object(self, doc: dict) -> dict:
+        account = self.state.doc("service_account", doc["service_account_id"]) or {}
+        owner = {"id": doc["service_account_id"], "name": account.get("name", doc["name"]),
+                 "created_at": account.get("created_at", doc["created_at"]), "role": "member"}
+        expired = doc.get("expires_at") is not None and self.clock() >= doc["expires_at"]
+        return {"object": "organization.project.api_key", "redacted_value": doc["redacted_value"], "name": doc["name"],
+                "created_at": doc["created_at"], "last_used_at": None, "id": doc["id"],
+                "owner_project_access": "inactive" if expired else "active",
+                "owner": {"type": "service_account", "service_account": owner}, "expires_at": doc.get("expires_at")}
+
+    def _file_keys(self, project_id: str) -> list[dict]:
+        return [{"id": kid, "redacted_value": red, "name": "tenant file", "created_at": 0,
+                 "service_account_id": "tenants_file", "expires_at": None}
+                for kid, red in self.state.file.keys_of.get(project_id, [])]
+
+    def list_keys(self, project_id: str, after: str | None, limit: int) -> dict:
+        project = self.project(project_id)
+        docs = self._file_keys(project_id) if project.get("source") == "file" else \
+            self.state.of_kind("api_key", project_id=project_id)
+        return _page([self.key_object(d) for d in docs], after, limit)
+
+    def _key(self, project_id: str, api_key_id: str) -> dict:
+        project = self.project(project_id)
+        docs = self._file_keys(project_id) if project.get("source") == "file" else \
+            [d for d in [self.state.doc("api_key", api_key_id)] if d and d["project_id"] == project_id]
+        for doc in docs:
+            if doc["id"] == api_key_id:
+                return doc
+        raise NotFound(f"No API key found with id {shown(api_key_id)}", "api_key_id")
+
+    def get_key(self, project_id: str, api_key_id: str) -> dict:
+        return self.key_object(self._key(project_id, api_key_id))
+
+    def delete_key(self, project_id: str, api_key_id: str) -> tuple[dict, tuple[str, str]]:
+        """Revoked: refused at once here, within ``POLL_S`` on every replica."""
+        self.project(project_id, writable=True)
+        self._key(project_id, api_key_id)
+        self.control.write({}, (f"api_key/{api_key_id}",))
+        return ({"object": "organization.project.api_key.deleted", "id": api_key_id, "deleted": True},
+                ("api_key.delete", api_key_id))
+
+    def rotate_key(self, project_id: str, api_key_id: str, body: dict) -> tuple[dict, tuple[str, str]]:
+        """A new key for the old one's service account; the old one expires after
+        ``grace_period_seconds`` (default 0: at once), or at its own expiry if sooner."""
+        self.project(project_id, writable=True)
+        old = dict(self._key(project_id, api_key_id))
+        _fields(body, {"grace_period_seconds", "expires_in_seconds"})
+        grace = _optional_int(body, "grace_period_seconds", 0, MAX_SECONDS) or 0
+        account = self._account(project_id, old["service_account_id"])
+        key, value = self._key_docs(project_id, account, body, old["name"])
+        ends = math.ceil(self.clock() + grace)
+        old["expires_at"] = ends if old.get("expires_at") is None else min(old["expires_at"], ends)
+        self.control.write({f"api_key/{key['id']}": key, f"api_key/{api_key_id}": old})
+        return self._created_key(key, value), ("api_key.rotate", api_key_id)
+
+    # rate limits
+    def rate_limit_object(self, project_id: str) -> dict:
+        model = self.state.model
+        doc = self.state.doc("rate_limit", f"{project_id}/{model}") or {}
+        file_tenant = self.state.file.by_id.get(project_id)
+        if file_tenant is not None:  # the file's per-second buckets as per-minute figures (0: none)
+            doc = {"max_requests_per_1_minute": round(file_tenant.requests_per_second.rate * 60)
+                   if file_tenant.requests_per_second else 0,
+                   "max_tokens_per_1_minute": round(file_tenant.tokens_per_second.rate * 60)
+                   if file_tenant.tokens_per_second else 0}
+        return {"object": "project.rate_limit", "id": f"rl-{model}", "model": model,
+                "max_requests_per_1_minute": doc.get("max_requests_per_1_minute", 0),
+                "max_tokens_per_1_minute": doc.get("max_tokens_per_1_minute", 0),
+                "max_requests_per_1_day": doc.get("max_requests_per_1_day", 0)}
+
+    def list_rate_limits(self, project_id: str, after: str | None, limit: int) -> dict:
+        self.project(project_id)
+        return _page([self.rate_limit_object(project_id)], after, limit)
+
+    def update_rate_limit(self, project_id: str, rate_limit_id: str, body: dict) -> tuple[dict, tuple[str, str]]:
+        """Per-minute and per-day limits of the model (0: none), in force without a reload."""
+        self.project(project_id, writable=True)
+        if rate_limit_id not in {f"rl-{name}" for name in self.model_names}:
+            raise NotFound(f"No rate limit found with id {shown(rate_limit_id)} (this server serves "
+                           f"{self.state.model}: rl-{self.state.model})", "rate_limit_id")
+        names = ("max_requests_per_1_minute", "max_tokens_per_1_minute", "max_requests_per_1_day")
+        _fields(body, set(names) | {"max_images_per_1_minute", "max_audio_megabytes_per_1_minute",
+                                    "batch_1_day_max_input_tokens"})
+        _unsupported(body, "max_images_per_1_minute", "max_audio_megabytes_per_1_minute",
+                     "batch_1_day_max_input_tokens")
+        name = f"rate_limit/{project_id}/{self.state.model}"
+        doc = dict(self.state.docs.get(name) or {"project_id": project_id, "model": self.state.model})
+        for n in names:
+            if n in body:
+                doc[n] = _optional_int(body, n, 0, 10 ** 12) or 0
+        self.control.write({name: doc})
+        return self.rate_limit_object(project_id), ("rate_limit.update", project_id)
+
+    # spend limits
+    def spend_object(self, project_id: str) -> dict:
+        doc = self.state.doc("spend_limit", project_id)
+        spend = self.control.store.spend(project_id, month_of(self.clock()))
+        prices_set = self.prices.any_set
+        out = {"object": "project.spend_limit", "threshold_amount": doc["threshold_amount"] if doc else 0,
+               "currency": "USD", "interval": "month",
+               "enforcement": {"status": "enforcing" if doc and prices_set else "inactive"},
+               "spent_amount": spend.spent / NANO_PER_CENT, "reserved_amount": spend.reserved / NANO_PER_CENT,
+               "tokens_used": spend.tokens, "prices_set": prices_set}
+        return out
+
+    def get_spend_limit(self, project_id: str) -> dict:
+        self.project(project_id)
+        return self.spend_object(project_id)
+
+    def update_spend_limit(self, project_id: str, body: dict) -> tuple[dict, tuple[str, str]]:
+        self.project(project_id)  # a file project's spend limit is set here too
+        _fields(body, {"threshold_amount", "currency", "interval"})
+        for name, value in (("currency", "USD"), ("interval", "month")):
+            if body.get(name) != value:
+                raise InvalidRequest(f"{name} must be {value!r}, got {shown(body.get(name))}", name)
+        if "threshold_amount" not in body:
+            raise InvalidRequest("threshold_amount is required (cents a month)", "threshold_amount")
+        amount = check_number("threshold_amount", body["threshold_amount"], 1, 10 ** 12, integer=True)
+        self.control.write({f"spend_limit/{project_id}": {"project_id": project_id, "threshold_amount": amount}})
+        return self.spend_object(project_id), ("spend_limit.update", project_id)
+
+    def delete_spend_limit(self, project_id: str) -> tuple[dict, tuple[str, str]]:
+        self.project(project_id)
+        if self.state.doc("spend_limit", project_id) is None:
+            raise NotFound(f"project {shown(project_id)} has no spend limit", "project_id")
+        self.control.write({}, (f"spend_limit/{project_id}",))
+        return {"object": "project.spend_limit.deleted", "deleted": True}, ("spend_limit.delete", project_id)

@@ -1,0 +1,397 @@
+"""The control plane's state: documents (projects, service accounts, API keys, rate limits, spend
+limits), the month's spend with its reservations, and usage buckets. Two backends with one
+interface and the same rules:
+
+- :class:`RedisControl` (``--redis-url``): shared by every replica.
+  ``control:docs`` (a hash, ``<kind>/<id>`` -> JSON) and ``control:version`` (a counter bumped by
+  every change, which each process polls to refresh its copy: ``server/control/registry.py``);
+  spend under the project's hash tag, ``spend:{<project>}:<YYYY-MM>`` (``spent``, ``reserved``,
+  ``tokens``, ``tokens_reserved``) with its reservations (``spend:{<project>}:resv``, a sorted
+  set by expiry, and ``...:resv:amt``), changed only by the Lua scripts below, so a check and its
+  reservation are one atomic step whichever replica runs it; usage in one hash per bucket,
+  ``usage:<width>:<start>``, fields ``<project>\\x1f<key>\\x1f<model>\\x1f<counter>``, each
+  with a TTL of its width's retention (:data:`RETENTION_S`).
+- :class:`SqliteControl` (no Redis): the node's SQLite file (``--control-db``), the same tables,
+  each change one ``BEGIN IMMEDIATE`` transaction.
+
+Money is counted in nano-dollars (integers; a price of $0.15 per million tokens is 150
+nano-dollars a token), so that sums are exact.
+
+Unlike the rate limiter, the control plane does not fail open: a reservation that cannot reach
+Redis is refused (503, the request may be retried), because a spend limit that lets requests
+through while Redis is down would not hold. Usage that cannot be written is kept in memory and
+written with the next record (:class:`UsageBuffer`), bounded.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sqlite3
+import threading
+import time
+from dataclasses import dataclass
+from urllib.parse import quote
+
+import redis
+
+from engine.errors import EngineUnavailable
+from server.tenancy.redis_link import fast_redis
+
+log = logging.getLogger("control")
+
+#: Usage bucket widths (OpenAI's ``bucket_width``) in seconds, and how long each is kept.
+WIDTHS = {"1m": 60, "1h": 3600, "1d": 86400}
+RETENTION_S = {"1m": 30 * 86400, "1h": 90 * 86400, "1d": 400 * 86400}
+#: A reservation not settled after this long (its process died) is given back.
+RESERVATION_TTL_S = 6 * 3600
+_COUNTERS = ("input_tokens", "output_tokens", "input_cached_tokens", "num_model_requests")
+_SEP = "\x1f"
+
+
+class ControlUnavailable(EngineUnavailable):
+    """The control plane's state could not be reached (HTTP 503 with ``Retry-After``)."""
+
+    def __init__(self, message: str = "the control plane's state is unavailable; retry shortly"):
+        super().__init__(message)
+        self.retry_after = 1
+
+
+@dataclass(frozen=True)
+class Spend:
+    """A project's month: ``spent`` and ``reserved`` nano-dollars, ``tokens`` and
+    ``tokens_reserved`` (every input and output token, for the token quota)."""
+
+    spent: int = 0
+    reserved: int = 0
+    tokens: int = 0
+    tokens_reserved: int = 0
+
+
+@dataclass(frozen=True)
+class UsageRecord:
+    """One request's usage: who (project, key id, model), when (unix seconds) and its counts."""
+
+    project_id: str
+    api_key_id: str
+    model: str
+    at: float
+    input_tokens: int
+    output_tokens: int
+    input_cached_tokens: int
+    num_model_requests: int = 1
+
+    def counts(self) -> tuple[int, int, int, int]:
+        return self.input_tokens, self.output_tokens, self.input_cached_tokens, self.num_model_requests
+
+
+def month_of(t: float) -> str:
+    """``YYYY-MM`` of unix time ``t``, in UTC."""
+    return time.strftime("%Y-%m", time.gmtime(t))
+
+
+def bucket_start(t: float, width: str) -> int:
+    """The start (unix seconds, UTC) of the ``width`` bucket holding ``t``."""
+    w = WIDTHS[width]
+    return int(t // w * w)
+
+
+_RESERVE = """
+-- KEYS: month hash, reservations zset, reservation amounts. ARGV: id, cost, tokens, cost limit,
+-- token limit (-1: none), ttl ms, month. Expired reservations are given back first.
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+for _, id in ipairs(redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', now)) do
+  local amt = redis.call('HGET', KEYS[3], id)
+  if amt then
+    local c, k, m = string.match(amt, '(%d+),(%d+),(.+)')
+    if m == ARGV[7] then
+      redis.call('HINCRBY', KEYS[1], 'reserved', 0 - tonumber(c))
+      redis.call('HINCRBY', KEYS[1], 'tokens_reserved', 0 - tonumber(k))
+    end
+  end
+  redis.call('ZREM', KEYS[2], id)
+  redis.call('HDEL', KEYS[3], id)
+end
+local v = redis.call('HMGET', KEYS[1], 'spent', 'reserved', 'tokens', 'tokens_reserved')
+local spent, reserved = tonumber(v[1] or 0), tonumber(v[2] or 0)
+local tokens, tokens_reserved = tonumber(v[3] or 0), tonumber(v[4] or 0)
+local cost, ntok = tonumber(ARGV[2]), tonumber(ARGV[3])
+local climit, tlimit = tonumber(ARGV[4]), tonumber(ARGV[5])
+if (climit >= 0 and spent + reserved + cost > climit) or (tlimit >= 0 and tokens + tokens_reserved + ntok > tlimit) then
+  return {0, spent, reserved, tokens, tokens_reserved}
+end
+redis.call('HINCRBY', KEYS[1], 'reserved', cost)
+redis.call('HINCRBY', KEYS[1], 'tokens_reserved', ntok)
+redis.call('PEXPIRE', KEYS[1], 400 * 86400000)
+redis.call('ZADD', KEYS[2], now + tonumber(ARGV[6]), ARGV[1])
+redis.call('HSET', KEYS[3], ARGV[1], ARGV[2] .. ',' .. ARGV[3] .. ',' .. ARGV[7])
+return {1, spent, reserved + cost, tokens, tokens_reserved + ntok}
+"""
+
+_SETTLE = """
+-- KEYS: month hash, reservations zset, reservation amounts. ARGV: id, cost, tokens, month.
+local amt = redis.call('HGET', KEYS[3], ARGV[1])
+if amt then
+  local c, k = string.match(amt, '(%d+),(%d+),')
+  redis.call('HINCRBY', KEYS[1], 'reserved', 0 - tonumber(c))
+  redis.call('HINCRBY', KEYS[1], 'tokens_reserved', 0 - tonumber(k))
+  redis.call('ZREM', KEYS[2], ARGV[1])
+  redis.call('HDEL', KEYS[3], ARGV[1])
+end
+redis.call('HINCRBY', KEYS[1], 'spent', tonumber(ARGV[2]))
+redis.call('HINCRBY', KEYS[1], 'tokens', tonumber(ARGV[3]))
+redis.call('PEXPIRE', KEYS[1], 400 * 86400000)
+return 1
+"""
+
+
+class RedisControl:
+    """The state in Redis (see the module docstring). Every call raises
+    :class:`ControlUnavailable` when Redis cannot be reached."""
+
+    def __init__(self, url: str):
+        self.redis = fast_redis(url)
+        self._reserve = self.redis.register_script(_RESERVE)
+        self._settle = self.redis.register_script(_SETTLE)
+
+    def _call(self, fn, *args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except redis.RedisError as e:
+            log.warning("control plane: Redis call failed (%s)", type(e).__name__)
+            raise ControlUnavailable() from None
+
+    # documents
+    def version(self) -> int:
+        return int(self._call(self.redis.get, "control:version") or 0)
+
+    def documents(self) -> tuple[int, dict[str, dict]]:
+        """``(version, {"<kind>/<id>": document})``, read together."""
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.get("control:version")
+        pipe.hgetall("control:docs")
+        version, docs = self._call(pipe.execute)
+        return int(version or 0), {k.decode(): json.loads(v) for k, v in docs.items()}
+
+    def write(self, puts: dict[str, dict], deletes: tuple[str, ...] = ()) -> None:
+        """Put and delete documents, and bump the version, in one transaction."""
+        pipe = self.redis.pipeline(transaction=True)
+        if puts:
+            pipe.hset("control:docs", mapping={k: json.dumps(v) for k, v in puts.items()})
+        if deletes:
+            pipe.hdel("control:docs", *deletes)
+        pipe.incr("control:version")
+        self._call(pipe.execute)
+
+    # spend
+    @staticmethod
+    def _spend_keys(project: str, month: str) -> list[str]:
+        tag = "spend:{" + quote(project, safe="") + "}"
+        return [f"{tag}:{month}", f"{tag}:resv", f"{tag}:resv:amt"]
+
+    def reserve(self, project: str, month: str, rid: str, cost: int, tokens: int,
+                cost_limit: int | None, token_limit: int | None) -> tuple[bool, Spend]:
+        """Reserve ``cost`` nano-dollars and ``tokens`` if the month's spent + reserved + them stay
+        within the limits (None: no limit), atomically. Returns ``(reserved, the month after)``."""
+        out = self._call(self._reserve, keys=self._spend_keys(project, month),
+                         args=[rid, cost, tokens, -1 if cost_limit is None else cost_limit,
+                               -1 if token_limit is None else token_limit, RESERVATION_TTL_S * 1000, month])
+        return bool(out[0]), Spend(*(int(x) for x in out[1:]))
+
+    def settle(self, project: str, month: str, rid: str, cost: int, tokens: int) -> None:
+        """Give back reservation ``rid`` (if still held) and add what was used."""
+        self._call(self._settle, keys=self._spend_keys(project, month), args=[rid, cost, tokens, month])
+
+    def spend(self, project: str, month: str) -> Spend:
+        v = self._call(self.redis.hmget, self._spend_keys(project, month)[0],
+                       "spent", "reserved", "tokens", "tokens_reserved")
+        return Spend(*(int(x or 0) for x in v))
+
+    # usage
+    def add_usage(self, records: list[UsageRecord]) -> None:
+        """Add every record to its 1m, 1h and 1d buckets, in one transaction."""
+        pipe = self.redis.pipeline(transaction=True)
+        for r in records:
+            group = _SEP.join((r.project_id, r.api_key_id, r.model))
+            for width in WIDTHS:
+                key = f"usage:{width}:{bucket_start(r.at, width)}"
+                for name, n in zip(_COUNTERS, r.counts()):
+                    if n:
+                        pipe.hincrby(key, group + _SEP + name, n)
+                pipe.expire(key, RETENTION_S[width] + WIDTHS[width])
+        self._call(pipe.execute)
+
+    def usage(self, width: str, starts: list[int]) -> dict[int, dict[tuple[str, str, str], list[int]]]:
+        """``{start: {(project, key, model): [input, output, cached, requests]}}`` of the
+        buckets starting at ``starts``."""
+        pipe = self.redis.pipeline(transaction=False)
+        for s in starts:
+            pipe.hgetall(f"usage:{width}:{s}")
+        out = {}
+        for s, fields in zip(starts, self._call(pipe.execute)):
+            rows = out.setdefault(s, {})
+            for f, n in fields.items():
+                project, key, model, name = f.decode().split(_SEP)
+                rows.setdefault((project, key, model), [0, 0, 0, 0])[_COUNTERS.index(name)] += int(n)
+        return out
+
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS docs (name TEXT PRIMARY KEY, doc TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS meta (k TEXT PRIMARY KEY, v INTEGER NOT NULL);
+CREATE TABLE IF NOT EXISTS spend (project TEXT, month TEXT, spent INTEGER DEFAULT 0, reserved INTEGER DEFAULT 0,
+  tokens INTEGER DEFAULT 0, tokens_reserved INTEGER DEFAULT 0, PRIMARY KEY (project, month));
+CREATE TABLE IF NOT EXISTS reservations (id TEXT PRIMARY KEY, project TEXT, month TEXT, cost INTEGER,
+  tokens INTEGER, expires REAL);
+CREATE INDEX IF NOT EXISTS reservations_expiry ON reservations (project, expires);
+CREATE TABLE IF NOT EXISTS usage (width TEXT, start INTEGER, project TEXT, api_key TEXT, model TEXT,
+  input_tokens INTEGER, output_tokens INTEGER, input_cached_tokens INTEGER, num_model_requests INTEGER,
+  PRIMARY KEY (width, start, project, api_key, model));
+"""
+
+
+class SqliteControl:
+    """The state in the node's SQLite file ``path`` (``:memory:``: this process only; tests'
+    in-process app). One connection per process, shared by its threads under a lock."""
+
+    def __init__(self, path: str):
+        if path != ":memory:":
+            os.makedirs(os.path.dirname(os.path.abspath(path)), mode=0o700, exist_ok=True)
+        self.path = path
+        self.db = sqlite3.connect(path, timeout=5.0, isolation_level=None, check_same_thread=False)
+        self.lock = threading.Lock()
+        with self.lock:
+            if path != ":memory:":
+                self.db.execute("PRAGMA journal_mode=WAL")
+                # a commit is durable against a crash of the process (not of the machine) without an fsync
+                self.db.execute("PRAGMA synchronous=NORMAL")
+            self.db.executescript(_SCHEMA)
+        self._pruned = 0.0
+
+    def _tx(self, fn):
+        with self.lock:
+            self.db.execute("BEGIN IMMEDIATE")
+            try:
+                out = fn(self.db)
+            except BaseException:
+                self.db.execute("ROLLBACK")
+                raise
+            self.db.execute("COMMIT")
+            return out
+
+    def version(self) -> int:
+        with self.lock:
+            row = self.db.execute("SELECT v FROM meta WHERE k = 'version'").fetchone()
+        return row[0] if row else 0
+
+    def documents(self) -> tuple[int, dict[str, dict]]:
+        def read(db):
+            row = db.execute("SELECT v FROM meta WHERE k = 'version'").fetchone()
+            return (row[0] if row else 0), {n: json.loads(d) for n, d in db.execute("SELECT name, doc FROM docs")}
+        return self._tx(read)
+
+    def write(self, puts: dict[str, dict], deletes: tuple[str, ...] = ()) -> None:
+        def change(db):
+            db.executemany("INSERT OR REPLACE INTO docs VALUES (?, ?)", [(k, json.dumps(v)) for k, v in puts.items()])
+            db.executemany("DELETE FROM docs WHERE name = ?", [(k,) for k in deletes])
+            db.execute("INSERT INTO meta VALUES ('version', 1) ON CONFLICT (k) DO UPDATE SET v = v + 1")
+        self._tx(change)
+
+    def reserve(self, project: str, month: str, rid: str, cost: int, tokens: int,
+                cost_limit: int | None, token_limit: int | None) -> tuple[bool, Spend]:
+        def run(db):
+            now = time.time()
+            for c, k in db.execute("SELECT cost, tokens FROM reservations WHERE project = ? AND month = ? "
+                                   "AND expires <= ?", (project, month, now)).fetchall():
+                db.execute("UPDATE spend SET reserved = reserved - ?, tokens_reserved = tokens_reserved - ? "
+                           "WHERE project = ? AND month = ?", (c, k, project, month))
+            db.execute("DELETE FROM reservations WHERE project = ? AND expires <= ?", (project, now))
+            db.execute("INSERT OR IGNORE INTO spend (project, month) VALUES (?, ?)", (project, month))
+            spend = Spend(*db.execute("SELECT spent, reserved, tokens, tokens_reserved FROM spend "
+                                      "WHERE project = ? AND month = ?", (project, month)).fetchone())
+            if (cost_limit is not None and spend.spent + spend.reserved + cost > cost_limit) or \
+                    (token_limit is not None and spend.tokens + spend.tokens_reserved + tokens > token_limit):
+                return False, spend
+            db.execute("UPDATE spend SET reserved = reserved + ?, tokens_reserved = tokens_reserved + ? "
+                       "WHERE project = ? AND month = ?", (cost, tokens, project, month))
+            db.execute("INSERT INTO reservations VALUES (?, ?, ?, ?, ?, ?)",
+                       (rid, project, month, cost, tokens, now + RESERVATION_TTL_S))
+            return True, Spend(spend.spent, spend.reserved + cost, spend.tokens, spend.tokens_reserved + tokens)
+        return self._tx(run)
+
+    def settle(self, project: str, month: str, rid: str, cost: int, tokens: int) -> None:
+        def run(db):
+            db.execute("INSERT OR IGNORE INTO spend (project, month) VALUES (?, ?)", (project, month))
+            row = db.execute("SELECT cost, tokens FROM reservations WHERE id = ?", (rid,)).fetchone()
+            if row:
+                db.execute("UPDATE spend SET reserved = reserved - ?, tokens_reserved = tokens_reserved - ? "
+                           "WHERE project = ? AND month = ?", (*row, project, month))
+                db.execute("DELETE FROM reservations WHERE id = ?", (rid,))
+            db.execute("UPDATE spend SET spent = spent + ?, tokens = tokens + ? WHERE project = ? AND month = ?",
+                       (cost, tokens, project, month))
+        self._tx(run)
+
+    def spend(self, project: str, month: str) -> Spend:
+        with self.lock:
+            row = self.db.execute("SELECT spent, reserved, tokens, tokens_reserved FROM spend "
+                                  "WHERE project = ? AND month = ?", (project, month)).fetchone()
+        return Spend(*row) if row else Spend()
+
+    def add_usage(self, records: list[UsageRecord]) -> None:
+        def run(db):
+            for r in records:
+                for width in WIDTHS:
+                    db.execute("INSERT INTO usage VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT DO UPDATE SET "
+                               "input_tokens = input_tokens + excluded.input_tokens, "
+                               "output_tokens = output_tokens + excluded.output_tokens, "
+                               "input_cached_tokens = input_cached_tokens + excluded.input_cached_tokens, "
+                               "num_model_requests = num_model_requests + excluded.num_model_requests",
+                               (width, bucket_start(r.at, width), r.project_id, r.api_key_id, r.model, *r.counts()))
+            now = time.time()
+            if now - self._pruned > 60:  # retention: at most once a minute per process
+                self._pruned = now
+                for width, keep in RETENTION_S.items():
+                    db.execute("DELETE FROM usage WHERE width = ? AND start < ?", (width, now - keep))
+        self._tx(run)
+
+    def usage(self, width: str, starts: list[int]) -> dict[int, dict[tuple[str, str, str], list[int]]]:
+        out = {s: {} for s in starts}
+        if not starts:
+            return out
+        with self.lock:
+            rows = self.db.execute("SELECT start, project, api_key, model, input_tokens, output_tokens, "
+                                   "input_cached_tokens, num_model_requests FROM usage WHERE width = ? "
+                                   "AND start >= ? AND start <= ?", (width, min(starts), max(starts))).fetchall()
+        for start, project, key, model, *counts in rows:
+            if start in out:
+                out[start][(project, key, model)] = list(counts)
+        return out
+
+
+class UsageBuffer:
+    """Usage records on their way to the store: written at once, or kept (at most ``limit``
+    records, the oldest dropped with a warning) while the store is unreachable and written with
+    the next record."""
+
+    def __init__(self, store, limit: int = 10_000):
+        self.store, self.limit = store, limit
+        self.pending: list[UsageRecord] = []
+        self.lock = threading.Lock()
+
+    def add(self, record: UsageRecord) -> None:
+        with self.lock:
+            self.pending.append(record)
+            if len(self.pending) > self.limit:
+                del self.pending[0]
+                log.warning("usage buffer full while the store is unreachable: a usage record was dropped")
+            batch, self.pending = self.pending, []
+            try:
+                self.store.add_usage(batch)
+            except ControlUnavailable:
+                self.pending = batch + self.pending
+
+
+def open_store(redis_url: str, path: str):
+    """The state for this configuration: Redis if ``redis_url``, else the SQLite file ``path``."""
+    return RedisControl(redis_url) if redis_url else SqliteControl(path)

@@ -1,0 +1,127 @@
+"""``GET /v1/organization/usage/completions``: the usage buckets (``server/control/store.py``) as
+OpenAI's ``UsageResponse`` page of ``UsageTimeBucket``s of ``UsageCompletionsResult``s.
+
+Parameters (OpenAI's): ``start_time`` (required, unix seconds, inclusive), ``end_time``
+(exclusive, default now), ``bucket_width`` (``1m``, ``1h``, ``1d``; default ``1d``), filters
+``project_ids``, ``api_key_ids``, ``models`` (repeated, or ``name[]``), ``batch`` (every request
+here is a non-batch one), ``group_by`` (``project_id``, ``api_key_id``, ``model``, ``batch``),
+``limit`` (buckets a page: 1d up to 31, default 7; 1h up to 168, default 24; 1m up to 1440,
+default 60) and ``page`` (the cursor a page's ``next_page`` gives). Buckets start at multiples
+of their width in UTC; ``start_time`` inside a bucket starts from that bucket.
+"""
+from __future__ import annotations
+
+import time
+
+from engine.errors import InvalidRequest
+from server.api.fields import shown
+from server.control.store import WIDTHS, bucket_start
+
+_LIMITS = {"1d": (7, 31), "1h": (24, 168), "1m": (60, 1440)}
+_GROUPS = ("project_id", "api_key_id", "model", "batch")
+_PARAMS = {"start_time", "end_time", "bucket_width", "project_ids", "api_key_ids", "models", "batch", "group_by",
+           "limit", "page", "user_ids"}
+
+
+def _one(params: dict, name: str) -> str | None:
+    values = params.get(name)
+    if values is None:
+        return None
+    if isinstance(values, list):
+        if len(values) != 1:
+            raise InvalidRequest(f"{name} must be given once", name)
+        values = values[0]
+    return values
+
+
+def _int(params: dict, name: str, lo: int, hi: int) -> int | None:
+    value = _one(params, name)
+    if value is None:
+        return None
+    try:
+        n = int(value)
+    except ValueError:
+        raise InvalidRequest(f"{name} must be an integer, got {shown(value)}", name) from None
+    if not lo <= n <= hi:
+        raise InvalidRequest(f"{name} must be in [{lo}, {hi}], got {n}", name)
+    return n
+
+
+def _list(params: dict, name: str) -> list[str] | None:
+    values = []
+    for key in (name, name + "[]"):
+        v = params.get(key)
+        if v is not None:
+            values += v if isinstance(v, list) else [v]
+    return [x for v in values for x in v.split(",") if x] if values else None
+
+
+def usage_page(store, params: dict, now: float | None = None) -> dict:
+    """The page for query ``params`` (``{name: str | [str]}``, as Falcon parses a query).
+
+    Raises:
+        InvalidRequest: a parameter out of range or unknown, naming it.
+    """
+    now = time.time() if now is None else now
+    for name in params:
+        if name.removesuffix("[]") not in _PARAMS:
+            raise InvalidRequest(f"unknown query parameter {shown(name)}", name)
+    if params.get("user_ids") is not None:
+        raise InvalidRequest("user_ids: this server has no users; filter by project_ids or api_key_ids", "user_ids")
+    width = _one(params, "bucket_width") or "1d"
+    if width not in WIDTHS:
+        raise InvalidRequest(f"bucket_width must be 1m, 1h or 1d, got {shown(width)}", "bucket_width")
+    start = _int(params, "start_time", 0, 10 ** 11)
+    if start is None:
+        raise InvalidRequest("start_time is required (unix seconds)", "start_time")
+    end = _int(params, "end_time", 0, 10 ** 11)
+    end = int(now) + 1 if end is None else end
+    default, most = _LIMITS[width]
+    limit = _int(params, "limit", 1, most) or default
+    first = bucket_start(start, width)
+    page = _one(params, "page")
+    if page is not None:
+        try:
+            first = int(page)
+        except ValueError:
+            raise InvalidRequest(f"page: not a cursor this server gave, {shown(page)}", "page") from None
+        if first % WIDTHS[width] or first < bucket_start(start, width):
+            raise InvalidRequest(f"page: not a cursor of this query, {shown(page)}", "page")
+    group_by = _list(params, "group_by") or []
+    for g in group_by:
+        if g not in _GROUPS:
+            raise InvalidRequest(f"group_by: {shown(g)} is not one of {', '.join(_GROUPS)}", "group_by")
+    batch = _one(params, "batch")
+    if batch not in (None, "true", "false"):
+        raise InvalidRequest(f"batch must be true or false, got {shown(batch)}", "batch")
+    filters = {"project_id": _list(params, "project_ids"), "api_key_id": _list(params, "api_key_ids"),
+               "model": _list(params, "models")}
+    step = WIDTHS[width]
+    starts = list(range(first, end, step))[:limit + 1]
+    more = len(starts) > limit
+    starts = starts[:limit]
+    rows = store.usage(width, starts)
+    data = []
+    for s in starts:
+        results: dict[tuple, list[int]] = {}
+        for (project, key, model), counts in rows.get(s, {}).items():
+            who = {"project_id": project, "api_key_id": key or None, "model": model}
+            if batch == "true" or any(f is not None and who[n] not in f for n, f in filters.items()):
+                continue
+            group = tuple(who.get(g) for g in group_by)
+            total = results.setdefault(group, [0, 0, 0, 0])
+            for i, n in enumerate(counts):
+                total[i] += n
+        data.append({"object": "bucket", "start_time": s, "end_time": s + step,
+                     "results": [_result(dict(zip(group_by, group)), counts) for group, counts in results.items()]})
+    return {"object": "page", "data": data, "has_more": more, "next_page": str(s + step) if more else None}
+
+
+def _result(group: dict, counts: list[int]) -> dict:
+    input_tokens, output_tokens, cached, requests = counts
+    return {"object": "organization.usage.completions.result", "input_tokens": input_tokens,
+            "output_tokens": output_tokens, "input_cached_tokens": cached,
+            "input_uncached_tokens": input_tokens - cached, "input_audio_tokens": 0, "output_audio_tokens": 0,
+            "num_model_requests": requests, "project_id": group.get("project_id"), "user_id": None,
+            "api_key_id": group.get("api_key_id"), "model": group.get("model"),
+            "batch": False if "batch" in group else None}

@@ -1,0 +1,289 @@
+"""The control plane on two real replicas sharing a real Redis (``server/control/``): projects and
+keys made through one replica serve on the other within 2 s, a revoked key is refused on both
+within 2 s, a rotated key works through its grace period and not after; 32 concurrent requests
+against a spend limit that allows 10 admit at most 10, the month's spend stays within the limit
+and survives a restart of both replicas; the usage API sums, token for token, to the ``usage``
+the clients were given over chat, completions, Responses, gRPC and streams, several keys and
+both replicas; admin authentication (no key 401, a tenant's key 403) and no key value in any log.
+Skipped, saying why, without a redis-server."""
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import subprocess
+import time
+
+import grpc
+import pytest
+
+from proto import inference_pb2 as pb
+from proto import inference_pb2_grpc
+from tests.support.http import CHAT, COMPLETIONS, MODEL, RESPONSES, get, post, request
+from tests.support.servers import needs_redis, redis_server, running_server
+
+pytestmark = needs_redis
+
+ADMIN = "admin-test-key-0123456789abcdef"
+ORG = "/v1/organization"
+DOCS_ADMIN = "admin-key-0123456789abcdef"  # docs/tenants.md's session
+
+
+def admin(server, method: str, path: str, body=None, key: str = ADMIN):
+    reply = request(server, method, ORG + path, None if body is None else json.dumps(body).encode(),
+                    {"Content-Type": "application/json"} if body is not None else {}, key=key)
+    return reply.status, reply.json()
+
+
+def until(check, timeout: float = 2.0) -> float:
+    """Seconds until ``check()`` is true; fails after ``timeout``."""
+    start = time.monotonic()
+    while not check():
+        assert time.monotonic() - start < timeout, f"not within {timeout} s"
+        time.sleep(0.05)
+    return time.monotonic() - start
+
+
+def completion(server, key: str, max_tokens: int = 4):
+    return post(server, COMPLETIONS, {"model": MODEL, "prompt": "Once upon a time", "max_tokens": max_tokens,
+                                      "temperature": 0}, key=key)
+
+
+def served(server, key: str) -> bool:
+    return completion(server, key, 1).status == 200
+
+
+@pytest.fixture(scope="module")
+def redis_url():
+    with redis_server() as (url, _):
+        yield url
+
+
+@pytest.fixture(scope="module")
+def prices(tmp_path_factory):
+    path = tmp_path_factory.mktemp("prices") / "prices.json"
+    # $4,000 a million tokens in and out (4,000,000 nano-dollars, 0.4 cents a token): a request
+    # of 24 tokens costs about 10 cents, so a limit in cents allows a precise number of them
+    path.write_text(json.dumps({MODEL: {"input": 4000, "output": 4000}}))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def replicas(redis_url, prices):
+    env = {"ADMIN_KEYS": f"{ADMIN},{DOCS_ADMIN}"}
+    flags = ("--redis-url", redis_url, "--prices", prices, "--workers", "1", "--model-id", MODEL)
+    with running_server(*flags, env=env, grpc=True) as a, running_server(*flags, env=env) as b:
+        yield a, b
+
+
+def make_key(server, name: str) -> tuple[str, str, str]:
+    """A new project with one key: ``(project id, key id, key value)``."""
+    status, project = admin(server, "POST", "/projects", {"name": name})
+    assert status == 200, project
+    status, account = admin(server, "POST", f"/projects/{project['id']}/service_accounts", {"name": name + "-bot"})
+    assert status == 200, account
+    return project["id"], account["api_key"]["id"], account["api_key"]["value"]
+
+
+def test_admin_authentication(replicas):
+    a, _ = replicas
+    assert admin(a, "GET", "/projects", key=None)[0] == 401
+    assert admin(a, "GET", "/projects", key="not-a-key-at-all-0000")[0] == 401
+    _, _, value = make_key(a, "auth")
+    status, body = admin(a, "GET", "/projects", key=value)
+    assert status == 403 and body["error"]["code"] == "admin_key_required"
+    assert completion(a, None).status == 401  # admin keys configured: every request needs a key
+    assert completion(a, ADMIN).status == 401  # an admin key is not a tenant's key
+    assert get(a, "/v1/organization/users", key=ADMIN).status == 404  # what a self-hosted server lacks
+
+
+def test_keys_across_replicas(replicas):
+    a, b = replicas
+    project, key_id, value = make_key(a, "team-x")
+    print("key on B after", until(lambda: served(b, value)), "s")
+    assert served(a, value)
+    # listed without its value, ever again
+    status, keys = admin(b, "GET", f"/projects/{project}/api_keys")
+    assert status == 200 and [k["id"] for k in keys["data"]] == [key_id]
+    assert value not in json.dumps(keys) and keys["data"][0]["redacted_value"].endswith(value[-4:])
+    # rotation: the old value works through the grace period, then not
+    status, new = admin(b, "POST", f"/projects/{project}/api_keys/{key_id}/rotate", {"grace_period_seconds": 3})
+    assert status == 200, new
+    rotated = time.monotonic()
+    until(lambda: served(a, new["value"]))
+    assert served(a, value) and served(b, value)
+    until(lambda: not served(a, value) and not served(b, value), timeout=5)
+    assert time.monotonic() - rotated >= 2.9
+    # revocation, through B: refused on both within 2 s
+    assert admin(b, "DELETE", f"/projects/{project}/api_keys/{new['id']}")[0] == 200
+    until(lambda: not served(a, new["value"]) and not served(b, new["value"]))
+    # an archived project's keys stop too
+    _, _, other = make_key(a, "team-y")
+    until(lambda: served(b, other))
+    projects = admin(a, "GET", "/projects")[1]["data"]
+    y = next(p["id"] for p in projects if p["name"] == "team-y")
+    assert admin(a, "POST", f"/projects/{y}/archive")[1]["status"] == "archived"
+    until(lambda: not served(b, other))
+
+
+def test_rate_limit_changed_at_runtime(replicas):
+    a, b = replicas
+    project, _, value = make_key(a, "limited")
+    status, limits = admin(a, "GET", f"/projects/{project}/rate_limits")
+    (limit,) = limits["data"]
+    assert status == 200 and limit["max_requests_per_1_minute"] == 0  # 0: no limit
+    status, limit = admin(a, "POST", f"/projects/{project}/rate_limits/{limit['id']}", {"max_requests_per_1_minute": 2})
+    assert status == 200 and limit["max_requests_per_1_minute"] == 2
+    time.sleep(1.0)  # in force on B too
+    statuses = [completion(s, value, 1).status for s in (a, b, a)]
+    assert statuses == [200, 200, 429], statuses
+
+
+def test_spend_limit_holds_under_concurrency(replicas):
+    a, b = replicas
+    project, _, value = make_key(a, "spender")
+    # worst case of one request: its prompt + max_tokens 20, at 4,000,000 nano-dollars a token
+    prompt_tokens = completion(a, value, 1).json()["usage"]["prompt_tokens"]
+    worst = (prompt_tokens + 20) * 4_000_000
+    status, spend = admin(a, "GET", f"/projects/{project}/spend_limit")
+    used = round(spend["spent_amount"] * 10_000_000)
+    cents = (used + 10 * worst) // 10_000_000 + 1  # room for 10 worst cases (and less than 11)
+    room = cents * 10_000_000 - used
+    assert 10 * worst <= room < 11 * worst
+    assert admin(a, "POST", f"/projects/{project}/spend_limit",
+                 {"threshold_amount": cents, "currency": "USD", "interval": "month"})[0] == 200
+    time.sleep(1.0)
+
+    def one(i):
+        server = (a, b)[i % 2]
+        return post(server, COMPLETIONS, {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 20,
+                                          "temperature": 0}, key=value)
+    with concurrent.futures.ThreadPoolExecutor(32) as pool:
+        replies = list(pool.map(one, range(32)))
+    admitted = [r for r in replies if r.status == 200]
+    refused = [r for r in replies if r.status == 429]
+    assert len(admitted) <= 10 and len(admitted) + len(refused) == 32, [r.status for r in replies]
+    assert all(r.json()["error"]["code"] == "insufficient_quota" for r in refused)
+    status, spend = admin(b, "GET", f"/projects/{project}/spend_limit")
+    assert spend["spent_amount"] <= cents and spend["reserved_amount"] == 0, spend
+    assert spend["enforcement"]["status"] == "enforcing"
+    # the next one, if the last worst case does not fit any more
+    if spend["spent_amount"] * 10_000_000 + worst > cents * 10_000_000:
+        assert completion(a, value, 20).json()["error"]["type"] == "insufficient_quota"
+    # a restart of both replicas loses no spend: tested in test_restart_keeps_state
+
+
+def _sum(page: dict) -> dict:
+    totals = {}
+    for bucket in page["data"]:
+        for r in bucket["results"]:
+            t = totals.setdefault((r["api_key_id"], r["model"]), [0, 0, 0, 0])
+            for i, name in enumerate(("input_tokens", "output_tokens", "input_cached_tokens", "num_model_requests")):
+                t[i] += r[name]
+    return totals
+
+
+def test_usage_adds_up(replicas):
+    a, b = replicas
+    started = int(time.time()) - 60
+    _, key1, value1 = make_key(a, "usage-1")
+    _, key2, value2 = make_key(a, "usage-2")
+    time.sleep(1.5)  # in force everywhere (every process polls each 0.5 s); no probe, which would count
+    expected = {key1: [0, 0, 0, 0], key2: [0, 0, 0, 0]}
+
+    def add(key_id, usage: dict):
+        cached = (usage.get("prompt_tokens_details") or usage.get("input_tokens_details") or {}).get("cached_tokens", 0)
+        for i, n in enumerate((usage.get("prompt_tokens", usage.get("input_tokens")),
+                               usage.get("completion_tokens", usage.get("output_tokens")), cached, 1)):
+            expected[key_id][i] += n
+
+    for key_id, value in ((key1, value1), (key2, value2)):
+        for server in (a, b):
+            add(key_id, post(server, CHAT, {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+                                            "max_tokens": 5}, key=value).json()["usage"])
+            add(key_id, completion(server, value, 6).json()["usage"])
+            add(key_id, post(server, RESPONSES, {"model": MODEL, "input": "hello", "max_output_tokens": 4},
+                             key=value).json()["usage"])
+            events = post(server, CHAT, {"model": MODEL, "messages": [{"role": "user", "content": "tell"}],
+                                         "max_tokens": 7, "stream": True, "stream_options": {"include_usage": True}},
+                          key=value).events()
+            add(key_id, [e for e in events if isinstance(e, dict) and e.get("usage")][-1]["usage"])
+        with grpc.insecure_channel(f"127.0.0.1:{a.grpc_port}") as channel:
+            stub = inference_pb2_grpc.InferenceServiceStub(channel)
+            chunks = list(stub.InferStream(pb.InferRequest(payload="grpc says", max_new_tokens=3),
+                                           metadata=(("authorization", f"Bearer {value}"),)))
+            usage = chunks[-1].usage
+            add(key_id, {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
+                         "prompt_tokens_details": {"cached_tokens": usage.cached_tokens}})
+    query = f"/usage/completions?start_time={started}&bucket_width=1m&group_by=api_key_id&group_by=model&limit=1440"
+    page = admin(b, "GET", query)[1]
+    got = {k: v for (k, m), v in _sum(page).items() if k in expected}
+    assert got == expected, (got, expected)
+    assert {m for (k, m) in _sum(page) if k in expected} == {MODEL}
+    # the same by the hour and the day, and for one key only
+    for width in ("1h", "1d"):
+        q = f"/usage/completions?start_time={started}&bucket_width={width}&group_by=api_key_id&api_key_ids={key1}"
+        assert {k: v for (k, _), v in _sum(admin(a, "GET", q)[1]).items()} == {key1: expected[key1]}
+
+
+def test_no_key_value_in_logs(replicas):
+    a, b = replicas
+    _, _, value = make_key(a, "secret")
+    served(b, value)
+    for server in (a, b):
+        log = open(server.log, encoding="utf-8", errors="replace").read()
+        assert value not in log and ADMIN not in log
+        assert '"event": "admin"' in log or server is b
+
+
+def test_restart_keeps_state(redis_url, prices, tmp_path):
+    """Both backends: a restart loses no project, key, spend or usage (Redis: both replicas
+    restarted; SQLite: the node's file)."""
+    for backend in (("--redis-url", redis_url), ("--control-db", str(tmp_path / "control.db"))):
+        flags = (*backend, "--prices", prices, "--workers", "1", "--model-id", MODEL)
+        with running_server(*flags, env={"ADMIN_KEYS": ADMIN}) as s:
+            project, _, value = make_key(s, "durable")
+            spent = completion(s, value, 3).json()["usage"]
+            spend = admin(s, "GET", f"/projects/{project}/spend_limit")[1]
+        with running_server(*flags, env={"ADMIN_KEYS": ADMIN}) as s:
+            assert served(s, value)
+            again = admin(s, "GET", f"/projects/{project}/spend_limit")[1]
+            assert again["spent_amount"] > spend["spent_amount"] > 0
+            assert spend["tokens_used"] == spent["prompt_tokens"] + spent["completion_tokens"]
+            page = admin(s, "GET", f"/usage/completions?start_time={int(time.time()) - 600}&project_ids={project}")[1]
+            assert sum(r["num_model_requests"] for b in page["data"] for r in b["results"]) == 2
+
+
+def test_tenant_file_projects(tmp_path):
+    """The tenant file's tenants are projects the Admin API lists but does not change (the file
+    wins); the start-up log says where the projects and keys come from."""
+    from tests.support.tenants import write_tenants
+    tenants = write_tenants(tmp_path / "tenants.json", [{"id": "team-file", "api_keys": ["file-key-0123456789"]}])
+    with running_server("--tenants", tenants, "--workers", "1", env={"ADMIN_KEYS": ADMIN}) as s:
+        status, projects = admin(s, "GET", "/projects")
+        file_project = next(p for p in projects["data"] if p["id"] == "team-file")
+        assert file_project["source"] == "file"
+        keys = admin(s, "GET", "/projects/team-file/api_keys")[1]["data"]
+        assert len(keys) == 1 and "file-key-0123456789" not in json.dumps(keys)
+        status, body = admin(s, "POST", "/projects/team-file", {"name": "renamed"})
+        assert status == 409 and body["error"]["param"] == "project_id"
+        assert served(s, "file-key-0123456789")
+        project, _, value = make_key(s, "api-made")
+        assert served(s, value)
+        log = open(s.log).read()
+        assert "1 projects with 1 keys from the tenant file" in log and "Admin API on (1 admin keys)" in log
+
+
+def test_docs_session(replicas, tmp_path):
+    """docs/tenants.md's curl session, run as the page gives it: every step answers."""
+    from tests.support.docs import EXAMPLE_URL, ROOT, blocks
+    (session,) = [b.code for b in blocks(ROOT / "docs/tenants.md") if b.lang == "sh" and "rotate" in b.code]
+    assert DOCS_ADMIN in session
+    a, _ = replicas
+    script = "set -euo pipefail\n" + session.replace(EXAMPLE_URL, a.url) + \
+        '\necho\necho "KEY=$KEY NEW=$NEW"\n'
+    out = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert '"error"' not in out.stdout, out.stdout
+    key, new = out.stdout.strip().splitlines()[-1].replace("KEY=", "").replace("NEW=", "").split()
+    assert not served(a, key) and served(a, new)
+    assert '"input_tokens"' in out.stdout and '"max_requests_per_1_minute":60' in out.stdout.replace(" ", "")
