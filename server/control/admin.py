@@ -33,7 +33,7 @@ from engine.request import Priority
 from server.api.errors import Conflict, NotFound
 from server.api.fields import check_number, shown
 from server.control.state import ControlPlane, ControlState
-from server.control.store import month_of
+from server.control.store import ControlUnavailable, month_of
 from server.tenancy.tenants import key_id, redact
 
 MAX_PROJECTS, MAX_ACCOUNTS, MAX_KEYS, MAX_NAME = 10_000, 100, 100, 256
@@ -100,6 +100,16 @@ class Admin:
     @property
     def state(self) -> ControlState:
         return self.control.state
+
+    def sync(self) -> None:
+        """Read the store again if another process changed it since this one's last poll, so an
+        admin request sees every change already answered (read-your-writes across workers and
+        replicas; one version read a request)."""
+        try:
+            if self.control.store.version() != self.control.state.version:
+                self.control.refresh()
+        except ControlUnavailable:  # keep the last state, as the poll does
+            pass
 
     # projects
     def project(self, project_id: str, writable: bool = False) -> dict:
@@ -274,11 +284,17 @@ class Admin:
                  "service_account_id": "tenants_file", "expires_at": None}
                 for kid, red in self.state.file.keys_of.get(project_id, [])]
 
-    def list_keys(self, project_id: str, after: str | None, limit: int) -> dict:
+    def list_keys(self, project_id: str, after: str | None, limit: int, access: str | None = None) -> dict:
+        """``access``: only keys whose ``owner_project_access`` is this (``active``, ``inactive``:
+        expired)."""
         project = self.project(project_id)
         docs = self._file_keys(project_id) if project.get("source") == "file" else \
             self.state.of_kind("api_key", project_id=project_id)
-        return _page([self.key_object(d) for d in docs], after, limit)
+        if access not in (None, "active", "inactive"):
+            raise InvalidRequest(f"owner_project_access must be active or inactive, got {shown(access)}",
+                                 "owner_project_access")
+        keys = [self.key_object(d) for d in docs]
+        return _page([k for k in keys if access is None or k["owner_project_access"] == access], after, limit)
 
     def _key(self, project_id: str, api_key_id: str) -> dict:
         project = self.project(project_id)

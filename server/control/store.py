@@ -208,6 +208,13 @@ class RedisControl:
                        "spent", "reserved", "tokens", "tokens_reserved")
         return Spend(*(int(x or 0) for x in v))
 
+    def spends(self, projects: list[str], month: str) -> dict[str, Spend]:
+        """The month of every project of ``projects``, in one round trip."""
+        pipe = self.redis.pipeline(transaction=False)
+        for project in projects:
+            pipe.hmget(self._spend_keys(project, month)[0], "spent", "reserved", "tokens", "tokens_reserved")
+        return {p: Spend(*(int(x or 0) for x in v)) for p, v in zip(projects, self._call(pipe.execute))}
+
     # usage
     def add_usage(self, records: list[UsageRecord]) -> None:
         """Add every record to its 1m, 1h and 1d buckets, in one transaction."""
@@ -337,6 +344,13 @@ class SqliteControl:
             row = self.db.execute("SELECT spent, reserved, tokens, tokens_reserved FROM spend "
                                   "WHERE project = ? AND month = ?", (project, month)).fetchone()
         return Spend(*row) if row else Spend()
+
+    def spends(self, projects: list[str], month: str) -> dict[str, Spend]:
+        with self.lock:
+            rows = self.db.execute("SELECT project, spent, reserved, tokens, tokens_reserved FROM spend "
+                                   "WHERE month = ?", (month,)).fetchall()
+        found = {r[0]: Spend(*r[1:]) for r in rows}
+        return {p: found.get(p, Spend()) for p in projects}
 
     def add_usage(self, records: list[UsageRecord]) -> None:
         def run(db):

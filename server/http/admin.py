@@ -31,11 +31,12 @@ log = logging.getLogger("admin")
 PAGE_DIR = os.path.join(os.path.dirname(__file__), "admin_page")
 
 
-def _paging(req: falcon.Request) -> tuple[str | None, int]:
-    """``after`` and ``limit`` (1 to 100, default 20) of a list route."""
+def _paging(req: falcon.Request, *others: str) -> tuple[str | None, int]:
+    """``after`` and ``limit`` (1 to 100, default 20) of a list route; ``others``: the other
+    query parameters it takes. OpenAI's ``before`` is refused: lists here page forward only."""
     for name in req.params:
-        if name not in ("after", "limit", "include_archived", "before", "owner_project_access"):
-            raise InvalidRequest(f"unknown query parameter {shown(name)}", name)
+        if name not in ("after", "limit", *others):
+            raise InvalidRequest(f"query parameter {shown(name)} is not supported here", name)
     limit = req.params.get("limit", "20")
     if not isinstance(limit, str) or not limit.isdigit() or not 1 <= int(limit) <= 100:
         raise InvalidRequest(f"limit must be an integer in [1, 100], got {shown(limit)}", "limit")
@@ -45,8 +46,10 @@ def _paging(req: falcon.Request) -> tuple[str | None, int]:
     return after, int(limit)
 
 
+@falcon.before(lambda req, resp, resource, params: resource.admin.sync())
 class AdminAPI:
-    """Every Admin API route, one ``on_<method>_<suffix>`` responder each."""
+    """Every Admin API route, one ``on_<method>_<suffix>`` responder each; each first takes
+    the state's latest version (:meth:`Admin.sync`)."""
 
     admin = True  # server/http/middleware.py: admin keys only
 
@@ -65,7 +68,7 @@ class AdminAPI:
 
     # projects
     def on_get_projects(self, req, resp):
-        after, limit = _paging(req)
+        after, limit = _paging(req, "include_archived")
         archived = req.params.get("include_archived", "false")
         if archived not in ("true", "false"):
             raise InvalidRequest(f"include_archived must be true or false, got {shown(archived)}", "include_archived")
@@ -104,7 +107,9 @@ class AdminAPI:
 
     # keys
     def on_get_keys(self, req, resp, project_id):
-        resp.media = self.admin.list_keys(project_id, *_paging(req))
+        access = req.params.get("owner_project_access")
+        resp.media = self.admin.list_keys(project_id, *_paging(req, "owner_project_access"),
+                                          access if isinstance(access, str) or access is None else "")
 
     def on_get_key(self, req, resp, project_id, api_key_id):
         resp.media = self.admin.get_key(project_id, api_key_id)
@@ -190,7 +195,7 @@ def add_routes(app: falcon.App, config: ServerConfig, admin: Admin, engine: Engi
                          (project + "/api_keys", "keys"), (project + "/api_keys/{api_key_id}", "key"),
                          (project + "/api_keys/{api_key_id}/rotate", "rotate"),
                          (project + "/rate_limits", "rate_limits"),
-                         (project + "/rate_limits/{rate_limit_id}", "rate_limit"),
+                         (project + "/rate_limits/{rate_limit_id:path}", "rate_limit"),  # rl-org/model
                          (project + "/spend_limit", "spend_limit"), (base + "/usage/completions", "usage")):
         app.add_route(path, api, suffix=suffix)
     app.add_route(base + "/engine", EngineNow(config, engine))

@@ -84,7 +84,7 @@ def create_app(config: ServerConfig, generator: Generator, tenants: TenantRegist
                          generator.engine)
     if telemetry.metrics is not None:
         from server.observability.metrics import Scrape
-        app.add_route("/metrics", Scrape(generator.engine))
+        app.add_route("/metrics", Scrape(generator.engine, tenants.control))
     metrics_here = telemetry.metrics is not None and not config.metrics_port
     admin_on = generator.accounting is not None and bool(generator.accounting.control.admin_keys)
     app.add_route("/openapi.json", OpenAPIDocument((() if metrics_here else ("/metrics",))

@@ -84,18 +84,57 @@ class EngineStateCollector:
                                 value=int(self.engine.ready()))
 
 
+class ProjectCollector:
+    """Collector of each active project's month (UTC), read from the control plane at scrape
+    time: ``inference_project_spend_cents`` (spent), ``inference_project_spend_limit_cents`` (the
+    projects with a spend limit), ``inference_project_tokens`` (input + output tokens). Labelled
+    by project id (bounded: a server holds at most 10,000 projects, ``server/control/admin.py``).
+    Nothing is yielded while the state cannot be read."""
+
+    def __init__(self, control):
+        self.control = control
+
+    def collect(self):
+        import time
+
+        from server.control.store import ControlUnavailable, month_of
+
+        state = self.control.state
+        projects = sorted(state.tenants)
+        try:
+            spends = self.control.store.spends(projects, month_of(time.time()))
+        except ControlUnavailable:
+            return
+        spent = GaugeMetricFamily("inference_project_spend_cents", "Cents a project spent this UTC month",
+                                  labels=["project"])
+        limit = GaugeMetricFamily("inference_project_spend_limit_cents", "A project's spend limit, cents a month",
+                                  labels=["project"])
+        tokens = GaugeMetricFamily("inference_project_tokens", "Input and output tokens a project used this UTC month",
+                                   labels=["project"])
+        for project in projects:
+            spend = spends[project]
+            spent.add_metric([project], spend.spent / 10_000_000)
+            tokens.add_metric([project], spend.tokens)
+            doc = state.doc("spend_limit", project)
+            if doc:
+                limit.add_metric([project], doc["threshold_amount"])
+        yield from (spent, limit, tokens)
+
+
 class Scrape:
     """``GET /metrics``: every process's metrics added up (Prometheus text format 0.0.4). Needs
     no API key. Outside multiprocess mode (an app in one process), this process's registry."""
 
     public = True
 
-    def __init__(self, engine: EngineClient):
+    def __init__(self, engine: EngineClient, control=None):
         self.path = os.environ.get(metrics_dir.ENV)
         self.registry = CollectorRegistry()
         if self.path:
             MultiProcessCollector(self.registry, self.path)
         self.registry.register(EngineStateCollector(engine))
+        if control is not None:  # the control plane (server/control/state.py): the projects' months
+            self.registry.register(ProjectCollector(control))
 
     def render(self) -> bytes:
         if not self.path:

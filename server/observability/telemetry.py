@@ -77,9 +77,10 @@ LIMIT_KINDS = ("requests", "tokens", "concurrency")
 
 
 def limit_kind(error: RateLimited) -> str:
-    """``requests``, ``tokens`` (the empty token bucket; requests first) or ``concurrency``."""
-    if error.kind == "concurrency":
-        return "concurrency"
+    """``requests``, ``tokens``, ``requests_per_day`` (the empty bucket; requests first),
+    ``concurrency`` or ``quota`` (the spend limit or monthly token quota)."""
+    if error.kind in ("concurrency", "quota"):
+        return error.kind
     return next((k for k, (_, remaining, _) in error.buckets.items() if remaining < 1), "requests")
 
 

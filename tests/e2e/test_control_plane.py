@@ -166,6 +166,9 @@ def test_spend_limit_holds_under_concurrency(replicas):
     status, spend = admin(b, "GET", f"/projects/{project}/spend_limit")
     assert spend["spent_amount"] <= cents and spend["reserved_amount"] == 0, spend
     assert spend["enforcement"]["status"] == "enforcing"
+    metrics = get(a, "/metrics").body.decode()
+    assert f'inference_project_spend_limit_cents{{project="{project}"}} {float(cents)}' in metrics
+    assert f'inference_project_spend_cents{{project="{project}"}} {spend["spent_amount"]}' in metrics
     # the next one, if the last worst case does not fit any more
     if spend["spent_amount"] * 10_000_000 + worst > cents * 10_000_000:
         assert completion(a, value, 20).json()["error"]["type"] == "insufficient_quota"

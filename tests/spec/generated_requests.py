@@ -15,6 +15,8 @@ of its own, without xdist, for two reasons:
 from __future__ import annotations
 
 import copy
+import json
+import pathlib
 
 import hypothesis
 import pytest
@@ -25,7 +27,7 @@ from schemathesis.specs.openapi.checks import (content_type_conformance, negativ
                                                status_code_conformance)
 
 from server.http.openapi import load
-from tests.support.http import CHAT, COMPLETIONS, MODEL
+from tests.support.http import CHAT, COMPLETIONS, MODEL, post
 from tests.support.openai_document import DOC as OPENAI_DOC
 from tests.support.servers import running_server
 
@@ -98,10 +100,12 @@ def _schema(doc: dict, mode: schemathesis.GenerationMode):
 
 # Positive: requests the document allows, generating little, streamed and not. Negative: requests
 # it forbids, from the document as it is (so a forbidden value the server takes anyway is a failure).
-POSITIVE = _schema(_cheap_document(stream=False), schemathesis.GenerationMode.POSITIVE)
+# The Admin API's routes run against a server with an admin key (below), the others against one without.
+POSITIVE = _schema(_cheap_document(stream=False), schemathesis.GenerationMode.POSITIVE).exclude(tag="Admin")
 STREAMING = _schema(_cheap_document(stream=True), schemathesis.GenerationMode.POSITIVE).include(
     path=[CHAT, COMPLETIONS, "/v1/responses"])
-NEGATIVE = _schema(_pinned_document(), schemathesis.GenerationMode.NEGATIVE).include(method="POST")
+NEGATIVE = _schema(_pinned_document(), schemathesis.GenerationMode.NEGATIVE).include(method="POST").exclude(tag="Admin")
+OWN_ADMIN = _schema(_pinned_document(), schemathesis.GenerationMode.POSITIVE).include(tag="Admin")
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_headers_conformance,
           response_schema_conformance, negative_data_rejection]
 SETTINGS = hypothesis.settings(deadline=None, suppress_health_check=list(hypothesis.HealthCheck))
@@ -183,3 +187,54 @@ def small_server():
 def test_schemathesis_openai_document(case, small_server):
     case.call_and_validate(base_url=small_server.url + "/v1", checks=[not_a_server_error, response_schema_conformance],
                            timeout=60)
+
+
+# -- OpenAI's Admin API document (server/control/, server/http/admin.py) ---------------------------------------
+ADMIN_DOC = json.loads((pathlib.Path(__file__).parent / "openai" / "openapi-admin-subset.json").read_text())
+ADMIN_KEY = "generated-requests-admin-key-0"
+#: What the document has and this server does not serve: model permissions come with several
+#: models per server, embeddings with an embedding model.
+NOT_SERVED = ("/organization/projects/{project_id}/model_permissions", "/embeddings", "/organization/usage/embeddings")
+ADMIN = schemathesis.openapi.from_dict({**ADMIN_DOC, "paths": {p: v for p, v in ADMIN_DOC["paths"].items()
+                                                               if p not in NOT_SERVED}})
+ADMIN.config.generation.update(modes=[schemathesis.GenerationMode.POSITIVE], max_examples=5)
+
+
+@pytest.fixture(scope="module")
+def admin_server():
+    """A server with an admin key and its own state, and a project with a service account and a
+    key, whose ids every generated request's path names (a generated id would be a 404, which
+    OpenAI's document does not list)."""
+    with running_server("--workers", "1", "--max-slots", "2", "--model-id", MODEL,
+                        env={"ADMIN_KEYS": ADMIN_KEY}) as server:
+        auth = {"Authorization": f"Bearer {ADMIN_KEY}"}
+        project = post(server, "/v1/organization/projects", {"name": "generated"}, headers=auth).json()
+        account = post(server, f"/v1/organization/projects/{project['id']}/service_accounts",
+                       {"name": "generated"}, headers=auth).json()
+        server.ids = {"project_id": project["id"], "service_account_id": account["id"],
+                      "api_key_id": account["api_key"]["id"], "rate_limit_id": f"rl-{MODEL}"}
+        yield server
+
+
+def _admin_call(case, server, checks) -> None:
+    """``case`` with the admin key, and the path's ids those of the server's project."""
+    case.path_parameters = {**(case.path_parameters or {}),
+                            **{k: v for k, v in server.ids.items() if k in (case.path_parameters or {})}}
+    case.headers = {**(case.headers or {}), "Authorization": f"Bearer {ADMIN_KEY}"}
+    case.call_and_validate(base_url=server.url + ("/v1" if not case.path.startswith(("/v1", "/admin")) else ""),
+                           checks=checks, timeout=60)
+
+
+@OWN_ADMIN.parametrize()
+@SETTINGS
+def test_schemathesis_own_admin_routes(case, admin_server):
+    """This server's document, every status it lists."""
+    _admin_call(case, admin_server, CHECKS)
+
+
+@ADMIN.parametrize()
+@SETTINGS
+def test_schemathesis_openai_admin_document(case, admin_server):
+    """Every answer is no server error and, where the document lists its status, valid against it
+    (a deleted key's later 404, or a 400 for a field this server refuses, it does not list)."""
+    _admin_call(case, admin_server, [not_a_server_error, response_schema_conformance])
