@@ -323,3 +323,20 @@ def test_nginx_never_proxies_to_the_metrics_port_and_answers_metrics_itself():
     template = TEMPLATE.read_text()
     block = re.search(r"location = /metrics \{(.*?)\}", template, re.S)
     assert block and "return 404" in block[1] and "proxy_pass" not in block[1]
+
+
+def test_redis_keeps_the_control_plane_across_restarts():
+    """Projects, keys, spend and usage live in Redis (docs/tenants.md): the shipped Redis writes
+    an append-only file to a volume, in compose and in Kubernetes."""
+    redis = yaml.safe_load((ROOT / "docker" / "compose.yaml").read_text())["services"]["redis"]
+    command = redis["command"]
+    assert command[command.index("--appendonly") + 1] == "yes"
+    assert any(v.endswith(":/data") for v in redis["volumes"])
+    docs = {d["kind"]: d for d in load_all("redis.yaml")}
+    deploy, claim = docs["Deployment"], docs["PersistentVolumeClaim"]
+    container = deploy["spec"]["template"]["spec"]["containers"][0]
+    assert container["args"][container["args"].index("--appendonly") + 1] == "yes"
+    assert container["volumeMounts"] == [{"name": "data", "mountPath": "/data"}]
+    volume = deploy["spec"]["template"]["spec"]["volumes"][0]
+    assert volume["persistentVolumeClaim"]["claimName"] == claim["metadata"]["name"]
+    assert deploy["spec"]["strategy"] == {"type": "Recreate"}
