@@ -25,6 +25,8 @@ from server.control.store import ControlUnavailable, UsageBuffer, UsageRecord, m
 from server.tenancy.tenants import Tenant
 
 NANO_PER_CENT = 10_000_000
+#: A key's ``last_used_at`` is written at most this often by each process (seconds).
+TOUCH_EVERY_S = 60.0
 log = logging.getLogger("control")
 
 
@@ -124,6 +126,7 @@ class Accounting:
     def __init__(self, control: ControlPlane, prices: Prices, model: str, clock=time.time):
         self.control, self.prices, self.model, self.clock = control, prices, model, clock
         self.usage = UsageBuffer(control.store)
+        self._touched: dict[str, float] = {}  # key id -> when this process last wrote its last use
 
     def _limits(self, tenant: Tenant) -> tuple[int | None, int | None]:
         """The project's cost limit (nano-dollars; only with a price set) and token quota."""
@@ -168,5 +171,14 @@ class Accounting:
                                       input_tokens + output_tokens)
         except ControlUnavailable:  # the answer is given; the reservation expires (RESERVATION_TTL_S)
             log.warning("control plane: a request's spend could not be settled (the store is unreachable)")
-        self.usage.add(UsageRecord(tenant.id, tenant.key_id or "", self.model, self.clock(), input_tokens,
+        now = self.clock()
+        self.usage.add(UsageRecord(tenant.id, tenant.key_id or "", self.model, now, input_tokens,
                                    output_tokens, cached_tokens))
+        if tenant.key_id and now - self._touched.get(tenant.key_id, 0.0) >= TOUCH_EVERY_S:
+            if len(self._touched) > 100_000:  # keys seen by this process: bounded
+                self._touched.clear()
+            self._touched[tenant.key_id] = now
+            try:
+                self.control.store.touch(tenant.key_id, now)
+            except ControlUnavailable:
+                pass

@@ -198,9 +198,17 @@ class Admin:
     def get_account(self, project_id: str, account_id: str) -> dict:
         return self.account_object(self._account(project_id, account_id))
 
+    def _expired(self, project_id: str) -> tuple[str, ...]:
+        """The names of the project's expired keys' documents: dropped with the next key made
+        (a rotation leaves its old key behind until its grace period ends)."""
+        now = self.clock()
+        return tuple(f"api_key/{d['id']}" for d in self.state.of_kind("api_key", project_id=project_id)
+                     if d.get("expires_at") is not None and d["expires_at"] <= now)
+
     def _key_docs(self, project_id: str, account: dict, body: dict, name: str) -> tuple[dict, str]:
         """A new key's document and its value."""
-        if len(self.state.of_kind("api_key", project_id=project_id)) >= MAX_KEYS:
+        live = len(self.state.of_kind("api_key", project_id=project_id)) - len(self._expired(project_id))
+        if live >= MAX_KEYS:
             raise Conflict(f"a project holds at most {MAX_KEYS} keys; revoke one first", "project_id")
         expires_in = _optional_int(body, "expires_in_seconds", 1, MAX_SECONDS)
         value, now = new_key(), self.clock()
@@ -231,11 +239,13 @@ class Admin:
         account = {"id": "svc_acct_" + secrets.token_hex(12), "project_id": project_id, "name": name,
                    "role": "member", "created_at": int(self.clock())}
         puts, out = {f"service_account/{account['id']}": account}, {**self.account_object(account), "api_key": None}
+        expired = ()
         if not only:
             key, value = self._key_docs(project_id, account, body, name)
             puts[f"api_key/{key['id']}"] = key
             out["api_key"] = self._created_key(key, value)
-        self.control.write(puts)
+            expired = self._expired(project_id)
+        self.control.write(puts, expired)
         return out, ("service_account.create", account["id"])
 
     def update_account(self, project_id: str, account_id: str, body: dict) -> tuple[dict, tuple[str, str]]:
@@ -255,6 +265,7 @@ class Admin:
         self._account(project_id, account_id)
         keys = self.state.of_kind("api_key", service_account_id=account_id)
         self.control.write({}, (f"service_account/{account_id}", *(f"api_key/{k['id']}" for k in keys)))
+        self._forget([k["id"] for k in keys])
         return ({"object": "organization.project.service_account.deleted", "id": account_id, "deleted": True},
                 ("service_account.delete", account_id))
 
@@ -266,16 +277,23 @@ class Admin:
         if body.get("scopes") is not None:
             raise InvalidRequest("scopes: this server's keys have one scope, the project's routes", "scopes")
         key, value = self._key_docs(project_id, account, body, _name(body, False) or account["name"])
-        self.control.write({f"api_key/{key['id']}": key})
+        self.control.write({f"api_key/{key['id']}": key}, self._expired(project_id))
         return self._created_key(key, value), ("api_key.create", key["id"])
 
-    def key_object(self, doc: dict) -> dict:
+    def _last_used(self, docs: list[dict]) -> dict[str, int | None]:
+        """``last_used_at`` of keys (to the minute); none while the store cannot be read."""
+        try:
+            return self.control.store.last_used([d["id"] for d in docs])
+        except ControlUnavailable:
+            return {}
+
+    def key_object(self, doc: dict, last_used: int | None = None) -> dict:
         account = self.state.doc("service_account", doc["service_account_id"]) or {}
         owner = {"id": doc["service_account_id"], "name": account.get("name", doc["name"]),
                  "created_at": account.get("created_at", doc["created_at"]), "role": "member"}
         expired = doc.get("expires_at") is not None and self.clock() >= doc["expires_at"]
         return {"object": "organization.project.api_key", "redacted_value": doc["redacted_value"], "name": doc["name"],
-                "created_at": doc["created_at"], "last_used_at": None, "id": doc["id"],
+                "created_at": doc["created_at"], "last_used_at": last_used, "id": doc["id"],
                 "owner_project_access": "inactive" if expired else "active",
                 "owner": {"type": "service_account", "service_account": owner}, "expires_at": doc.get("expires_at")}
 
@@ -293,7 +311,8 @@ class Admin:
         if access not in (None, "active", "inactive"):
             raise InvalidRequest(f"owner_project_access must be active or inactive, got {shown(access)}",
                                  "owner_project_access")
-        keys = [self.key_object(d) for d in docs]
+        used = self._last_used(docs)
+        keys = [self.key_object(d, used.get(d["id"])) for d in docs]
         return _page([k for k in keys if access is None or k["owner_project_access"] == access], after, limit)
 
     def _key(self, project_id: str, api_key_id: str) -> dict:
@@ -306,15 +325,23 @@ class Admin:
         raise NotFound(f"No API key found with id {shown(api_key_id)}", "api_key_id")
 
     def get_key(self, project_id: str, api_key_id: str) -> dict:
-        return self.key_object(self._key(project_id, api_key_id))
+        doc = self._key(project_id, api_key_id)
+        return self.key_object(doc, self._last_used([doc]).get(api_key_id))
 
     def delete_key(self, project_id: str, api_key_id: str) -> tuple[dict, tuple[str, str]]:
         """Revoked: refused at once here, within ``POLL_S`` on every replica."""
         self.project(project_id, writable=True)
         self._key(project_id, api_key_id)
         self.control.write({}, (f"api_key/{api_key_id}",))
+        self._forget([api_key_id])
         return ({"object": "organization.project.api_key.deleted", "id": api_key_id, "deleted": True},
                 ("api_key.delete", api_key_id))
+
+    def _forget(self, key_ids: list[str]) -> None:
+        try:
+            self.control.store.forget(key_ids)
+        except ControlUnavailable:  # a stale last use of a revoked key: harmless
+            pass
 
     def rotate_key(self, project_id: str, api_key_id: str, body: dict) -> tuple[dict, tuple[str, str]]:
         """A new key for the old one's service account; the old one expires after
@@ -327,7 +354,8 @@ class Admin:
         key, value = self._key_docs(project_id, account, body, old["name"])
         ends = math.ceil(self.clock() + grace)
         old["expires_at"] = ends if old.get("expires_at") is None else min(old["expires_at"], ends)
-        self.control.write({f"api_key/{key['id']}": key, f"api_key/{api_key_id}": old})
+        expired = tuple(n for n in self._expired(project_id) if n != f"api_key/{api_key_id}")
+        self.control.write({f"api_key/{key['id']}": key, f"api_key/{api_key_id}": old}, expired)
         return self._created_key(key, value), ("api_key.rotate", api_key_id)
 
     # rate limits

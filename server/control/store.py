@@ -10,7 +10,8 @@ interface and the same rules:
   set by expiry, and ``...:resv:amt``), changed only by the Lua scripts below, so a check and its
   reservation are one atomic step whichever replica runs it; usage in one hash per bucket,
   ``usage:<width>:<start>``, fields ``<project>\\x1f<key>\\x1f<model>\\x1f<counter>``, each
-  with a TTL of its width's retention (:data:`RETENTION_S`).
+  with a TTL of its width's retention (:data:`RETENTION_S`); each key's last use (unix seconds,
+  written at most once a minute per key and process) in ``control:last_used``.
 - :class:`SqliteControl` (no Redis): the node's SQLite file (``--control-db``), the same tables,
   each change one ``BEGIN IMMEDIATE`` transaction.
 
@@ -215,6 +216,20 @@ class RedisControl:
             pipe.hmget(self._spend_keys(project, month)[0], "spent", "reserved", "tokens", "tokens_reserved")
         return {p: Spend(*(int(x or 0) for x in v)) for p, v in zip(projects, self._call(pipe.execute))}
 
+    # keys' last use
+    def touch(self, key_id: str, at: float) -> None:
+        """Note that key ``key_id`` was used at unix time ``at``."""
+        self._call(self.redis.hset, "control:last_used", key_id, int(at))
+
+    def last_used(self, key_ids: list[str]) -> dict[str, int | None]:
+        values = self._call(self.redis.hmget, "control:last_used", key_ids) if key_ids else []
+        return {k: int(v) if v else None for k, v in zip(key_ids, values)}
+
+    def forget(self, key_ids: list[str]) -> None:
+        """Drop revoked keys' last use."""
+        if key_ids:
+            self._call(self.redis.hdel, "control:last_used", *key_ids)
+
     # usage
     def add_usage(self, records: list[UsageRecord]) -> None:
         """Add every record to its 1m, 1h and 1d buckets, in one transaction."""
@@ -252,6 +267,7 @@ CREATE TABLE IF NOT EXISTS spend (project TEXT, month TEXT, spent INTEGER DEFAUL
 CREATE TABLE IF NOT EXISTS reservations (id TEXT PRIMARY KEY, project TEXT, month TEXT, cost INTEGER,
   tokens INTEGER, expires REAL);
 CREATE INDEX IF NOT EXISTS reservations_expiry ON reservations (project, expires);
+CREATE TABLE IF NOT EXISTS last_used (key TEXT PRIMARY KEY, at INTEGER);
 CREATE TABLE IF NOT EXISTS usage (width TEXT, start INTEGER, project TEXT, api_key TEXT, model TEXT,
   input_tokens INTEGER, output_tokens INTEGER, input_cached_tokens INTEGER, num_model_requests INTEGER,
   PRIMARY KEY (width, start, project, api_key, model));
@@ -351,6 +367,18 @@ class SqliteControl:
                                    "WHERE month = ?", (month,)).fetchall()
         found = {r[0]: Spend(*r[1:]) for r in rows}
         return {p: found.get(p, Spend()) for p in projects}
+
+    def touch(self, key_id: str, at: float) -> None:
+        self._tx(lambda db: db.execute("INSERT OR REPLACE INTO last_used VALUES (?, ?)", (key_id, int(at))))
+
+    def last_used(self, key_ids: list[str]) -> dict[str, int | None]:
+        with self.lock:
+            found = dict(self.db.execute(f"SELECT key, at FROM last_used WHERE key IN ({','.join('?' * len(key_ids))})",
+                                         key_ids).fetchall()) if key_ids else {}
+        return {k: found.get(k) for k in key_ids}
+
+    def forget(self, key_ids: list[str]) -> None:
+        self._tx(lambda db: db.executemany("DELETE FROM last_used WHERE key = ?", [(k,) for k in key_ids]))
 
     def add_usage(self, records: list[UsageRecord]) -> None:
         def run(db):

@@ -105,6 +105,7 @@ def test_keys_across_replicas(replicas):
     status, keys = admin(b, "GET", f"/projects/{project}/api_keys")
     assert status == 200 and [k["id"] for k in keys["data"]] == [key_id]
     assert value not in json.dumps(keys) and keys["data"][0]["redacted_value"].endswith(value[-4:])
+    assert abs(keys["data"][0]["last_used_at"] - time.time()) < 60  # it just served
     # rotation: the old value works through the grace period, then not
     status, new = admin(b, "POST", f"/projects/{project}/api_keys/{key_id}/rotate", {"grace_period_seconds": 3})
     assert status == 200, new
@@ -116,6 +117,10 @@ def test_keys_across_replicas(replicas):
     # revocation, through B: refused on both within 2 s
     assert admin(b, "DELETE", f"/projects/{project}/api_keys/{new['id']}")[0] == 200
     until(lambda: not served(a, new["value"]) and not served(b, new["value"]))
+    # the rotated key, expired, is dropped with the next key made: rotations leave nothing behind
+    account = admin(a, "GET", f"/projects/{project}/service_accounts")[1]["data"][0]["id"]
+    assert admin(a, "POST", f"/projects/{project}/service_accounts/{account}/api_keys", {})[0] == 200
+    assert key_id not in [k["id"] for k in admin(a, "GET", f"/projects/{project}/api_keys")[1]["data"]]
     # an archived project's keys stop too
     _, _, other = make_key(a, "team-y")
     until(lambda: served(b, other))
