@@ -285,7 +285,7 @@ class ServerConfig:
         self.chat_template_origin()
         Tenants.load(self.tenants_file or None)
         load_admin_keys(self.admin_keys_file, os.environ.get(ADMIN_KEYS_ENV, ""))
-        Prices.load(self.prices_file)
+        Prices.load(self.prices_file).check(self.model_ids, self.prices_file)
 
     def control_db_path(self) -> str:
         """The SQLite file of the control plane (without Redis)."""

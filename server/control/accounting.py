@@ -66,8 +66,16 @@ class Prices:
     def any_set(self) -> bool:
         return any(p != Price() for p in self.by_model.values())
 
-    def of(self, model: str) -> Price:
-        return self.by_model.get(model, Price())
+    def of(self, names: tuple[str, ...]) -> Price:
+        """The price of the model served under ``names`` (the first of them the file names)."""
+        return next((self.by_model[n] for n in names if n in self.by_model), Price())
+
+    def check(self, names: tuple[str, ...], path: str) -> None:
+        """Raises ConfigError if the file prices a model this server does not serve."""
+        for model in self.by_model:
+            if model not in names:
+                raise ConfigError(f"prices file {path}: model {model!r} is not served here (its names: "
+                                  f"{', '.join(names)})")
 
     @classmethod
     def load(cls, path: str) -> "Prices":
@@ -121,10 +129,13 @@ class Reservation:
 
 
 class Accounting:
-    """Spend and usage for one served ``model`` over the control plane ``control``."""
+    """Spend and usage for the served model (``model_names``: every name it is served under)
+    over the control plane ``control``."""
 
-    def __init__(self, control: ControlPlane, prices: Prices, model: str, clock=time.time):
-        self.control, self.prices, self.model, self.clock = control, prices, model, clock
+    def __init__(self, control: ControlPlane, prices: Prices, model_names: tuple[str, ...], clock=time.time):
+        #: usage is recorded under the model's first name; its price is under any of them
+        self.control, self.prices, self.model, self.clock = control, prices, model_names[0], clock
+        self.price = prices.of(model_names)
         self.usage = UsageBuffer(control.store)
         self._touched: dict[str, float] = {}  # key id -> when this process last wrote its last use
 
@@ -132,7 +143,7 @@ class Accounting:
         """The project's cost limit (nano-dollars; only with a price set) and token quota."""
         state = self.control.state
         spend = state.doc("spend_limit", tenant.id)
-        cost_limit = spend["threshold_amount"] * NANO_PER_CENT if spend and self.prices.any_set else None
+        cost_limit = spend["threshold_amount"] * NANO_PER_CENT if spend and self.price != Price() else None
         project = state.projects.get(tenant.id) or {}
         return cost_limit, project.get("monthly_token_quota")
 
@@ -147,7 +158,7 @@ class Accounting:
         cost_limit, token_limit = self._limits(tenant)
         if cost_limit is None and token_limit is None:
             return Reservation(self, tenant, month, None)
-        price = self.prices.of(self.model)
+        price = self.price
         cost = math.ceil(prompt_tokens * price.input + max_output_tokens * price.output)
         tokens = prompt_tokens + max_output_tokens
         rid = secrets.token_hex(12)
@@ -163,7 +174,7 @@ class Accounting:
 
     def settle(self, reservation: Reservation, input_tokens: int, output_tokens: int, cached_tokens: int) -> None:
         """Settle the spend to what was used and record the usage (one model request)."""
-        tenant, price = reservation.tenant, self.prices.of(self.model)
+        tenant, price = reservation.tenant, self.price
         cost = math.ceil((input_tokens - cached_tokens) * price.input + cached_tokens * price.cached_input
                          + output_tokens * price.output)
         try:  # every request's spend and tokens, so a limit set later counts the whole month

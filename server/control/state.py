@@ -37,6 +37,9 @@ log = logging.getLogger("control")
 ADMIN_KEYS_ENV = "ADMIN_KEYS"
 #: Seconds between two polls of the store's version by each process.
 POLL_S = 0.5
+#: An unknown key makes a process read the store's version at most this often (seconds), so a
+#: stream of wrong keys costs the store at most ten reads a second per process.
+CATCH_UP_S = 0.1
 _NO_KEY = bytes(32)
 
 
@@ -129,6 +132,7 @@ class ControlPlane:
         self.store, self.model, self.admin_keys = store, model, admin_keys
         self._lock = threading.Lock()
         self._stop = threading.Event()
+        self._caught_up = 0.0
         try:
             self.state = ControlState.build(*store.documents(), file, model)
         except ControlUnavailable:  # Redis not up yet: the file's tenants now, the store's at the first poll
@@ -149,7 +153,9 @@ class ControlPlane:
         """Where the tenants in force come from, for the start-up log line."""
         file, state = self.file, self.state
         stored = [p for p in state.tenants if p not in file.by_id]
-        keys = sum(1 for name in state.docs if name.startswith("api_key/"))
+        now = time.time()
+        keys = sum(1 for name, doc in state.docs.items() if name.startswith("api_key/")
+                   and doc["project_id"] in state.tenants and (doc.get("expires_at") or now + 1) > now)
         where = "Redis" if isinstance(self.store, RedisControl) else f"SQLite file {self.store.path}"
         parts = [f"{len(file.by_id)} projects with {len(file._by_digest)} keys from the tenant file {file.path}"
                  if file.path else "no tenant file",
@@ -183,6 +189,22 @@ class ControlPlane:
         """Change documents in the store and take the new state at once (this process)."""
         self.store.write(puts, deletes)
         return self.refresh()
+
+    def catch_up(self) -> bool:
+        """Read the store again now if its version moved since this process's last read (at
+        most every :data:`CATCH_UP_S`), so that a key made a moment ago through another process
+        or replica serves at once. Returns whether the state changed."""
+        now = time.monotonic()
+        if now - self._caught_up < CATCH_UP_S:
+            return False
+        self._caught_up = now
+        try:
+            if self.store.version() == self.state.version:
+                return False
+            self.refresh()
+            return True
+        except ControlUnavailable:  # keep the last state, as the poll does
+            return False
 
     def start(self) -> "ControlPlane":
         threading.Thread(target=self._poll, name="control-poll", daemon=True).start()

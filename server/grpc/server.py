@@ -68,7 +68,7 @@ def build(config: ServerConfig, engine: EngineClient,
     _ = config.model_ids  # the GGUF's name read now, not by a first request
     accounting = None
     if tenants.control is not None:
-        accounting = Accounting(tenants.control, Prices.load(config.prices_file), config.model_ids[0])
+        accounting = Accounting(tenants.control, Prices.load(config.prices_file), config.model_ids)
     generator = Generator(engine, tokenizer, ChatTemplate.of(tokenizer, config.chat_template_source()),
                           RateLimiter(engine.buckets, config.redis_url), accounting)
     # No cap on concurrent calls: gRPC would refuse the excess with RESOURCE_EXHAUSTED (which

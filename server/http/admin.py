@@ -170,7 +170,7 @@ class AdminPage:
         self._file(resp, "index.html")
 
     def on_get_file(self, req, resp, name):
-        self._file(resp, name)
+        self._file(resp, name or "index.html")  # /admin/ too
 
     @staticmethod
     def _file(resp, name: str) -> None:

@@ -80,7 +80,7 @@ def create_app(config: ServerConfig, generator: Generator, tenants: TenantRegist
     app.add_route("/health/live", health, suffix="live")
     app.add_route("/infer", Infer(config, generator, tenants))
     if generator.accounting is not None:  # the Admin API over the control plane the accounting uses
-        add_admin_routes(app, config, Admin(generator.accounting.control, generator.accounting.prices, config.model_ids),
+        add_admin_routes(app, config, Admin(generator.accounting.control, generator.accounting.price, config.model_ids),
                          generator.engine)
     if telemetry.metrics is not None:
         from server.observability.metrics import Scrape

@@ -41,7 +41,7 @@ def build(config: ServerConfig, tenants: TenantRegistry) -> falcon.App:
     engine = EngineClient.attach(os.environ["INFERENCE_SHM"])
     limiter = RateLimiter(engine.buckets, config.redis_url)
     tenants.control = ControlPlane.of(config, tenants.current).start()
-    accounting = Accounting(tenants.control, Prices.load(config.prices_file), config.model_ids[0])
+    accounting = Accounting(tenants.control, Prices.load(config.prices_file), config.model_ids)
     generator = Generator(engine, tokenizer, ChatTemplate.of(tokenizer, config.chat_template_source()), limiter,
                           accounting)
     # the node's response store, which the master created for its workers (server/gunicorn_conf.py)

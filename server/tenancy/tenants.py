@@ -273,6 +273,8 @@ class TenantRegistry:
         tenant = self.current.authenticate(key) if self.current.by_id else None
         if tenant is None and self.control is not None:
             tenant = self.control.state.authenticate(key)
+            if tenant is None and self.control.catch_up():  # a key made a moment ago elsewhere
+                tenant = self.control.state.authenticate(key)
         return tenant
 
     @property

@@ -64,3 +64,18 @@ def test_usage_buckets(store):
     assert store.usage("1m", [minute])[minute] == {("p", "k1", "m"): [11, 6, 2, 2]}
     day = store_module.bucket_start(t, "1d")
     assert store.usage("1d", [day])[day] == {("p", "k1", "m"): [11, 6, 2, 2], ("p", "k2", "m"): [7, 0, 7, 1]}
+
+
+def test_prices_by_any_served_name(tmp_path):
+    """A price is found under any name the model is served under; a name not served stops start-up."""
+    from engine.config import ConfigError
+    from server.control.accounting import Price, Prices
+
+    path = tmp_path / "prices.json"
+    path.write_text('{"local-model": {"input": 0.15, "output": 0.6}}')
+    prices = Prices.load(str(path))
+    assert prices.of(("SmolLM2", "local-model")) == Price(150.0, 150.0, 600.0)
+    assert prices.of(("other",)) == Price()
+    prices.check(("SmolLM2", "local-model"), str(path))
+    with pytest.raises(ConfigError, match="'local-model' is not served here"):
+        prices.check(("SmolLM2",), str(path))

@@ -313,7 +313,7 @@ def admin_app(app: "AppServer") -> "AppServer":
     model = app.config.model_ids[0]
     control = ControlPlane(SqliteControl(":memory:"), Tenants([]), model, load_admin_keys("", APP_ADMIN_KEY))
     generator = Generator(app.engine, app.generator.tokenizer, app.generator.template, app.generator.limiter,
-                          Accounting(control, Prices({}), model))
+                          Accounting(control, Prices({}), app.config.model_ids))
     return AppServer(app.config, generator, TenantRegistry(Tenants([]), control))
 
 
