@@ -27,6 +27,9 @@ from server.tenancy.tenants import Tenant
 NANO_PER_CENT = 10_000_000
 #: A key's ``last_used_at`` is written at most this often by each process (seconds).
 TOUCH_EVERY_S = 60.0
+#: A running request renews its reservation this often (seconds; it lapses after
+#: ``store.RESERVATION_TTL_S`` without one, when its process died).
+RENEW_EVERY_S = 60.0
 log = logging.getLogger("control")
 
 
@@ -107,12 +110,24 @@ class Prices:
 
 
 class Reservation:
-    """One request's reservation: made by :meth:`Accounting.reserve`, ended once by
-    :meth:`settle` (what was used) or :meth:`release` (nothing was)."""
+    """One request's reservation: made by :meth:`Accounting.reserve`, renewed while the request
+    runs (:meth:`renew`), ended once by :meth:`settle` (what was used) or :meth:`release`
+    (nothing was)."""
 
     def __init__(self, accounting: "Accounting", tenant: Tenant, month: str, rid: str | None):
         self.accounting, self.tenant, self.month, self.rid = accounting, tenant, month, rid
         self.done = False
+        self._renewed = time.monotonic()
+
+    def renew(self) -> None:
+        """Called as the request runs: keeps the reservation held (every :data:`RENEW_EVERY_S`)."""
+        if self.rid is None or self.done or time.monotonic() - self._renewed < RENEW_EVERY_S:
+            return
+        self._renewed = time.monotonic()
+        try:
+            self.accounting.control.store.renew(self.tenant.id, self.rid)
+        except ControlUnavailable:  # tried again at the next renewal
+            pass
 
     def settle(self, input_tokens: int, output_tokens: int, cached_tokens: int) -> None:
         if self.done:

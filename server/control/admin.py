@@ -17,15 +17,19 @@ Our fields, in OpenAI's style (listed in ``server/http/openapi.json``):
   ``tokens_used`` (this month), ``prices_set`` (whether any price is set: without one, the
   limit cannot fire and ``enforcement.status`` is ``inactive``).
 
-Bounds, so that no caller can grow the state without end: :data:`MAX_PROJECTS` projects,
-:data:`MAX_ACCOUNTS` service accounts and :data:`MAX_KEYS` keys per project, names of at most
-:data:`MAX_NAME` characters. A key's value is in the answer that creates it, and nowhere else.
+Bounds, so that no caller can grow the state without end: :data:`MAX_PROJECTS` projects
+(archived ones included: ``DELETE`` of an archived project, ours, makes room),
+:data:`MAX_ACCOUNTS` service accounts and :data:`MAX_KEYS` keys per project (expired keys are
+dropped with the next key made), names of at most :data:`MAX_NAME` characters. Each bound is
+checked on this process's copy of the state, so requests made at the same moment through
+several processes may pass it by as many as they are. A key's value is in the answer that creates it, and nowhere else.
 """
 from __future__ import annotations
 
 import hashlib
 import math
 import secrets
+import unicodedata
 import time
 
 from engine.errors import InvalidRequest
@@ -54,8 +58,10 @@ def _name(body: dict, required: bool) -> str | None:
     value = body.get("name")
     if value is None and not required:
         return None
-    if not isinstance(value, str) or not value.strip() or len(value) > MAX_NAME:
-        raise InvalidRequest(f"name must be a non-empty string of at most {MAX_NAME} characters", "name")
+    if not isinstance(value, str) or not value.strip() or len(value) > MAX_NAME or \
+            any(unicodedata.category(c) in ("Cc", "Cf", "Cs") for c in value):
+        raise InvalidRequest(f"name must be a non-empty string of at most {MAX_NAME} characters, without control "
+                             "or format characters", "name")
     return value
 
 
@@ -152,12 +158,13 @@ class Admin:
                        "monthly_token_quota"})
         _unsupported(body, "residency", "external_key_id")
         name = _name(body, True)
-        if len(self.state.projects) >= MAX_PROJECTS:
-            raise Conflict(f"this server holds at most {MAX_PROJECTS} projects; archive and reuse one", "name")
         doc = self._project_settings(body, {"id": "proj_" + secrets.token_hex(12), "name": name,
                                             "created_at": int(self.clock()), "archived_at": None,
                                             "priority": "normal", "weight": 1.0, "max_concurrent": None,
                                             "monthly_token_quota": None})
+        if len(self.state.projects) >= MAX_PROJECTS:
+            raise Conflict(f"this server holds at most {MAX_PROJECTS} projects, archived ones included; delete "
+                           "an archived one (DELETE /v1/organization/projects/{id})", "name")
         self.control.write({f"project/{doc['id']}": doc})
         return self.project_object(doc), ("project.create", doc["id"])
 
@@ -177,6 +184,21 @@ class Admin:
         doc["archived_at"] = doc.get("archived_at") or int(self.clock())
         self.control.write({f"project/{project_id}": doc})
         return self.project_object(doc), ("project.archive", project_id)
+
+    def delete_project(self, project_id: str) -> tuple[dict, tuple[str, str]]:
+        """An archived project gone with its service accounts, keys and limits (ours; OpenAI
+        keeps archived projects forever, which a bounded server cannot). Its usage stays."""
+        doc = self.project(project_id, writable=True)
+        if not doc.get("archived_at"):
+            raise Conflict(f"project {shown(project_id)} is active; archive it first", "project_id")
+        owned = [f"{kind}/{d['id']}" for kind in ("service_account", "api_key")
+                 for d in self.state.of_kind(kind, project_id=project_id)]
+        keys = [d["id"] for d in self.state.of_kind("api_key", project_id=project_id)]
+        limits = [n for n, d in self.state.docs.items() if n.startswith("rate_limit/") and d["project_id"] == project_id]
+        self.control.write({}, (f"project/{project_id}", f"spend_limit/{project_id}", *owned, *limits))
+        self._forget(keys)
+        return ({"object": "organization.project.deleted", "id": project_id, "deleted": True},
+                ("project.delete", project_id))
 
     # service accounts and keys
     def _account(self, project_id: str, account_id: str) -> dict:
@@ -207,7 +229,9 @@ class Admin:
                      if d.get("expires_at") is not None and d["expires_at"] <= now)
 
     def _key_docs(self, project_id: str, account: dict, body: dict, name: str) -> tuple[dict, str]:
-        """A new key's document and its value."""
+        """A new key's document and its value (never for an archived project)."""
+        if self.state.projects[project_id].get("archived_at"):
+            raise Conflict(f"project {shown(project_id)} is archived", "project_id")
         live = len(self.state.of_kind("api_key", project_id=project_id)) - len(self._expired(project_id))
         if live >= MAX_KEYS:
             raise Conflict(f"a project holds at most {MAX_KEYS} keys; revoke one first", "project_id")
@@ -247,6 +271,7 @@ class Admin:
             out["api_key"] = self._created_key(key, value)
             expired = self._expired(project_id)
         self.control.write(puts, expired)
+        self._forget([n.removeprefix("api_key/") for n in expired])
         return out, ("service_account.create", account["id"])
 
     def update_account(self, project_id: str, account_id: str, body: dict) -> tuple[dict, tuple[str, str]]:
@@ -278,7 +303,9 @@ class Admin:
         if body.get("scopes") is not None:
             raise InvalidRequest("scopes: this server's keys have one scope, the project's routes", "scopes")
         key, value = self._key_docs(project_id, account, body, _name(body, False) or account["name"])
-        self.control.write({f"api_key/{key['id']}": key}, self._expired(project_id))
+        expired = self._expired(project_id)
+        self.control.write({f"api_key/{key['id']}": key}, expired)
+        self._forget([n.removeprefix("api_key/") for n in expired])
         return self._created_key(key, value), ("api_key.create", key["id"])
 
     def _last_used(self, docs: list[dict]) -> dict[str, int | None]:
@@ -330,7 +357,7 @@ class Admin:
         return self.key_object(doc, self._last_used([doc]).get(api_key_id))
 
     def delete_key(self, project_id: str, api_key_id: str) -> tuple[dict, tuple[str, str]]:
-        """Revoked: refused at once here, within ``POLL_S`` on every replica."""
+        """Revoked: refused within ``POLL_S`` by every process of every replica."""
         self.project(project_id, writable=True)
         self._key(project_id, api_key_id)
         self.control.write({}, (f"api_key/{api_key_id}",))
@@ -357,6 +384,7 @@ class Admin:
         old["expires_at"] = ends if old.get("expires_at") is None else min(old["expires_at"], ends)
         expired = tuple(n for n in self._expired(project_id) if n != f"api_key/{api_key_id}")
         self.control.write({f"api_key/{key['id']}": key, f"api_key/{api_key_id}": old}, expired)
+        self._forget([n.removeprefix("api_key/") for n in expired])
         return self._created_key(key, value), ("api_key.rotate", api_key_id)
 
     # rate limits

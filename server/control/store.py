@@ -44,8 +44,9 @@ log = logging.getLogger("control")
 #: Usage bucket widths (OpenAI's ``bucket_width``) in seconds, and how long each is kept.
 WIDTHS = {"1m": 60, "1h": 3600, "1d": 86400}
 RETENTION_S = {"1m": 30 * 86400, "1h": 90 * 86400, "1d": 400 * 86400}
-#: A reservation not settled after this long (its process died) is given back.
-RESERVATION_TTL_S = 6 * 3600
+#: A reservation not renewed for this long (its process died) is given back; a running request
+#: renews its own every ``accounting.RENEW_EVERY_S``.
+RESERVATION_TTL_S = 600
 _COUNTERS = ("input_tokens", "output_tokens", "input_cached_tokens", "num_model_requests")
 _SEP = "\x1f"
 
@@ -130,6 +131,13 @@ redis.call('HSET', KEYS[3], ARGV[1], ARGV[2] .. ',' .. ARGV[3] .. ',' .. ARGV[7]
 return {1, spent, reserved + cost, tokens, tokens_reserved + ntok}
 """
 
+_RENEW = """
+-- KEYS: reservations zset. ARGV: id, ttl ms. Only a reservation still held.
+local t = redis.call('TIME')
+redis.call('ZADD', KEYS[1], 'XX', tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000) + tonumber(ARGV[2]), ARGV[1])
+return 1
+"""
+
 _SETTLE = """
 -- KEYS: month hash, reservations zset, reservation amounts. ARGV: id, cost, tokens, month.
 local amt = redis.call('HGET', KEYS[3], ARGV[1])
@@ -147,14 +155,24 @@ return 1
 """
 
 
+#: Socket timeout of the documents' reads and writes (seconds): the whole state is read at once
+#: (10,000 projects are megabytes), off the request path but for an unknown key's catch-up.
+DOCUMENTS_TIMEOUT_S = 2.0
+
+
 class RedisControl:
     """The state in Redis (see the module docstring). Every call raises
-    :class:`ControlUnavailable` when Redis cannot be reached."""
+    :class:`ControlUnavailable` when Redis cannot be reached: a request's own calls (spend,
+    usage) within the rate limiter's 50 ms (``fast_redis``), the documents' within
+    :data:`DOCUMENTS_TIMEOUT_S`."""
 
     def __init__(self, url: str):
         self.redis = fast_redis(url)
+        self.docs_redis = redis.Redis.from_url(url, socket_timeout=DOCUMENTS_TIMEOUT_S,
+                                               socket_connect_timeout=DOCUMENTS_TIMEOUT_S)
         self._reserve = self.redis.register_script(_RESERVE)
         self._settle = self.redis.register_script(_SETTLE)
+        self._renew = self.redis.register_script(_RENEW)
 
     def _call(self, fn, *args, **kwargs):
         try:
@@ -169,7 +187,7 @@ class RedisControl:
 
     def documents(self) -> tuple[int, dict[str, dict]]:
         """``(version, {"<kind>/<id>": document})``, read together."""
-        pipe = self.redis.pipeline(transaction=True)
+        pipe = self.docs_redis.pipeline(transaction=True)
         pipe.get("control:version")
         pipe.hgetall("control:docs")
         version, docs = self._call(pipe.execute)
@@ -177,7 +195,7 @@ class RedisControl:
 
     def write(self, puts: dict[str, dict], deletes: tuple[str, ...] = ()) -> None:
         """Put and delete documents, and bump the version, in one transaction."""
-        pipe = self.redis.pipeline(transaction=True)
+        pipe = self.docs_redis.pipeline(transaction=True)
         if puts:
             pipe.hset("control:docs", mapping={k: json.dumps(v) for k, v in puts.items()})
         if deletes:
@@ -199,6 +217,10 @@ class RedisControl:
                          args=[rid, cost, tokens, -1 if cost_limit is None else cost_limit,
                                -1 if token_limit is None else token_limit, RESERVATION_TTL_S * 1000, month])
         return bool(out[0]), Spend(*(int(x) for x in out[1:]))
+
+    def renew(self, project: str, rid: str) -> None:
+        """Keep reservation ``rid`` another :data:`RESERVATION_TTL_S` (its request still runs)."""
+        self._call(self._renew, keys=self._spend_keys(project, "")[1:2], args=[rid, RESERVATION_TTL_S * 1000])
 
     def settle(self, project: str, month: str, rid: str, cost: int, tokens: int) -> None:
         """Give back reservation ``rid`` (if still held) and add what was used."""
@@ -342,6 +364,10 @@ class SqliteControl:
                        (rid, project, month, cost, tokens, now + RESERVATION_TTL_S))
             return True, Spend(spend.spent, spend.reserved + cost, spend.tokens, spend.tokens_reserved + tokens)
         return self._tx(run)
+
+    def renew(self, project: str, rid: str) -> None:
+        self._tx(lambda db: db.execute("UPDATE reservations SET expires = ? WHERE id = ?",
+                                       (time.time() + RESERVATION_TTL_S, rid)))
 
     def settle(self, project: str, month: str, rid: str, cost: int, tokens: int) -> None:
         def run(db):

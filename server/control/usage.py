@@ -38,10 +38,9 @@ def _int(params: dict, name: str, lo: int, hi: int) -> int | None:
     value = _one(params, name)
     if value is None:
         return None
-    try:
-        n = int(value)
-    except ValueError:
-        raise InvalidRequest(f"{name} must be an integer, got {shown(value)}", name) from None
+    if not (value.isascii() and value.isdigit()):
+        raise InvalidRequest(f"{name} must be an integer, got {shown(value)}", name)
+    n = int(value)
     if not lo <= n <= hi:
         raise InvalidRequest(f"{name} must be in [{lo}, {hi}], got {n}", name)
     return n
@@ -81,10 +80,9 @@ def usage_page(store, params: dict, now: float | None = None) -> dict:
     first = bucket_start(start, width)
     page = _one(params, "page")
     if page is not None:
-        try:
-            first = int(page)
-        except ValueError:
-            raise InvalidRequest(f"page: not a cursor this server gave, {shown(page)}", "page") from None
+        if not (page.isascii() and page.isdigit()):
+            raise InvalidRequest(f"page: not a cursor this server gave, {shown(page)}", "page")
+        first = int(page)
         if first % WIDTHS[width] or first < bucket_start(start, width):
             raise InvalidRequest(f"page: not a cursor of this query, {shown(page)}", "page")
     group_by = _list(params, "group_by") or []
@@ -97,7 +95,7 @@ def usage_page(store, params: dict, now: float | None = None) -> dict:
     filters = {"project_id": _list(params, "project_ids"), "api_key_id": _list(params, "api_key_ids"),
                "model": _list(params, "models")}
     step = WIDTHS[width]
-    starts = list(range(first, end, step))[:limit + 1]
+    starts = list(range(first, end, step)[:limit + 1])  # a range's slice: never the whole span
     more = len(starts) > limit
     starts = starts[:limit]
     rows = store.usage(width, starts)

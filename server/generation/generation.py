@@ -120,6 +120,8 @@ class Generation:
             return
         try:
             for k, tokens in follow(self.streams, self.watch_socket, keepalive_s):
+                if self.submission.reservation is not None:
+                    self.submission.reservation.renew()
                 if k < 0:
                     yield None
                     continue

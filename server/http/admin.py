@@ -38,7 +38,7 @@ def _paging(req: falcon.Request, *others: str) -> tuple[str | None, int]:
         if name not in ("after", "limit", *others):
             raise InvalidRequest(f"query parameter {shown(name)} is not supported here", name)
     limit = req.params.get("limit", "20")
-    if not isinstance(limit, str) or not limit.isdigit() or not 1 <= int(limit) <= 100:
+    if not isinstance(limit, str) or not (limit.isascii() and limit.isdigit()) or not 1 <= int(limit) <= 100:
         raise InvalidRequest(f"limit must be an integer in [1, 100], got {shown(limit)}", "limit")
     after = req.params.get("after")
     if after is not None and not isinstance(after, str):
@@ -82,6 +82,9 @@ class AdminAPI:
 
     def on_post_project(self, req, resp, project_id):
         self._done(req, resp, self.admin.modify_project(project_id, self._body(req)))
+
+    def on_delete_project(self, req, resp, project_id):
+        self._done(req, resp, self.admin.delete_project(project_id))
 
     def on_post_archive(self, req, resp, project_id):
         self._done(req, resp, self.admin.archive_project(project_id))

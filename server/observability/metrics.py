@@ -123,11 +123,12 @@ class ProjectCollector:
 
 class Scrape:
     """``GET /metrics``: every process's metrics added up (Prometheus text format 0.0.4). Needs
-    no API key. Outside multiprocess mode (an app in one process), this process's registry."""
+    no API key, but an admin key when ``admin`` (admin keys are configured and the metrics
+    share the public port: they name the projects). Outside multiprocess mode (an app in one
+    process), this process's registry."""
 
-    public = True
-
-    def __init__(self, engine: EngineClient, control=None):
+    def __init__(self, engine: EngineClient, control=None, admin: bool = False):
+        self.public, self.admin = not admin, admin
         self.path = os.environ.get(metrics_dir.ENV)
         self.registry = CollectorRegistry()
         if self.path:

@@ -170,7 +170,8 @@ def test_spend_limit_holds_under_concurrency(replicas):
     status, spend = admin(b, "GET", f"/projects/{project}/spend_limit")
     assert spend["spent_amount"] <= cents and spend["reserved_amount"] == 0, spend
     assert spend["enforcement"]["status"] == "enforcing"
-    metrics = get(a, "/metrics").body.decode()
+    assert get(a, "/metrics").status == 401  # with admin keys, on the public port: they name the projects
+    metrics = get(a, "/metrics", key=ADMIN).body.decode()
     assert f'inference_project_spend_limit_cents{{project="{project}"}} {float(cents)}' in metrics
     assert f'inference_project_spend_cents{{project="{project}"}} {spend["spent_amount"]}' in metrics
     # the next one, if the last worst case does not fit any more
@@ -294,3 +295,26 @@ def test_docs_session(replicas, tmp_path):
     key, new = out.stdout.strip().splitlines()[-1].replace("KEY=", "").replace("NEW=", "").split()
     assert not served(a, key) and served(a, new)
     assert '"input_tokens"' in out.stdout and '"max_requests_per_1_minute":60' in out.stdout.replace(" ", "")
+
+
+def test_bounds_and_hostile_input(replicas):
+    """What a hostile admin client found: bounded work for any usage range, 400s naming the field
+    (never a 5xx), no key made in an archived project, archived projects deletable."""
+    a, _ = replicas
+    start = time.monotonic()
+    status, page = admin(a, "GET", "/usage/completions?start_time=0&end_time=99999999999&bucket_width=1m&limit=1")
+    assert status == 200 and len(page["data"]) == 1 and page["has_more"] and time.monotonic() - start < 5
+    for query in ("/projects?limit=%C2%B2", "/usage/completions?start_time=1_000", "/projects?before=x"):
+        status, body = admin(a, "GET", query)
+        assert status == 400 and body["error"]["param"], (query, body)
+    status, body = admin(a, "POST", "/projects", {"name": "evil\u202e\u0000\n"})
+    assert status == 400 and body["error"]["param"] == "name"
+    project, key_id, _ = make_key(a, "to-delete")
+    assert admin(a, "DELETE", f"/projects/{project}")[0] == 409  # active
+    admin(a, "POST", f"/projects/{project}/archive")
+    account = admin(a, "GET", f"/projects/{project}/service_accounts")[1]["data"][0]["id"]
+    assert admin(a, "POST", f"/projects/{project}/service_accounts/{account}/api_keys", {})[0] == 409
+    assert admin(a, "POST", f"/projects/{project}/api_keys/{key_id}/rotate", {})[0] == 409
+    status, body = admin(a, "DELETE", f"/projects/{project}")
+    assert status == 200 and body == {"object": "organization.project.deleted", "id": project, "deleted": True}
+    assert admin(a, "GET", f"/projects/{project}")[0] == 404
