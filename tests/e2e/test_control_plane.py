@@ -9,6 +9,7 @@ Skipped, saying why, without a redis-server."""
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import json
 import subprocess
 import time
@@ -19,7 +20,7 @@ import pytest
 from proto import inference_pb2 as pb
 from proto import inference_pb2_grpc
 from tests.support.http import CHAT, COMPLETIONS, MODEL, RESPONSES, get, post, request
-from tests.support.servers import needs_redis, redis_server, running_server
+from tests.support.servers import RunningServer, needs_redis, redis_server, running_server
 
 pytestmark = needs_redis
 
@@ -243,42 +244,54 @@ def test_no_key_value_in_logs(replicas):
         assert '"event": "admin"' in log or server is b
 
 
-def test_restart_keeps_state(redis_url, prices, tmp_path):
-    """Both backends: a restart loses no project, key, spend or usage (Redis: both replicas
-    restarted; SQLite: the node's file)."""
-    for backend in (("--redis-url", redis_url), ("--control-db", str(tmp_path / "control.db"))):
-        flags = (*backend, "--prices", prices, "--workers", "1", "--model-id", MODEL)
-        with running_server(*flags, env={"ADMIN_KEYS": ADMIN}) as s:
+@contextlib.contextmanager
+def started_together(*flag_sets, env: dict):
+    """One server per set of flags, started at once (their starts overlap); stops every one."""
+    with concurrent.futures.ThreadPoolExecutor(len(flag_sets)) as pool:
+        starts = [pool.submit(RunningServer, *flags, env=env) for flags in flag_sets]
+    try:
+        yield [s.result() for s in starts]
+    finally:
+        for s in starts:
+            if s.exception() is None:
+                s.result().stop()
+
+
+def test_restart_keeps_state_and_the_file_wins(redis_url, prices, tmp_path):
+    """Both backends, their servers started together: a restart loses no project, key, spend or
+    usage (Redis; SQLite: the node's file). The SQLite one also loads a tenant file: its tenants
+    are projects the Admin API lists but does not change (the file wins), and the start-up log
+    says where the projects and keys come from."""
+    from tests.support.tenants import write_tenants
+    tenants = write_tenants(tmp_path / "tenants.json", [{"id": "team-file", "api_keys": ["file-key-0123456789"]}])
+    common = ("--prices", prices, "--workers", "1", "--model-id", MODEL)
+    flag_sets = (("--redis-url", redis_url, *common),
+                 ("--control-db", str(tmp_path / "control.db"), "--tenants", tenants, *common))
+    env = {"ADMIN_KEYS": ADMIN}
+    made = []
+    with started_together(*flag_sets, env=env) as servers:
+        for s in servers:
             project, _, value = make_key(s, "durable")
-            spent = completion(s, value, 3).json()["usage"]
-            spend = admin(s, "GET", f"/projects/{project}/spend_limit")[1]
-        with running_server(*flags, env={"ADMIN_KEYS": ADMIN}) as s:
+            usage = completion(s, value, 3).json()["usage"]
+            made.append((project, value, usage, admin(s, "GET", f"/projects/{project}/spend_limit")[1]))
+        file_server = servers[1]
+        projects = admin(file_server, "GET", "/projects")[1]["data"]
+        assert next(p for p in projects if p["id"] == "team-file")["source"] == "file"
+        keys = admin(file_server, "GET", "/projects/team-file/api_keys")[1]["data"]
+        assert len(keys) == 1 and "file-key-0123456789" not in json.dumps(keys)
+        status, body = admin(file_server, "POST", "/projects/team-file", {"name": "renamed"})
+        assert status == 409 and body["error"]["param"] == "project_id"
+        assert served(file_server, "file-key-0123456789")
+        log = open(file_server.log).read()
+        assert "1 projects with 1 keys from the tenant file" in log and "Admin API on (1 admin keys)" in log
+    with started_together(*flag_sets, env=env) as servers:
+        for s, (project, value, usage, spend) in zip(servers, made):
             assert served(s, value)
             again = admin(s, "GET", f"/projects/{project}/spend_limit")[1]
             assert again["spent_amount"] > spend["spent_amount"] > 0
-            assert spend["tokens_used"] == spent["prompt_tokens"] + spent["completion_tokens"]
+            assert spend["tokens_used"] == usage["prompt_tokens"] + usage["completion_tokens"]
             page = admin(s, "GET", f"/usage/completions?start_time={int(time.time()) - 600}&project_ids={project}")[1]
             assert sum(r["num_model_requests"] for b in page["data"] for r in b["results"]) == 2
-
-
-def test_tenant_file_projects(tmp_path):
-    """The tenant file's tenants are projects the Admin API lists but does not change (the file
-    wins); the start-up log says where the projects and keys come from."""
-    from tests.support.tenants import write_tenants
-    tenants = write_tenants(tmp_path / "tenants.json", [{"id": "team-file", "api_keys": ["file-key-0123456789"]}])
-    with running_server("--tenants", tenants, "--workers", "1", env={"ADMIN_KEYS": ADMIN}) as s:
-        status, projects = admin(s, "GET", "/projects")
-        file_project = next(p for p in projects["data"] if p["id"] == "team-file")
-        assert file_project["source"] == "file"
-        keys = admin(s, "GET", "/projects/team-file/api_keys")[1]["data"]
-        assert len(keys) == 1 and "file-key-0123456789" not in json.dumps(keys)
-        status, body = admin(s, "POST", "/projects/team-file", {"name": "renamed"})
-        assert status == 409 and body["error"]["param"] == "project_id"
-        assert served(s, "file-key-0123456789")
-        project, _, value = make_key(s, "api-made")
-        assert served(s, value)
-        log = open(s.log).read()
-        assert "1 projects with 1 keys from the tenant file" in log and "Admin API on (1 admin keys)" in log
 
 
 def test_docs_session(replicas, tmp_path):

@@ -106,6 +106,7 @@ STREAMING = _schema(_cheap_document(stream=True), schemathesis.GenerationMode.PO
     path=[CHAT, COMPLETIONS, "/v1/responses"])
 NEGATIVE = _schema(_pinned_document(), schemathesis.GenerationMode.NEGATIVE).include(method="POST").exclude(tag="Admin")
 OWN_ADMIN = _schema(_pinned_document(), schemathesis.GenerationMode.POSITIVE).include(tag="Admin")
+OWN_ADMIN.config.generation.update(max_examples=2)  # the coverage phase's cases, and two random ones
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_headers_conformance,
           response_schema_conformance, negative_data_rejection]
 SETTINGS = hypothesis.settings(deadline=None, suppress_health_check=list(hypothesis.HealthCheck))
@@ -197,7 +198,7 @@ ADMIN_KEY = "generated-requests-admin-key-0"
 NOT_SERVED = ("/organization/projects/{project_id}/model_permissions", "/embeddings", "/organization/usage/embeddings")
 ADMIN = schemathesis.openapi.from_dict({**ADMIN_DOC, "paths": {p: v for p, v in ADMIN_DOC["paths"].items()
                                                                if p not in NOT_SERVED}})
-ADMIN.config.generation.update(modes=[schemathesis.GenerationMode.POSITIVE], max_examples=5)
+ADMIN.config.generation.update(modes=[schemathesis.GenerationMode.POSITIVE], max_examples=2)
 
 
 @pytest.fixture(scope="module")
