@@ -23,10 +23,6 @@
   const KEY_STORE = "inference-server.admin-key";
   const REFRESH_MS = 5000;
   const PAGE_SIZE = 20;
-  // A change is in force at once in the process that made it, in the server's other workers and
-  // replicas within its poll (0.5 s, server/control/state.py POLL_S): for this long after a change
-  // a 404 on a read is tried again, and the lists it changed are read once more.
-  const SETTLE_MS = 1500;
   const WIDTH_S = {"1m": 60, "1h": 3600, "1d": 86400};
   const WIDTH_N = {"1m": 60, "1h": 24, "1d": 31};  // buckets shown: the last hour, day, month
   const COLORS = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f",
@@ -40,7 +36,6 @@
     cursors: [null],      // the `after` of each page of projects visited
     page: 0,
     rateLimitId: null,
-    wroteAt: -Infinity,   // performance.now() of the last change made
     chart: null,
     timer: null,
     busy: {usage: false, engine: false, spend: false},
@@ -60,26 +55,12 @@
     return sessionStorage.getItem(KEY_STORE);
   }
 
-  const sleep = (ms) => new Promise((resolve) => setTimeout(resolve, ms));
+  // Every admin request reads the server's latest state first (server/control/admin.py,
+  // Admin.sync): a read after a change sees it, whichever worker or replica answers.
+  const api = (method, path, body) => call(method, path, body);
 
-  async function api(method, path, body) {
-    for (;;) {
-      try {
-        const data = await call(method, path, body);
-        if (method !== "GET") state.wroteAt = performance.now();
-        return data;
-      } catch (e) {  // another worker that has not seen the change yet: ask again
-        if (!(method === "GET" && e.status === 404 && performance.now() - state.wroteAt < SETTLE_MS)) throw e;
-        await sleep(200);
-      }
-    }
-  }
-
-  /** Run the reads ``fns`` now and once more when every worker has seen the change just made. */
+  /** Run the reads ``fns`` after a change. */
   async function reread(...fns) {
-    setTimeout(() => {
-      if (adminKey()) fns.forEach((fn) => fn().catch(failed));  // not after a logout
-    }, SETTLE_MS);
     await Promise.all(fns.map((fn) => fn()));
   }
 
