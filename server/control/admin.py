@@ -194,7 +194,8 @@ class Admin:
         owned = [f"{kind}/{d['id']}" for kind in ("service_account", "api_key")
                  for d in self.state.of_kind(kind, project_id=project_id)]
         keys = [d["id"] for d in self.state.of_kind("api_key", project_id=project_id)]
-        limits = [n for n, d in self.state.docs.items() if n.startswith("rate_limit/") and d["project_id"] == project_id]
+        limits = [n for n, d in self.state.docs.items()
+                  if n.startswith("rate_limit/") and d["project_id"] == project_id]
         self.control.write({}, (f"project/{project_id}", f"spend_limit/{project_id}", *owned, *limits))
         self._forget(keys)
         return ({"object": "organization.project.deleted", "id": project_id, "deleted": True},

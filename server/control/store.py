@@ -134,7 +134,8 @@ return {1, spent, reserved + cost, tokens, tokens_reserved + ntok}
 _RENEW = """
 -- KEYS: reservations zset. ARGV: id, ttl ms. Only a reservation still held.
 local t = redis.call('TIME')
-redis.call('ZADD', KEYS[1], 'XX', tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000) + tonumber(ARGV[2]), ARGV[1])
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+redis.call('ZADD', KEYS[1], 'XX', now + tonumber(ARGV[2]), ARGV[1])
 return 1
 """
 

@@ -158,7 +158,8 @@ class EngineNow:
         snap = self.engine.snapshot()
         resp.media = {"object": "engine.state", "ready": self.engine.ready(),
                       "slots_in_use": sum(1 for m in snap.slot_mailbox if m >= 0), "slots": len(snap.slot_mailbox),
-                      "queued": snap.n_waiting, "kv_cells": snap.kv_cells, "kv_cells_budget": self.config.kv_cache_tokens,
+                      "queued": snap.n_waiting, "kv_cells": snap.kv_cells,
+                      "kv_cells_budget": self.config.kv_cache_tokens,
                       "prefix_cache_entries": snap.cache_entries, "prefix_cache_tokens": snap.cache_tokens,
                       "preemptions": snap.preemptions}
 

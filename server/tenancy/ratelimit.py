@@ -9,7 +9,8 @@ Generated tokens are charged without a check, so a running request is never cut 
 that overran waits until its bucket refills above 1.
 
 Redis: one Lua script refills, checks and takes atomically, with the time from Redis ``TIME``
-(not each replica's clock), keys hash-tagged per tenant (``ratelimit:{<tenant>}:requests``, ``:tokens``, ``:requests_per_day``) so
+(not each replica's clock), keys hash-tagged per tenant (``ratelimit:{<tenant>}:requests``,
+``:tokens``, ``:requests_per_day``) so
 they share one Redis Cluster slot, and a TTL so idle tenants leave nothing behind.
 
 Fail-open (``server/tenancy/redis_link.py``): socket and connect timeouts of 50 ms and no
@@ -125,7 +126,8 @@ class RateLimiter:
         limits = _limits(tenant)
         if not limits:
             return Decision(True, 0.0, {})
-        decision = self._run(tenant, limits, {"requests": 1, "tokens": prompt_tokens}, check=True)
+        costs = {"requests": 1, "tokens": prompt_tokens, "requests_per_day": 1}
+        decision = self._run(tenant, limits, costs, check=True)
         if not decision.allowed:
             raise RateLimited(f"tenant {tenant.id!r} is over its rate limit", decision.retry_after_s,
                               decision.buckets)
@@ -136,7 +138,7 @@ class RateLimiter:
         server was full); levels never exceed the burst."""
         limits = _limits(tenant)
         if limits:
-            self._run(tenant, limits, {"requests": -1, "tokens": -prompt_tokens}, check=False)
+            self._run(tenant, limits, {"requests": -1, "tokens": -prompt_tokens, "requests_per_day": -1}, check=False)
 
     def charge(self, tenant: Tenant, tokens: int) -> None:
         """Take ``tokens`` generated tokens, unconditionally (the level may go below zero)."""
