@@ -100,7 +100,7 @@ class ProjectCollector:
         from server.control.store import ControlUnavailable, month_of
 
         state = self.control.state
-        projects = sorted(state.tenants)
+        projects = sorted({*state.tenants, *state.file.by_id})  # the store's active projects and the file's
         try:
             spends = self.control.store.spends(projects, month_of(time.time()))
         except ControlUnavailable:
