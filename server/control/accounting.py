@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import calendar
 import json
-import logging
 import math
 import secrets
 import time
@@ -21,7 +20,7 @@ from dataclasses import dataclass
 from engine.config import ConfigError
 from engine.errors import RateLimited
 from server.control.state import ControlPlane
-from server.control.store import ControlUnavailable, UsageBuffer, UsageRecord, month_of
+from server.control.store import ControlUnavailable, Settlement, UsageRecord, WriteBehind, month_of
 from server.tenancy.tenants import Tenant
 
 NANO_PER_CENT = 10_000_000
@@ -30,7 +29,6 @@ TOUCH_EVERY_S = 60.0
 #: A running request renews its reservation this often (seconds; it lapses after
 #: ``store.RESERVATION_TTL_S`` without one, when its process died).
 RENEW_EVERY_S = 60.0
-log = logging.getLogger("control")
 
 
 def month_end(t: float) -> float:
@@ -151,7 +149,7 @@ class Accounting:
         #: usage is recorded under the model's first name; its price is under any of them
         self.control, self.prices, self.model, self.clock = control, prices, model_names[0], clock
         self.price = prices.of(model_names)
-        self.usage = UsageBuffer(control.store)
+        self.writes = WriteBehind(control.store)
         self._touched: dict[str, float] = {}  # key id -> when this process last wrote its last use
 
     def _limits(self, tenant: Tenant) -> tuple[int | None, int | None]:
@@ -192,14 +190,12 @@ class Accounting:
         tenant, price = reservation.tenant, self.price
         cost = math.ceil((input_tokens - cached_tokens) * price.input + cached_tokens * price.cached_input
                          + output_tokens * price.output)
-        try:  # every request's spend and tokens, so a limit set later counts the whole month
-            self.control.store.settle(tenant.id, reservation.month, reservation.rid or "", cost,
-                                      input_tokens + output_tokens)
-        except ControlUnavailable:  # the answer is given; the reservation expires (RESERVATION_TTL_S)
-            log.warning("control plane: a request's spend could not be settled (the store is unreachable)")
         now = self.clock()
-        self.usage.add(UsageRecord(tenant.id, tenant.key_id or "", self.model, now, input_tokens,
-                                   output_tokens, cached_tokens))
+        # every request's spend and tokens, so a limit set later counts the whole month
+        self.writes.add(Settlement(tenant.id, reservation.month, reservation.rid or secrets.token_hex(12), cost,
+                                   input_tokens + output_tokens),
+                        UsageRecord(tenant.id, tenant.key_id or "", self.model, now, input_tokens,
+                                    output_tokens, cached_tokens))
         if tenant.key_id and now - self._touched.get(tenant.key_id, 0.0) >= TOUCH_EVERY_S:
             if len(self._touched) > 100_000:  # keys seen by this process: bounded
                 self._touched.clear()

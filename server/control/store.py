@@ -20,8 +20,10 @@ nano-dollars a token), so that sums are exact.
 
 Unlike the rate limiter, the control plane does not fail open: a reservation that cannot reach
 Redis is refused (503, the request may be retried), because a spend limit that lets requests
-through while Redis is down would not hold. Usage that cannot be written is kept in memory and
-written with the next record (:class:`UsageBuffer`), bounded.
+through while Redis is down would not hold. What a finished request writes, if it cannot, is
+kept in memory and written with a later request's (:class:`WriteBehind`), bounded. As the rate
+limiter's, Redis calls never wait on an outage: a circuit breaker opens at the first connection
+failure (``server/tenancy/redis_link.py``).
 """
 from __future__ import annotations
 
@@ -37,7 +39,7 @@ from urllib.parse import quote
 import redis
 
 from engine.errors import EngineUnavailable
-from server.tenancy.redis_link import fast_redis
+from server.tenancy.redis_link import Breaker, fast_redis
 
 log = logging.getLogger("control")
 
@@ -85,6 +87,18 @@ class UsageRecord:
 
     def counts(self) -> tuple[int, int, int, int]:
         return self.input_tokens, self.output_tokens, self.input_cached_tokens, self.num_model_requests
+
+
+@dataclass(frozen=True)
+class Settlement:
+    """A request's end as the store records it: reservation ``rid`` of ``project`` in ``month``
+    given back (if still held), ``cost`` nano-dollars and ``tokens`` added."""
+
+    project: str
+    month: str
+    rid: str
+    cost: int
+    tokens: int
 
 
 def month_of(t: float) -> str:
@@ -161,6 +175,39 @@ return 1
 DOCUMENTS_TIMEOUT_S = 2.0
 
 
+_FINISH = """
+-- A request's end, once whatever the retries: its reservation given back and its spend and usage
+-- added. KEYS: month hash, reservations zset, reservation amounts, finished ids (zset by time),
+-- the 1m, 1h and 1d usage buckets. ARGV: id, cost, tokens, usage field prefix, input, output,
+-- cached, requests, then each bucket's TTL (s).
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+redis.call('ZREMRANGEBYSCORE', KEYS[4], '-inf', now - 3600000)
+if redis.call('ZADD', KEYS[4], 'NX', now, ARGV[1]) == 0 then return 0 end
+redis.call('PEXPIRE', KEYS[4], 3600000)
+local amt = redis.call('HGET', KEYS[3], ARGV[1])
+if amt then
+  local c, k = string.match(amt, '(%d+),(%d+),')
+  redis.call('HINCRBY', KEYS[1], 'reserved', 0 - tonumber(c))
+  redis.call('HINCRBY', KEYS[1], 'tokens_reserved', 0 - tonumber(k))
+  redis.call('ZREM', KEYS[2], ARGV[1])
+  redis.call('HDEL', KEYS[3], ARGV[1])
+end
+redis.call('HINCRBY', KEYS[1], 'spent', tonumber(ARGV[2]))
+redis.call('HINCRBY', KEYS[1], 'tokens', tonumber(ARGV[3]))
+redis.call('PEXPIRE', KEYS[1], 400 * 86400000)
+local names = {'input_tokens', 'output_tokens', 'input_cached_tokens', 'num_model_requests'}
+for i = 5, 7 do
+  for j = 1, 4 do
+    local n = tonumber(ARGV[4 + j])
+    if n > 0 then redis.call('HINCRBY', KEYS[i], ARGV[4] .. names[j], n) end
+  end
+  redis.call('EXPIRE', KEYS[i], tonumber(ARGV[4 + i]))
+end
+return 1
+"""
+
+
 class RedisControl:
     """The state in Redis (see the module docstring). Every call raises
     :class:`ControlUnavailable` when Redis cannot be reached: a request's own calls (spend,
@@ -174,12 +221,22 @@ class RedisControl:
         self._reserve = self.redis.register_script(_RESERVE)
         self._settle = self.redis.register_script(_SETTLE)
         self._renew = self.redis.register_script(_RENEW)
+        self._finish = self.redis.register_script(_FINISH)
+        # as the rate limiter's: the first connection failure opens it (one log line), and until
+        # a probe gets an answer no call waits on Redis
+        self.breaker = Breaker(self.redis, log, "the control plane keeps its last state, and spend and usage wait "
+                               "in memory", "the control plane's state is shared again")
 
     def _call(self, fn, *args, **kwargs):
+        if self.breaker.open:
+            raise ControlUnavailable()
         try:
             return fn(*args, **kwargs)
-        except redis.RedisError as e:
-            log.warning("control plane: Redis call failed (%s)", type(e).__name__)
+        except (redis.ConnectionError, redis.TimeoutError) as e:
+            self.breaker.trip(e)
+            raise ControlUnavailable() from None
+        except redis.RedisError as e:  # Redis answered, with an error: not an outage
+            log.error("control plane: Redis refused a call (%s)", e)
             raise ControlUnavailable() from None
 
     # documents
@@ -208,13 +265,13 @@ class RedisControl:
     @staticmethod
     def _spend_keys(project: str, month: str) -> list[str]:
         tag = "spend:{" + quote(project, safe="") + "}"
-        return [f"{tag}:{month}", f"{tag}:resv", f"{tag}:resv:amt"]
+        return [f"{tag}:{month}", f"{tag}:resv", f"{tag}:resv:amt", f"{tag}:done"]
 
     def reserve(self, project: str, month: str, rid: str, cost: int, tokens: int,
                 cost_limit: int | None, token_limit: int | None) -> tuple[bool, Spend]:
         """Reserve ``cost`` nano-dollars and ``tokens`` if the month's spent + reserved + them stay
         within the limits (None: no limit), atomically. Returns ``(reserved, the month after)``."""
-        out = self._call(self._reserve, keys=self._spend_keys(project, month),
+        out = self._call(self._reserve, keys=self._spend_keys(project, month)[:3],
                          args=[rid, cost, tokens, -1 if cost_limit is None else cost_limit,
                                -1 if token_limit is None else token_limit, RESERVATION_TTL_S * 1000, month])
         return bool(out[0]), Spend(*(int(x) for x in out[1:]))
@@ -225,7 +282,7 @@ class RedisControl:
 
     def settle(self, project: str, month: str, rid: str, cost: int, tokens: int) -> None:
         """Give back reservation ``rid`` (if still held) and add what was used."""
-        self._call(self._settle, keys=self._spend_keys(project, month), args=[rid, cost, tokens, month])
+        self._call(self._settle, keys=self._spend_keys(project, month)[:3], args=[rid, cost, tokens, month])
 
     def spend(self, project: str, month: str) -> Spend:
         v = self._call(self.redis.hmget, self._spend_keys(project, month)[0],
@@ -253,19 +310,16 @@ class RedisControl:
         if key_ids:
             self._call(self.redis.hdel, "control:last_used", *key_ids)
 
-    # usage
-    def add_usage(self, records: list[UsageRecord]) -> None:
-        """Add every record to its 1m, 1h and 1d buckets, in one transaction."""
-        pipe = self.redis.pipeline(transaction=True)
-        for r in records:
-            group = _SEP.join((r.project_id, r.api_key_id, r.model))
-            for width in WIDTHS:
-                key = f"usage:{width}:{bucket_start(r.at, width)}"
-                for name, n in zip(_COUNTERS, r.counts()):
-                    if n:
-                        pipe.hincrby(key, group + _SEP + name, n)
-                pipe.expire(key, RETENTION_S[width] + WIDTHS[width])
-        self._call(pipe.execute)
+    # a request's end
+    def finish(self, s: Settlement, r: UsageRecord) -> None:
+        """Settle ``s`` and add ``r`` to its 1m, 1h and 1d buckets, atomically and once per
+        ``s.rid`` (a retry of a call that timed out after Redis applied it changes nothing: the
+        ids finished in the last hour are kept)."""
+        group = _SEP.join((r.project_id, r.api_key_id, r.model)) + _SEP
+        buckets = [f"usage:{width}:{bucket_start(r.at, width)}" for width in WIDTHS]
+        ttls = [RETENTION_S[width] + WIDTHS[width] for width in WIDTHS]
+        self._call(self._finish, keys=self._spend_keys(s.project, s.month) + buckets,
+                   args=[s.rid, s.cost, s.tokens, group, *r.counts(), *ttls])
 
     def usage(self, width: str, starts: list[int]) -> dict[int, dict[tuple[str, str, str], list[int]]]:
         """``{start: {(project, key, model): [input, output, cached, requests]}}`` of the
@@ -291,6 +345,7 @@ CREATE TABLE IF NOT EXISTS reservations (id TEXT PRIMARY KEY, project TEXT, mont
   tokens INTEGER, expires REAL);
 CREATE INDEX IF NOT EXISTS reservations_expiry ON reservations (project, expires);
 CREATE TABLE IF NOT EXISTS last_used (key TEXT PRIMARY KEY, at INTEGER);
+CREATE TABLE IF NOT EXISTS finished (id TEXT PRIMARY KEY, at REAL);
 CREATE TABLE IF NOT EXISTS usage (width TEXT, start INTEGER, project TEXT, api_key TEXT, model TEXT,
   input_tokens INTEGER, output_tokens INTEGER, input_cached_tokens INTEGER, num_model_requests INTEGER,
   PRIMARY KEY (width, start, project, api_key, model));
@@ -371,16 +426,18 @@ class SqliteControl:
                                        (time.time() + RESERVATION_TTL_S, rid)))
 
     def settle(self, project: str, month: str, rid: str, cost: int, tokens: int) -> None:
-        def run(db):
-            db.execute("INSERT OR IGNORE INTO spend (project, month) VALUES (?, ?)", (project, month))
-            row = db.execute("SELECT cost, tokens FROM reservations WHERE id = ?", (rid,)).fetchone()
-            if row:
-                db.execute("UPDATE spend SET reserved = reserved - ?, tokens_reserved = tokens_reserved - ? "
-                           "WHERE project = ? AND month = ?", (*row, project, month))
-                db.execute("DELETE FROM reservations WHERE id = ?", (rid,))
-            db.execute("UPDATE spend SET spent = spent + ?, tokens = tokens + ? WHERE project = ? AND month = ?",
-                       (cost, tokens, project, month))
-        self._tx(run)
+        self._tx(lambda db: self._settle(db, project, month, rid, cost, tokens))
+
+    @staticmethod
+    def _settle(db, project: str, month: str, rid: str, cost: int, tokens: int) -> None:
+        db.execute("INSERT OR IGNORE INTO spend (project, month) VALUES (?, ?)", (project, month))
+        row = db.execute("SELECT cost, tokens FROM reservations WHERE id = ?", (rid,)).fetchone()
+        if row:
+            db.execute("UPDATE spend SET reserved = reserved - ?, tokens_reserved = tokens_reserved - ? "
+                       "WHERE project = ? AND month = ?", (*row, project, month))
+            db.execute("DELETE FROM reservations WHERE id = ?", (rid,))
+        db.execute("UPDATE spend SET spent = spent + ?, tokens = tokens + ? WHERE project = ? AND month = ?",
+                   (cost, tokens, project, month))
 
     def spend(self, project: str, month: str) -> Spend:
         with self.lock:
@@ -407,9 +464,13 @@ class SqliteControl:
     def forget(self, key_ids: list[str]) -> None:
         self._tx(lambda db: db.executemany("DELETE FROM last_used WHERE key = ?", [(k,) for k in key_ids]))
 
-    def add_usage(self, records: list[UsageRecord]) -> None:
+    def finish(self, s: Settlement, r: UsageRecord) -> None:
         def run(db):
-            for r in records:
+            now = time.time()
+            if db.execute("INSERT OR IGNORE INTO finished VALUES (?, ?)", (s.rid, now)).rowcount == 0:
+                return  # done already
+            self._settle(db, s.project, s.month, s.rid, s.cost, s.tokens)
+            for _ in (r,):
                 for width in WIDTHS:
                     db.execute("INSERT INTO usage VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT DO UPDATE SET "
                                "input_tokens = input_tokens + excluded.input_tokens, "
@@ -417,11 +478,11 @@ class SqliteControl:
                                "input_cached_tokens = input_cached_tokens + excluded.input_cached_tokens, "
                                "num_model_requests = num_model_requests + excluded.num_model_requests",
                                (width, bucket_start(r.at, width), r.project_id, r.api_key_id, r.model, *r.counts()))
-            now = time.time()
             if now - self._pruned > 60:  # retention: at most once a minute per process
                 self._pruned = now
                 for width, keep in RETENTION_S.items():
                     db.execute("DELETE FROM usage WHERE width = ? AND start < ?", (width, now - keep))
+                db.execute("DELETE FROM finished WHERE at < ?", (now - 3600,))
         self._tx(run)
 
     def usage(self, width: str, starts: list[int]) -> dict[int, dict[tuple[str, str, str], list[int]]]:
@@ -438,27 +499,35 @@ class SqliteControl:
         return out
 
 
-class UsageBuffer:
-    """Usage records on their way to the store: written at once, or kept (at most ``limit``
-    records, the oldest dropped with a warning) while the store is unreachable and written with
-    the next record."""
+class WriteBehind:
+    """What a finished request writes (its :class:`Settlement` and :class:`UsageRecord`, one
+    ``finish`` of the store): at once, or, while the store is unreachable, kept in memory (at
+    most ``limit`` requests; beyond, the oldest are dropped, said once) and written before the
+    next request's. An answer is never held up or failed by it; ``finish`` is once per request
+    id, so a retry never counts twice."""
 
     def __init__(self, store, limit: int = 10_000):
         self.store, self.limit = store, limit
-        self.pending: list[UsageRecord] = []
+        self.pending: list[tuple[Settlement, UsageRecord]] = []
         self.lock = threading.Lock()
+        self._dropping = False
 
-    def add(self, record: UsageRecord) -> None:
+    def add(self, settlement: Settlement, record: UsageRecord) -> None:
         with self.lock:
-            self.pending.append(record)
+            self.pending.append((settlement, record))
             if len(self.pending) > self.limit:
                 del self.pending[0]
-                log.warning("usage buffer full while the store is unreachable: a usage record was dropped")
-            batch, self.pending = self.pending, []
+                if not self._dropping:
+                    log.warning("control plane: %d requests' spend and usage wait for the store; the oldest are "
+                                "dropped from now on", self.limit)
+                self._dropping = True
             try:
-                self.store.add_usage(batch)
+                while self.pending:
+                    self.store.finish(*self.pending[0])
+                    del self.pending[0]
+                self._dropping = False
             except ControlUnavailable:
-                self.pending = batch + self.pending
+                pass
 
 
 def open_store(redis_url: str, path: str):

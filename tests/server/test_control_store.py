@@ -10,7 +10,7 @@ import time
 import pytest
 
 from server.control import store as store_module
-from server.control.store import RedisControl, SqliteControl, UsageRecord
+from server.control.store import RedisControl, Settlement, SqliteControl, UsageRecord
 from tests.support.servers import redis_server, redis_server_executable
 
 
@@ -58,8 +58,9 @@ def test_usage_buckets(store):
     t = store_module.bucket_start(time.time(), "1h") + 60  # a minute into this hour: kept by every width
     records = [UsageRecord("p", "k1", "m", t, 10, 5, 2), UsageRecord("p", "k1", "m", t + 30, 1, 1, 0),
                UsageRecord("p", "k2", "m", t + 120, 7, 0, 7)]
-    for r in records:
-        store.add_usage([r])
+    for i, r in enumerate(records):
+        store.finish(Settlement("p", "2026-12", f"u{i}", 0, 0), r)
+        store.finish(Settlement("p", "2026-12", f"u{i}", 0, 0), r)  # a retry counts nothing
     minute = store_module.bucket_start(t, "1m")
     assert store.usage("1m", [minute])[minute] == {("p", "k1", "m"): [11, 6, 2, 2]}
     day = store_module.bucket_start(t, "1d")
@@ -79,3 +80,37 @@ def test_prices_by_any_served_name(tmp_path):
     prices.check(("SmolLM2", "local-model"), str(path))
     with pytest.raises(ConfigError, match="'local-model' is not served here"):
         prices.check(("SmolLM2",), str(path))
+
+
+def test_write_behind_keeps_what_redis_misses_and_writes_it_when_back():
+    """Redis hung: a request's spend and usage wait in memory (no call waits on the outage), and
+    go with a later request's once Redis answers again; the one whose call timed out after Redis
+    took it (it runs when Redis wakes) is not counted twice."""
+    import subprocess
+
+    from server.control.store import WriteBehind
+
+    with redis_server() as (url, proc):
+        store = RedisControl(url)
+        writes = WriteBehind(store)
+        month = time.strftime("%Y-%m", time.gmtime())
+        record = UsageRecord("p", "k", "m", time.time(), 10, 5, 0)
+        writes.add(Settlement("p", month, "r0", 100, 15), record)
+        proc.send_signal(subprocess.signal.SIGSTOP)  # Redis hangs: a call would time out
+        try:
+            start = time.monotonic()
+            for i in range(1, 51):
+                writes.add(Settlement("p", month, f"r{i}", 100, 15), record)
+            assert time.monotonic() - start < 1.0 and store.breaker.open  # one timeout, then none
+            assert len(writes.pending) == 50  # the first was sent before the outage was known: it may be applied
+        finally:
+            proc.send_signal(subprocess.signal.SIGCONT)
+        deadline = time.monotonic() + 5
+        while store.breaker.open:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        writes.add(Settlement("p", month, "r51", 100, 15), record)
+        assert writes.pending == []
+        assert store.spend("p", month).spent == 52 * 100
+        minute = store_module.bucket_start(record.at, "1m")
+        assert store.usage("1m", [minute])[minute][("p", "k", "m")] == [520, 260, 0, 52]
