@@ -153,8 +153,9 @@ redis.call('ZADD', KEYS[1], 'XX', now + tonumber(ARGV[2]), ARGV[1])
 return 1
 """
 
-_SETTLE = """
--- KEYS: month hash, reservations zset, reservation amounts. ARGV: id, cost, tokens, month.
+#: Lua: reservation ARGV[1] given back (if still held: KEYS[1] month hash, KEYS[2] reservations
+#: zset, KEYS[3] reservation amounts) and ARGV[2] nano-dollars and ARGV[3] tokens added.
+_GIVE_BACK_AND_ADD = """
 local amt = redis.call('HGET', KEYS[3], ARGV[1])
 if amt then
   local c, k = string.match(amt, '(%d+),(%d+),')
@@ -166,8 +167,11 @@ end
 redis.call('HINCRBY', KEYS[1], 'spent', tonumber(ARGV[2]))
 redis.call('HINCRBY', KEYS[1], 'tokens', tonumber(ARGV[3]))
 redis.call('PEXPIRE', KEYS[1], 400 * 86400000)
-return 1
 """
+
+_SETTLE = """
+-- KEYS: month hash, reservations zset, reservation amounts. ARGV: id, cost, tokens.
+""" + _GIVE_BACK_AND_ADD + "return 1\n"
 
 
 #: Socket timeout of the documents' reads and writes (seconds): the whole state is read at once
@@ -185,17 +189,7 @@ local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 redis.call('ZREMRANGEBYSCORE', KEYS[4], '-inf', now - 3600000)
 if redis.call('ZADD', KEYS[4], 'NX', now, ARGV[1]) == 0 then return 0 end
 redis.call('PEXPIRE', KEYS[4], 3600000)
-local amt = redis.call('HGET', KEYS[3], ARGV[1])
-if amt then
-  local c, k = string.match(amt, '(%d+),(%d+),')
-  redis.call('HINCRBY', KEYS[1], 'reserved', 0 - tonumber(c))
-  redis.call('HINCRBY', KEYS[1], 'tokens_reserved', 0 - tonumber(k))
-  redis.call('ZREM', KEYS[2], ARGV[1])
-  redis.call('HDEL', KEYS[3], ARGV[1])
-end
-redis.call('HINCRBY', KEYS[1], 'spent', tonumber(ARGV[2]))
-redis.call('HINCRBY', KEYS[1], 'tokens', tonumber(ARGV[3]))
-redis.call('PEXPIRE', KEYS[1], 400 * 86400000)
+""" + _GIVE_BACK_AND_ADD + """
 local names = {'input_tokens', 'output_tokens', 'input_cached_tokens', 'num_model_requests'}
 for i = 5, 7 do
   for j = 1, 4 do
@@ -282,7 +276,7 @@ class RedisControl:
 
     def settle(self, project: str, month: str, rid: str, cost: int, tokens: int) -> None:
         """Give back reservation ``rid`` (if still held) and add what was used."""
-        self._call(self._settle, keys=self._spend_keys(project, month)[:3], args=[rid, cost, tokens, month])
+        self._call(self._settle, keys=self._spend_keys(project, month)[:3], args=[rid, cost, tokens])
 
     def spend(self, project: str, month: str) -> Spend:
         v = self._call(self.redis.hmget, self._spend_keys(project, month)[0],

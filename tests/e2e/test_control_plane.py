@@ -9,7 +9,6 @@ Skipped, saying why, without a redis-server."""
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import json
 import subprocess
 import time
@@ -20,7 +19,7 @@ import pytest
 from proto import inference_pb2 as pb
 from proto import inference_pb2_grpc
 from tests.support.http import CHAT, COMPLETIONS, MODEL, RESPONSES, get, post, request
-from tests.support.servers import RunningServer, needs_redis, redis_server, running_server
+from tests.support.servers import needs_redis, redis_server, running_server, started_together
 
 pytestmark = needs_redis
 
@@ -155,6 +154,7 @@ def test_rate_limit_changed_at_runtime(replicas):
     project, _, value = make_key(a, "quota")
     used = completion(a, value, 4).json()["usage"]
     assert admin(a, "POST", f"/projects/{project}", {"monthly_token_quota": used["total_tokens"] + 5})[0] == 200
+    time.sleep(1.0)  # in force on B too (within its poll)
     reply = completion(b, value, 4)  # its worst case passes the 5 tokens left
     assert reply.status == 429 and reply.json()["error"]["code"] == "insufficient_quota"
     assert completion(b, value, 1).status == 200  # prompt + 1 fits
@@ -260,19 +260,6 @@ def test_no_key_value_in_logs(replicas):
         assert '"event": "admin"' in log or server is b
 
 
-@contextlib.contextmanager
-def started_together(*flag_sets, env: dict):
-    """One server per set of flags, started at once (their starts overlap); stops every one."""
-    with concurrent.futures.ThreadPoolExecutor(len(flag_sets)) as pool:
-        starts = [pool.submit(RunningServer, *flags, env=env) for flags in flag_sets]
-    try:
-        yield [s.result() for s in starts]
-    finally:
-        for s in starts:
-            if s.exception() is None:
-                s.result().stop()
-
-
 def test_restart_keeps_state_and_the_file_wins(redis_url, prices, tmp_path):
     """Both backends, their servers started together: a restart loses no project, key, spend or
     usage (Redis; SQLite: the node's file). The SQLite one also loads a tenant file: its tenants
@@ -285,7 +272,7 @@ def test_restart_keeps_state_and_the_file_wins(redis_url, prices, tmp_path):
                  ("--control-db", str(tmp_path / "control.db"), "--tenants", tenants, *common))
     env = {"ADMIN_KEYS": ADMIN}
     made = []
-    with started_together(*flag_sets, env=env) as servers:
+    with started_together(*[dict(flags=flags, env=env) for flags in flag_sets]) as servers:
         for s in servers:
             project, _, value = make_key(s, "durable")
             usage = completion(s, value, 3).json()["usage"]
@@ -300,7 +287,7 @@ def test_restart_keeps_state_and_the_file_wins(redis_url, prices, tmp_path):
         assert served(file_server, "file-key-0123456789")
         log = open(file_server.log).read()
         assert "1 projects with 1 keys from the tenant file" in log and "Admin API on (1 admin keys)" in log
-    with started_together(*flag_sets, env=env) as servers:
+    with started_together(*[dict(flags=flags, env=env) for flags in flag_sets]) as servers:
         for s, (project, value, usage, spend) in zip(servers, made):
             assert served(s, value)
             again = admin(s, "GET", f"/projects/{project}/spend_limit")[1]

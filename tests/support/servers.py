@@ -284,10 +284,20 @@ def running_replicas(hosts: tuple[str, ...], *flags: str, **options):
     """Servers started at once, one on each loopback address of ``hosts`` (replicas: each its own
     engine; ``options`` as :class:`RunningServer`'s); yields them in that order and stops every one
     that started."""
+    with started_together(*[dict(flags=flags, host=host, **options) for host in hosts]) as servers:
+        yield servers
+
+
+@contextlib.contextmanager
+def started_together(*servers: dict):
+    """One :class:`RunningServer` for each of ``servers`` (``flags`` and the class's options),
+    started at once (their starts overlap); yields them in that order and stops every one that
+    started."""
     import concurrent.futures
 
-    with concurrent.futures.ThreadPoolExecutor(len(hosts)) as pool:
-        starts = [pool.submit(RunningServer, *flags, host=host, **options) for host in hosts]
+    with concurrent.futures.ThreadPoolExecutor(len(servers)) as pool:
+        starts = [pool.submit(RunningServer, *s.get("flags", ()), **{k: v for k, v in s.items() if k != "flags"})
+                  for s in servers]
     try:
         yield [s.result() for s in starts]
     finally:
