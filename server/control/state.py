@@ -157,7 +157,8 @@ class ControlPlane:
         keys = sum(1 for name, doc in state.docs.items() if name.startswith("api_key/")
                    and doc["project_id"] in state.tenants and (doc.get("expires_at") or now + 1) > now)
         where = "Redis" if isinstance(self.store, RedisControl) else f"SQLite file {self.store.path}"
-        parts = [f"{len(file.by_id)} projects with {len(file._by_digest)} keys from the tenant file {file.path}"
+        file_keys = sum(len(keys) for keys in file.keys_of.values())
+        parts = [f"{len(file.by_id)} projects with {file_keys} keys from the tenant file {file.path}"
                  if file.path else "no tenant file",
                  f"{len(stored)} projects with {keys} keys from {where}",
                  f"Admin API {'on' if self.admin_keys else 'off'} ({len(self.admin_keys)} admin keys)",
