@@ -29,7 +29,8 @@ CLIENT_CLOSED = f"{CLIENT_CLOSED_STATUS} Client Closed Request"
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
           404: "invalid_request_error",
-          405: "invalid_request_error", 409: "invalid_request_error", 408: "invalid_request_error", 424: "server_error", 413: "invalid_request_error",
+          405: "invalid_request_error", 408: "invalid_request_error", 409: "invalid_request_error",
+          424: "server_error", 413: "invalid_request_error",
           415: "invalid_request_error",
           429: "rate_limit_error", 503: "server_error", 500: "server_error"}
 
@@ -100,11 +101,12 @@ def http_error(ex: Exception) -> tuple[int, dict, dict]:
 
 
 _STATUS = {ModelNotFound: 404, Unauthenticated: 401, PermissionDenied: 403, ResponseNotFound: 404,
-           NotFound: 404, Conflict: 409, StoreUnavailable: 424}  # 424 Failed Dependency: the store (Redis) could not be reached
+           NotFound: 404, Conflict: 409,
+           StoreUnavailable: 424}  # 424 Failed Dependency: the store (Redis) could not be reached
 
 #: gRPC status names (``grpc.StatusCode``) of the HTTP statuses :func:`http_error` gives.
-_GRPC = {400: "INVALID_ARGUMENT", 401: "UNAUTHENTICATED", 403: "PERMISSION_DENIED", 404: "NOT_FOUND", 409: "ABORTED",
-         424: "UNAVAILABLE", 413: "INVALID_ARGUMENT", 415: "INVALID_ARGUMENT", 429: "RESOURCE_EXHAUSTED",
+_GRPC = {400: "INVALID_ARGUMENT", 401: "UNAUTHENTICATED", 403: "PERMISSION_DENIED", 404: "NOT_FOUND",
+         409: "ABORTED", 424: "UNAVAILABLE", 413: "INVALID_ARGUMENT", 415: "INVALID_ARGUMENT", 429: "RESOURCE_EXHAUSTED",
          503: "UNAVAILABLE", 500: "INTERNAL"}
 
 

@@ -36,6 +36,7 @@ from engine.errors import InvalidRequest
 from engine.request import Priority
 from server.api.errors import Conflict, NotFound
 from server.api.fields import check_number, shown
+from server.control.accounting import Price
 from server.control.state import ControlPlane, ControlState
 from server.control.store import ControlUnavailable, month_of
 from server.tenancy.tenants import key_id, redact
@@ -98,8 +99,8 @@ class Admin:
     once, in the others within ``POLL_S``; each returns the OpenAI object and the
     ``(action, target)`` the audit log line names."""
 
-    def __init__(self, control: ControlPlane, price, model_names: tuple[str, ...] = (), clock=time.time):
-        #: the served model's price (``accounting.Price``): a spend limit fires only with one
+    def __init__(self, control: ControlPlane, price: Price, model_names: tuple[str, ...] = (), clock=time.time):
+        #: the served model's price: a spend limit fires only with one
         self.control, self.price, self.clock = control, price, clock
         #: every name the model is served under: ``rl-<name>`` names its rate limit
         self.model_names = model_names or (control.model,)
@@ -430,7 +431,7 @@ class Admin:
     def spend_object(self, project_id: str) -> dict:
         doc = self.state.doc("spend_limit", project_id)
         spend = self.control.store.spend(project_id, month_of(self.clock()))
-        prices_set = self.price != type(self.price)()
+        prices_set = self.price != Price()
         out = {"object": "project.spend_limit", "threshold_amount": doc["threshold_amount"] if doc else 0,
                "currency": "USD", "interval": "month",
                "enforcement": {"status": "enforcing" if doc and prices_set else "inactive"},

@@ -79,14 +79,15 @@ def create_app(config: ServerConfig, generator: Generator, tenants: TenantRegist
     app.add_route("/health/ready", health)
     app.add_route("/health/live", health, suffix="live")
     app.add_route("/infer", Infer(config, generator, tenants))
-    admin_on = generator.accounting is not None and bool(generator.accounting.control.admin_keys)
-    if generator.accounting is not None:  # the Admin API over the control plane the accounting uses
-        add_admin_routes(app, config, Admin(generator.accounting.control, generator.accounting.price, config.model_ids),
-                         generator.engine)
+    accounting = generator.accounting
+    admin_on = accounting is not None and bool(accounting.control.admin_keys)
+    if accounting is not None:  # the Admin API over the control plane the accounting uses
+        add_admin_routes(app, config, Admin(accounting.control, accounting.price, config.model_ids), generator.engine)
     if telemetry.metrics is not None:
         from server.observability.metrics import Scrape
         # with admin keys, metrics on the public port need one (they name the projects)
-        app.add_route("/metrics", Scrape(generator.engine, tenants.control, admin=admin_on and not config.metrics_port))
+        guarded = admin_on and not config.metrics_port
+        app.add_route("/metrics", Scrape(generator.engine, tenants.control, admin=guarded))
     metrics_here = telemetry.metrics is not None and not config.metrics_port
     app.add_route("/openapi.json", OpenAPIDocument((() if metrics_here else ("/metrics",))
                                                    + (() if admin_on else admin_paths())))

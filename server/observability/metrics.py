@@ -19,6 +19,7 @@ Buckets fit CPU inference of a small model (seconds unless said):
 from __future__ import annotations
 
 import os
+import time
 
 import falcon
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, CollectorRegistry, Counter, Histogram, generate_latest
@@ -26,6 +27,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.multiprocess import MultiProcessCollector
 
 from engine.client import EngineClient
+from server.control.store import ControlUnavailable, month_of
 from server.observability import metrics_dir
 
 LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 60, 120, 300, 600)
@@ -95,10 +97,6 @@ class ProjectCollector:
         self.control = control
 
     def collect(self):
-        import time
-
-        from server.control.store import ControlUnavailable, month_of
-
         state = self.control.state
         projects = sorted({*state.tenants, *state.file.by_id})  # the store's active projects and the file's
         try:

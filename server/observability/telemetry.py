@@ -73,7 +73,7 @@ def finish_reason(stats: GenerationStats | None, error: BaseException | None) ->
     return stats.finish_reasons[0]
 
 
-LIMIT_KINDS = ("requests", "tokens", "concurrency")
+LIMIT_KINDS = ("requests", "tokens", "requests_per_day", "concurrency", "quota")
 
 
 def limit_kind(error: RateLimited) -> str:

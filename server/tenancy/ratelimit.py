@@ -3,15 +3,15 @@ by the processes of this node.
 
 Up to three buckets per tenant, each optional: requests per second (each request costs 1),
 tokens per second (the prompt at admission, generated tokens while they are produced), and
-requests per day (OpenAI's ``max_requests_per_1_day``: a bucket of that burst refilled over a day). A request is
-admitted only when every bucket it has holds at least 1; admission takes from both atomically.
+requests per day (OpenAI's ``max_requests_per_1_day``: a bucket of that burst refilled over a
+day; each request costs 1). A request is admitted only when every bucket it has holds at least
+1; admission takes from each atomically.
 Generated tokens are charged without a check, so a running request is never cut and a tenant
 that overran waits until its bucket refills above 1.
 
 Redis: one Lua script refills, checks and takes atomically, with the time from Redis ``TIME``
 (not each replica's clock), keys hash-tagged per tenant (``ratelimit:{<tenant>}:requests``,
-``:tokens``, ``:requests_per_day``) so
-they share one Redis Cluster slot, and a TTL so idle tenants leave nothing behind.
+``:tokens``, ``:requests_per_day``) so they share one Redis Cluster slot, and a TTL so idle tenants leave nothing behind.
 
 Fail-open (``server/tenancy/redis_link.py``): socket and connect timeouts of 50 ms and no
 retries; the first failure opens a circuit breaker, which logs once, serves from the node's
@@ -88,6 +88,11 @@ def _decide(limits: dict[str, Rate], levels: dict[str, float], allowed: bool) ->
 KINDS = ("requests", "tokens", "requests_per_day")
 
 
+def _costs(prompt_tokens: int, sign: int) -> dict[str, int]:
+    """What admitting a request takes from each bucket (``sign`` -1: what a refund gives back)."""
+    return {"requests": sign, "tokens": sign * prompt_tokens, "requests_per_day": sign}
+
+
 def _limits(tenant: Tenant) -> dict[str, Rate]:
     rates = (tenant.requests_per_second, tenant.tokens_per_second, tenant.requests_per_day)
     return {k: r for k, r in zip(KINDS, rates) if r}
@@ -126,8 +131,7 @@ class RateLimiter:
         limits = _limits(tenant)
         if not limits:
             return Decision(True, 0.0, {})
-        costs = {"requests": 1, "tokens": prompt_tokens, "requests_per_day": 1}
-        decision = self._run(tenant, limits, costs, check=True)
+        decision = self._run(tenant, limits, _costs(prompt_tokens, 1), check=True)
         if not decision.allowed:
             raise RateLimited(f"tenant {tenant.id!r} is over its rate limit", decision.retry_after_s,
                               decision.buckets)
@@ -138,7 +142,7 @@ class RateLimiter:
         server was full); levels never exceed the burst."""
         limits = _limits(tenant)
         if limits:
-            self._run(tenant, limits, {"requests": -1, "tokens": -prompt_tokens, "requests_per_day": -1}, check=False)
+            self._run(tenant, limits, _costs(prompt_tokens, -1), check=False)
 
     def charge(self, tenant: Tenant, tokens: int) -> None:
         """Take ``tokens`` generated tokens, unconditionally (the level may go below zero)."""
