@@ -293,7 +293,7 @@ def preemptions(target: Target) -> float:
         text = conn.getresponse().read().decode()
     finally:
         conn.close()
-    return next(float(line.split()[1]) for line in text.splitlines() if line.startswith("inference_preemptions_total "))
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith("inference_preemptions_total"))
 
 
 def system_prompt(tenant: int, tokens: int = SYSTEM_TOKENS) -> str:

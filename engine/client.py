@@ -8,8 +8,13 @@ Usage::
         ...
     stream.finish_reason          # "stop" | "length" | "deadline" | "cancelled"
 
-Many streams are read together with :func:`engine.stream.follow`. Errors are those of
-:mod:`engine.errors`.
+An embedding engine (``client.kind == "embed"``, vectors of ``client.n_embd`` values)::
+
+    vector = client.embed(input_ids).embedding()     # float32 [n_embd], unit length
+    vectors = embeddings([client.embed(ids) for ids in inputs], watch_socket)
+
+Many streams are read together with :func:`engine.stream.follow` (an embedding's with
+:func:`engine.stream.embeddings`). Errors are those of :mod:`engine.errors`.
 """
 from __future__ import annotations
 
@@ -20,7 +25,7 @@ from typing import Sequence as Seq
 
 import numpy as np
 
-from engine.errors import ClientDisconnected, EngineUnavailable, RateLimited, Saturated, ShuttingDown
+from engine.errors import ClientDisconnected, EngineUnavailable, InvalidRequest, RateLimited, Saturated, ShuttingDown
 from engine.request import EngineRequest, FieldNames, Priority, RequestKind, SamplingParams, extras_room
 from engine.stream import Stream
 from engine.supervisor import pid_alive
@@ -47,6 +52,9 @@ class EngineClient:
         self.max_seq_len = transport.layout.max_seq_len
         self.max_extras_bytes = extras_room(transport.layout.record_bytes, self.max_seq_len)
         self.max_slots = transport.layout.max_slots
+        #: What the engine serves: ``generate`` (text and scoring) or ``embed`` (one vector an
+        #: input; ``EngineConfig.kind``), from the shared memory's layout.
+        self.kind = "embed" if transport.layout.embed else "generate"
 
     @classmethod
     def attach(cls, name: str) -> "EngineClient":
@@ -67,6 +75,12 @@ class EngineClient:
         return self.ready() and not self.draining()
 
     @property
+    def n_embd(self) -> int:
+        """An embedding engine's vector dimension (``llama_model_n_embd_out``); 0 until its
+        engine loaded the model, and for a generation engine."""
+        return self.t.control.n_embd
+
+    @property
     def capacity(self) -> int:
         """Sequences that can be in flight at once (running plus queued): the mailboxes."""
         return self.t.layout.n_mailboxes
@@ -79,8 +93,12 @@ class EngineClient:
 
         Raises:
             InvalidRequest / PromptTooLong: the request does not fit, naming the field of
-            ``fields`` at fault.
+            ``fields`` at fault. InvalidRequest (``param`` ``model``): an embedding asked of a
+            generation engine, or anything else of an embedding engine.
         """
+        if (kind == RequestKind.EMBED) != (self.kind == "embed"):
+            raise InvalidRequest("this model computes embeddings only" if self.kind == "embed" else
+                                 "this model does not compute embeddings", "model")
         return EngineRequest(np.asarray(prompt_ids, dtype=np.int32), params, kind=kind).resolved(
             self.max_seq_len, self.max_extras_bytes, fields)
 
@@ -91,10 +109,12 @@ class EngineClient:
         """Queue one sequence.
 
         Args:
-            request: what :meth:`prepare` made, or token ids (1..max_seq_len-1 of them) to
-                prepare here with ``params`` and ``kind``.
+            request: what :meth:`prepare` made, or token ids (1..max_seq_len-1 of them;
+                max_seq_len for an embedding) to prepare here with ``params`` and ``kind``.
             kind: generate, or score the prompt first (:class:`RequestKind`; the stream's
-                :meth:`Stream.prompt_logprobs`), then generate ``max_new_tokens`` (0 allowed).
+                :meth:`Stream.prompt_logprobs`), then generate ``max_new_tokens`` (0 allowed);
+                or, of an embedding engine, embed the prompt (``max_new_tokens`` 0 or None; the
+                stream's :meth:`Stream.embedding`; see :meth:`embed`).
             deadline_ms: milliseconds from now after which the engine gives up; None = none.
             tenant, weight: fair-share identity and weight (VTC).
             max_concurrent: most sequences ``tenant`` may have in flight on this node (None: no limit).
@@ -129,7 +149,20 @@ class EngineClient:
         self.t.mailboxes.submit(lease, len(request.prompt),
                                 functools.partial(request.encode, max_seq_len=self.max_seq_len))
         return Stream(self.t.mailboxes, lease, len(request.prompt), request.sampling.logprobs, watch_socket,
-                      self.engine_alive, grammar_param)
+                      self.engine_alive, grammar_param, embeds=request.kind == RequestKind.EMBED)
+
+    def embed(self, input_ids: Seq[int], *, fields: FieldNames = FieldNames(), **submit_kwargs) -> Stream:
+        """Queue one input of an embedding engine: :meth:`submit` of ``input_ids`` (1 to
+        ``max_seq_len`` token ids) as :attr:`RequestKind.EMBED`, nothing to generate.
+        ``submit_kwargs``: :meth:`submit`'s keywords (priority, deadline_ms, tenant, weight,
+        max_concurrent, watch_socket); ``fields``: the request's field names for refusals.
+        Read its vector with :meth:`Stream.embedding`.
+
+        Raises:
+            as :meth:`submit` (InvalidRequest, ``param`` ``model``, from a generation engine).
+        """
+        request = self.prepare(input_ids, SamplingParams(max_new_tokens=0), RequestKind.EMBED, fields)
+        return self.submit(request, **submit_kwargs)
 
     def engine_alive(self) -> bool:
         """The engine process named in the control block exists (False once it died, until a

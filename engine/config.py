@@ -9,6 +9,11 @@ from engine.request import record_bytes
 from shm.layout import Layout
 
 POLICIES = ("continuous", "static", "fifo")
+#: What an engine serves: ``generate`` (text, and scoring) or ``embed`` (one pooled vector an input).
+KINDS = ("generate", "embed")
+#: Pooling of an embedding engine (llama.cpp's ``llama_pooling_type``): ``""`` takes the one the
+#: GGUF declares (``<arch>.pooling_type``); the others override it.
+POOLINGS = ("", "mean", "cls", "last")
 #: Weight formats (engine/llama/weights.py): ``auto`` converts only files llama.cpp cannot multiply in
 #: batches, ``file`` never converts, the others always convert to themselves.
 WEIGHTS = ("auto", "file", "q8_0", "bf16", "f16")
@@ -16,6 +21,16 @@ DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 #: Tokens of an average prefix-cache entry, which sizes the number of entries (EngineConfig.cache_streams):
 #: a system prompt or a conversation so far, rarely the whole context.
 CACHE_ENTRY_TOKENS = 2048
+#: The defaults an embedding engine takes where the generation defaults do not fit
+#: (:meth:`EngineConfig.embedding`): a vector is published in a mailbox's row of ``max_seq_len``
+#: floats, so ``max_seq_len`` bounds the dimension (1,024 holds SmolLM2's 576, Gemma 3 270M's 640,
+#: BERT-large's 1,024); a whole input decodes in one micro-batch, so ``n_batch >= max_seq_len``;
+#: llama.cpp computes a causal LM's logits for every token of an embedding batch as well (its
+#: output buffer and compute buffer hold ``n_batch * n_vocab`` floats each: 200 MB for SmolLM2's
+#: 49,152 tokens), so ``n_batch`` stays at one input's worth; short inputs are many to a batch,
+#: hence more slots; no prefix cache and no variable section (no grammar or ``logit_bias``).
+EMBED_DEFAULTS = {"max_seq_len": 1024, "n_batch": 1024, "max_slots": 32, "max_queued": 128,
+                  "prefix_cache_tokens": 0, "max_request_extras_bytes": 0}
 
 
 class ConfigError(ValueError):
@@ -92,7 +107,18 @@ class EngineConfig:
             ``logit_bias``, later a constraint; :mod:`engine.request`); every ring record holds it.
         deterministic: greedy output identical whatever the batch and with or without a
             prefix-cache hit, at the price of slower prefill and long lone decodes
-            (:data:`engine.llama.backend.CPU_DETERMINISTIC`; CPU only).
+            (:data:`engine.llama.backend.CPU_DETERMINISTIC`; CPU only). Generation only: an
+            embedding engine's vectors still depend slightly on their batch (docs/architecture.md,
+            "Embedding step").
+        kind: ``generate`` (text and scoring: :class:`engine.core.EngineCore`) or ``embed``
+            (one unit vector an input: :class:`engine.embed_core.EmbedCore`). An embedding engine
+            needs ``n_batch >= max_seq_len`` (llama.cpp pools a sequence only when all of it is in
+            one micro-batch), decodes at most ``max_slots`` inputs and ``n_batch`` tokens a step,
+            an input of at most ``max_seq_len`` tokens, and ignores ``policy``,
+            ``kv_cache_tokens`` and the prefix cache; :meth:`embedding` gives its defaults.
+        pooling: an embedding engine's pooling (:data:`POOLINGS`): ``""`` the GGUF's own (an
+            engine whose model declares none fails to start, saying to set this), ``mean``,
+            ``cls`` (the first token) or ``last`` (the last token). Only for kind ``embed``.
     """
 
     model_path: str = field(default_factory=default_model_path)
@@ -110,8 +136,27 @@ class EngineConfig:
     weights: str = "auto"
     max_request_extras_bytes: int = 32768
     deterministic: bool = False
+    kind: str = "generate"
+    pooling: str = ""
+
+    @classmethod
+    def embedding(cls, **overrides) -> "EngineConfig":
+        """An embedding engine's configuration: kind ``embed`` with :data:`EMBED_DEFAULTS` where
+        ``overrides`` name nothing else (the other fields keep their defaults).
+
+        Raises:
+            ConfigError: as the constructor.
+        """
+        return cls(**{**EMBED_DEFAULTS, **overrides, "kind": "embed"})
 
     def __post_init__(self):
+        if self.kind not in KINDS:
+            raise ConfigError(f"kind must be one of {', '.join(KINDS)}, got {self.kind!r}")
+        if self.pooling not in POOLINGS:
+            raise ConfigError(f"pooling must be one of {', '.join(p or repr(p) for p in POOLINGS)}, "
+                              f"got {self.pooling!r}")
+        if self.pooling and self.kind != "embed":
+            raise ConfigError(f"pooling applies to kind embed only, got pooling {self.pooling!r} for kind {self.kind}")
         if self.policy not in POLICIES:
             raise ConfigError(f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
         for name, low in (("max_slots", 1), ("max_seq_len", 8), ("kv_cache_tokens", 8), ("max_queued", 0),
@@ -119,7 +164,7 @@ class EngineConfig:
                           ("max_request_extras_bytes", 0)):
             if getattr(self, name) < low:
                 raise ConfigError(f"{name} must be >= {low}, got {getattr(self, name)}")
-        if self.kv_cache_tokens < self.max_seq_len:
+        if self.kind == "generate" and self.kv_cache_tokens < self.max_seq_len:
             raise ConfigError(f"kv_cache_tokens must be >= max_seq_len ({self.max_seq_len}), "
                               f"got {self.kv_cache_tokens}: one sequence must always fit")
         if self.max_slots > 256:
@@ -128,6 +173,9 @@ class EngineConfig:
             raise ConfigError(f"weights must be one of {', '.join(WEIGHTS)}, got {self.weights!r}")
         if self.aging_s <= 0:
             raise ConfigError(f"aging_s must be > 0, got {self.aging_s}")
+        if self.kind == "embed" and self.n_batch < self.max_seq_len:
+            raise ConfigError(f"n_batch must be >= max_seq_len ({self.max_seq_len}) for kind embed, got {self.n_batch}: "
+                              "llama.cpp pools an input's embedding only when the whole input is in one batch")
 
     @property
     def cache_streams(self) -> int:
@@ -135,7 +183,9 @@ class EngineConfig:
         ``n = min(max_seq_len, CACHE_ENTRY_TOKENS)``, within llama.cpp's 256 sequences. Entries
         hold ``prefix_cache_tokens`` cells together (SmolLM2-135M, f16: 22.5 KiB per cell); the
         streams' other cells cost memory only where the backend keeps unused pages resident
-        (:mod:`engine.llama.kv_pages`)."""
+        (:mod:`engine.llama.kv_pages`). 0 for kind ``embed``."""
+        if self.kind == "embed":
+            return 0  # an embedding engine keeps nothing between steps
         wanted = -(-self.prefix_cache_tokens // min(self.max_seq_len, CACHE_ENTRY_TOKENS))
         return min(wanted, 256 - self.max_slots)
 
@@ -150,7 +200,8 @@ class EngineConfig:
     def layout(self) -> Layout:
         """The shared-memory layout this engine needs (:class:`shm.layout.Layout`)."""
         return Layout(self.max_slots, self.n_mailboxes, self.max_seq_len,
-                      record_bytes(self.max_seq_len, self.max_request_extras_bytes), self.cache_streams)
+                      record_bytes(self.max_seq_len, self.max_request_extras_bytes), self.cache_streams,
+                      embed=self.kind == "embed")
 
 
 def default_threads() -> int:

@@ -12,7 +12,9 @@ where schedule may first preempt the youngest sequences when the decodes would o
 budget, or to give a tenant below its fair share of the slots one of an over-share tenant's
 (their cells kept in the prefix cache when they fit; they wait to prefill again).
 Schedule only decides (:class:`engine.step_plan.StepPlan`); execute is the first phase that
-touches llama.cpp. The finish rule is :func:`engine.finish.finish_of`.
+touches llama.cpp. The finish rule is :func:`engine.finish.finish_of`. What it shares with the
+embedding loop (waiting, ingesting, expiry, the decode's threads and progress hook, the step log)
+is :class:`engine.loop.EngineLoop`'s.
 """
 from __future__ import annotations
 
@@ -24,59 +26,41 @@ import numpy as np
 
 from engine.config import EngineConfig
 from engine.finish import finish_of
-from engine.llama.backend import Backend
 from engine.llama.batch import Batch
 from engine.llama.grammar import Grammars
 from engine.llama.model import DecodeError, Model
 from engine.llama.logprobs import LogProbs
 from engine.llama.sampler import Sampler
+from engine.loop import EngineLoop
 from engine.prefix_cache import PrefixCache
 from engine.request import EngineRequest, RequestKind
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence
 from engine.step_plan import CellAction, CopyCells, StepPlan
-from engine.steplog import StepLog
-from engine.threads import SAMPLE_S, AdaptiveThreads
+from engine.threads import AdaptiveThreads
 from shm import ErrorCode, Finish, Published
 from shm.transport import Transport
-from shm.wakeup import Wakeups
 
 log = logging.getLogger("engine")
 
 #: Longest the loop waits, when only sequences whose grammar is compiling are left, before it
 #: looks at its FIFO again.
 COMPILE_WAIT_S = 0.005
-#: Decodes expected to last at least this long report progress from inside llama.cpp (a heartbeat
-#: per graph node, Model.on_progress), so the supervisor's watchdog does not take a long step
-#: under contention for a hung engine. Shorter decodes skip the hook, whose 0.15 ms a decode would
-#: cost up to 1-2 % of a small decode's time; their heartbeat is the step's end. Expected time,
-#: not a token count: one thread beside a busy neighbour took 0.33 s for 63 tokens (a CI failure).
-PROGRESS_HOOK_S = 0.05
 
 
-def adaptive_threads(config: EngineConfig, backend: Backend) -> AdaptiveThreads | None:
-    """The adaptive thread count for an engine (``n_threads`` 0, where the backend computes on
-    the CPUs; engine/threads.py), or None. Made before the model loads, so its first sample spans
-    the load and can decide alone."""
-    return AdaptiveThreads(config.threads) if config.n_threads == 0 and backend.adaptive_threads else None
-
-
-class EngineCore:
+class EngineCore(EngineLoop):
     """Owns the scheduler and the batch; talks to the front ends only through the transport.
 
     Args:
         config: sizes and policy. transport: attached shared memory. model: loaded llama.cpp
         model; its backend profile sets the prefill chunk and the one-thread rule
         (:mod:`engine.llama.backend`). adaptive: the adaptive thread count (None: the
-        configured count), made by :func:`adaptive_threads` before the model loaded.
+        configured count), made by :func:`engine.loop.adaptive_threads` before the model loaded.
     """
 
     def __init__(self, config: EngineConfig, transport: Transport, model: Model,
                  adaptive: AdaptiveThreads | None = None):
-        self.config = config
-        self.t = transport
-        self.boxes = transport.mailboxes
-        self.model = model
+        super().__init__(config, transport, model, adaptive)
         self.backend = model.backend
         self.cache = PrefixCache(config.max_slots, config.cache_streams, config.prefix_cache_tokens, model.window) \
             if config.cache_streams else None
@@ -85,37 +69,19 @@ class EngineCore:
         self.batch = Batch(config.n_batch)
         self.logprobs = LogProbs(model.n_vocab, threads=min(2, config.threads or 2))
         self.grammars = Grammars(model.vocab, model.eog, model.n_vocab)
-        self.stopping = False
-        self.step_no = transport.control.step
-        self.adaptive = adaptive
-        model.on_progress(transport.control.beat)
-        # Seconds per batch token of the last decode: predicts the next one's length (None: no
-        # decode yet, so the first reports progress). A poor guess costs 0.15 ms, or a long
-        # decode that beats only at its end, once: the next guess uses its rate.
-        self.s_per_token: float | None = None
-        self.step_log = StepLog(config.step_log) if config.step_log else None
-        self.cancelled: list[tuple[int, int]] = []  # (mailbox, lease) cancelled this step, for the step log
-        self.observe_step = None
-        if config.metrics:  # imported only then: prometheus-client reads its mode at import
-            from engine.metrics import observe_step
-            self.observe_step = observe_step
 
     # -- loop ---------------------------------------------------------------------------------
-    def run(self) -> None:
-        """Step until :meth:`stop`; block on the engine's FIFO only when fully idle."""
-        while not self.stopping:
-            if not self.sched.running and not self.sched.waiting:
-                woken, _ = self.t.wakeups.wait([Wakeups.ENGINE], timeout=SAMPLE_S)
-                if not woken and self.adaptive is not None:  # sample while idle: the next decode starts right
-                    self.adaptive.threads()
-            elif not self.sched.running and all(seq.compiling for seq in self.sched.waiting):
-                # nothing to decode until a grammar is compiled: wait for it, not spin
-                concurrent.futures.wait([seq.grammar for seq in self.sched.waiting], COMPILE_WAIT_S,
-                                        concurrent.futures.FIRST_COMPLETED)
-            self.step()
+    def has_work(self) -> bool:
+        return bool(self.sched.running or self.sched.waiting)
 
-    def stop(self) -> None:
-        self.stopping = True
+    def wait(self) -> None:
+        """:meth:`EngineLoop.wait`; and when only sequences whose grammar is compiling wait,
+        wait for a compile (at most :data:`COMPILE_WAIT_S`), not spin."""
+        if not self.has_work():
+            super().wait()
+        elif not self.sched.running and all(seq.compiling for seq in self.sched.waiting):
+            concurrent.futures.wait([seq.grammar for seq in self.sched.waiting], COMPILE_WAIT_S,
+                                    concurrent.futures.FIRST_COMPLETED)
 
     def step(self) -> None:
         """One iteration: schedule, execute, sample and publish, retire; at most one decode."""
@@ -129,9 +95,7 @@ class EngineCore:
         for seq, reason, error in self.score(scored, decoded) + self.sample_and_publish(rows, decoded):
             self.retire(seq, reason, error)
         self.publish_control()
-        if self.step_log is not None:
-            self.step_log.write(self.step_no, now, [(s.mailbox, s.lease) for s, _ in rows], self.cancelled)
-        self.cancelled = []
+        self.log_step(now, [(s.mailbox, s.lease) for s, _ in rows])
 
     def execute(self, plan: StepPlan,
                 now: float) -> tuple[list[tuple[Sequence, int]], list[tuple[Sequence, int, int, int]]]:
@@ -158,23 +122,16 @@ class EngineCore:
             self.t.control.count_kv_move()
         self.batch.clear()
         rows = [(r, self.batch.add(r.tokens, r.pos, r.seq.slot, r.samples, r.scores)) for r in plan.rows]
-        if not self.batch.n or not self.decode(plan.single_thread):
+        if not self.batch.n or not self.decode_batch(plan.single_thread):
             return [], []
-        if self.observe_step is not None:
-            self.observe_step(self.batch.n_seqs, self.batch.n)
         return ([(r.seq, row) for r, row in rows if r.samples],
                 [(r.seq, row - len(r.tokens) + 1, r.pos, len(r.tokens)) for r, row in rows if r.scores])
 
-    def decode(self, one_thread: bool = False) -> bool:
-        """One ``llama_decode`` (on one thread if asked); on failure, the batch's sequences
-        finish with an error."""
+    def decode_batch(self, one_thread: bool = False) -> bool:
+        """One ``llama_decode`` of the batch (:meth:`EngineLoop.decode`, on one thread if asked);
+        on failure, the batch's sequences finish with an error."""
         try:
-            self.model.set_threads(1 if one_thread else
-                                   self.adaptive.threads() if self.adaptive else self.config.threads)
-            n, start = self.batch.n, time.monotonic()
-            self.model.decode(self.batch, report_progress=self.s_per_token is None
-                              or n * self.s_per_token >= PROGRESS_HOOK_S)
-            self.s_per_token = (time.monotonic() - start) / n
+            self.decode(self.batch, one_thread)
             return True
         except DecodeError as e:
             log.error("%s; failing the sequences of this batch", e)
@@ -184,31 +141,21 @@ class EngineCore:
             return False
 
     # -- phases -------------------------------------------------------------------------------
-    def ingest(self, now: float) -> None:
-        """Drain the request ring into the waiting queue; drop stale or malformed records."""
-        self.t.wakeups.drain(Wakeups.ENGINE)
-        for rec in self.t.ring.pop_all():
-            if not self.boxes.is_queued(rec.mailbox, rec.lease):
-                continue  # the lease was reclaimed or failed meanwhile
-            try:
-                request = EngineRequest.decode(rec.payload, self.config.max_seq_len)
-            except ValueError:  # a corrupt variable section
-                request = None
-            if request is None or not self.servable(request):
-                self.boxes.finish(rec.mailbox, rec.lease, Finish.ERROR, ErrorCode.BAD_REQUEST, self.step_no)
-                continue
-            seq = Sequence(rec.mailbox, rec.lease, request, now)
-            if request.sampling.grammar is not None:
-                seq.grammar = self.grammars.compile(request.tenant, request.sampling.grammar)
-            self.sched.add(seq)
+    def queue(self, seq: Sequence) -> None:
+        """Into the scheduler's waiting queue, its grammar (if any) compiling meanwhile."""
+        if seq.request.sampling.grammar is not None:
+            seq.grammar = self.grammars.compile(seq.request.tenant, seq.request.sampling.grammar)
+        self.sched.add(seq)
 
     def servable(self, request: EngineRequest) -> bool:
         """Defensive: the client checked the request; a corrupt record must not reach llama.cpp
         (a length beyond the slot, a biased token outside the vocabulary, a grammar that is not
-        text). Only a scoring request may generate nothing."""
+        text), nor an embedding (an embedding engine's). Only a scoring request may generate
+        nothing."""
         n, m = len(request.prompt), request.sampling.max_new_tokens or 0
         least = 0 if request.kind == RequestKind.SCORE else 1
-        return (1 <= n < self.config.max_seq_len and m >= least and n + m <= self.config.max_seq_len
+        return (request.kind != RequestKind.EMBED
+                and 1 <= n < self.config.max_seq_len and m >= least and n + m <= self.config.max_seq_len
                 and all(0 <= t < self.model.n_vocab for t, _ in request.sampling.logit_bias)
                 and isinstance(request.sampling.grammar, (str, type(None))))
 
@@ -216,27 +163,18 @@ class EngineCore:
         """Finish sequences whose client cancelled or whose deadline passed, and waiting ones
         whose grammar did not compile (the front end checks grammars, so only a corrupt record)."""
         for seq in list(self.sched.waiting):
-            reason, error = self._expiry(seq, now), ErrorCode.NONE
+            reason, error = self.expiry(seq, now), ErrorCode.NONE
             if not reason and seq.grammar is not None and seq.grammar.done() and self.grammars.failed(seq.grammar):
                 reason, error = Finish.ERROR, ErrorCode.BAD_REQUEST
             if reason:
                 self.sched.drop_waiting(seq)
-                self.boxes.finish(seq.mailbox, seq.lease, reason, error, self.step_no)
-                if reason == Finish.CANCELLED:
-                    self.cancelled.append((seq.mailbox, seq.lease))
+                self.end(seq, reason, error)
         for seq in list(self.sched.running.values()):
-            reason = self._expiry(seq, now)
+            reason = self.expiry(seq, now)
             if reason:
                 self.retire(seq, reason)
                 if reason == Finish.CANCELLED:
                     self.cancelled.append((seq.mailbox, seq.lease))
-
-    def _expiry(self, seq: Sequence, now: float) -> Finish:
-        if self.boxes.cancelled(seq.mailbox, seq.lease):
-            return Finish.CANCELLED
-        if seq.request.deadline and now >= seq.request.deadline:
-            return Finish.DEADLINE
-        return Finish.NONE
 
     def start(self, seq: Sequence, now: float) -> None:
         """Tell an admitted sequence's mailbox its slot; on its first admission, build its

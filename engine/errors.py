@@ -29,18 +29,21 @@ class PromptTooLong(InvalidRequest):
 
     Attributes: ``n_prompt`` (a lower bound when ``at_least``: found before tokenizing),
     ``max_new_tokens`` (None when the prompt alone is too long), ``limit`` (tokens per
-    sequence), ``param`` (the request field at fault).
+    sequence), ``param`` (the request field at fault). ``room``: tokens that must follow the
+    prompt (1; 0 for an embedding's input, which may fill the sequence).
     """
 
     code = "context_length_exceeded"
 
     def __init__(self, n_prompt: int, limit: int, max_new_tokens: int | None = None, at_least: bool = False,
-                 param: str | None = None):
+                 param: str | None = None, room: int = 1):
         self.n_prompt, self.limit, self.max_new_tokens = n_prompt, limit, max_new_tokens
-        if max_new_tokens is None:
+        if max_new_tokens is None and not room:
+            msg = f"input has {'at least ' if at_least else ''}{n_prompt} tokens, more than the limit of {limit}"
+        elif max_new_tokens is None:
             msg = (f"prompt has {'at least ' if at_least else ''}{n_prompt} tokens, more than the per-sequence "
                    f"limit of "
-                   f"{limit - 1} prompt tokens ({limit} tokens in all)")
+                   f"{limit - room} prompt tokens ({limit} tokens in all)")
         else:
             msg = (f"prompt ({n_prompt} tokens) + {param or 'max_tokens'} ({max_new_tokens}) = "
                    f"{n_prompt + max_new_tokens} tokens exceeds the per-sequence limit of {limit}")

@@ -1,5 +1,6 @@
-"""The engine inside the calling process: a real transport and :class:`EngineCore` stepping in a
-thread (as vLLM's ``InprocClient``), for contract tests that need the model but no processes."""
+"""The engine inside the calling process: a real transport and its loop (:class:`EngineCore`, or
+:class:`EmbedCore` for an embedding model) stepping in a thread (as vLLM's ``InprocClient``), for
+contract tests that need the model but no processes."""
 from __future__ import annotations
 
 import os
@@ -42,15 +43,14 @@ class InprocEngine:
         self.client = EngineClient(self.transport)
 
     def _load_and_run(self) -> None:
-        from engine.core import EngineCore, adaptive_threads  # llama.cpp loads only where an engine runs
-        from engine.llama.backend import detect
-        from engine.llama.model import Model
+        from engine.llama.backend import detect  # llama.cpp loads only where an engine runs
+        from engine.loop import adaptive_threads
+        from engine.process import load_engine
 
         try:
             backend = detect(deterministic=self.config.deterministic)
             adaptive = adaptive_threads(self.config, backend)
-            self.model = Model.from_config(self.config, backend)
-            self.core = EngineCore(self.config, self.transport, self.model, adaptive)
+            self.model, self.core = load_engine(self.config, self.transport, backend, adaptive)
             self.transport.control.set_state(EngineState.READY, pid=os.getpid())
         except BaseException as e:  # re-raised in the caller's thread
             self._error = e

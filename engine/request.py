@@ -50,6 +50,10 @@ class RequestKind(IntEnum):
     #: publish the log-probability of every prompt token after the first (with the top
     #: ``logprobs`` alternatives), then sample ``max_new_tokens`` tokens, which may be 0
     SCORE = 1
+    #: the prompt (the input's token ids, up to ``max_seq_len`` of them) pooled into one unit
+    #: vector; nothing is sampled (``max_new_tokens`` 0). Served by an embedding engine only
+    #: (``EngineConfig.kind`` ``embed``; :class:`engine.embed_core.EmbedCore`).
+    EMBED = 2
 
 
 class Priority(IntEnum):
@@ -231,15 +235,18 @@ class SamplingParams:
         return obj
 
 
-def check_prompt_fits(n_prompt: int, max_seq_len: int, param: str | None = "prompt") -> None:
+def check_prompt_fits(n_prompt: int, max_seq_len: int, param: str | None = "prompt",
+                      kind: RequestKind = RequestKind.GENERATE) -> None:
     """The one length rule for a prompt: at most ``max_seq_len - 1`` tokens, so that one sequence
-    holds it and a token after it.
+    holds it and a token after it; an embedding's input (``kind`` EMBED), which is followed by
+    nothing, at most ``max_seq_len``.
 
     Raises:
         PromptTooLong: naming ``param``.
     """
-    if n_prompt > max_seq_len - 1:
-        raise PromptTooLong(n_prompt, max_seq_len, param=param)
+    room = 0 if kind == RequestKind.EMBED else 1
+    if n_prompt > max_seq_len - room:
+        raise PromptTooLong(n_prompt, max_seq_len, param=param, room=room)
 
 
 @dataclass(frozen=True)
@@ -331,21 +338,30 @@ class EngineRequest:
         """This request with ``max_new_tokens`` resolved against ``max_seq_len``, checked to fit
         a record whose variable section holds ``extras_bytes`` (None: unchecked).
 
+        An embedding (``kind`` EMBED) generates nothing: its ``max_new_tokens`` resolves to 0, and
+        its input may fill the sequence (:func:`check_prompt_fits`).
+
         Raises (each naming the field of ``fields`` at fault):
             InvalidRequest: empty prompt, ``max_new_tokens`` 0 for a request that is not
-            scoring, or a variable section larger than ``extras_bytes`` (naming the largest
-            ``blob`` field). PromptTooLong: the prompt (plus
+            scoring or embedding, more than 0 for an embedding, or a variable section larger than
+            ``extras_bytes`` (naming the largest ``blob`` field). PromptTooLong: the prompt (plus
             ``max_new_tokens``) does not fit one sequence.
         """
         n, max_new = len(self.prompt), self.sampling.max_new_tokens
         if n < 1:
             raise InvalidRequest("prompt is empty", fields.prompt)
-        if max_new == 0 and self.kind != RequestKind.SCORE:
+        if self.kind == RequestKind.EMBED:
+            if max_new:
+                raise InvalidRequest(f"an embedding generates no tokens: max_new_tokens must be 0, got {max_new}",
+                                     fields.max_new_tokens)
+        elif max_new == 0 and self.kind != RequestKind.SCORE:
             raise InvalidRequest("max_new_tokens must be at least 1 for a request that generates",
                                  fields.max_new_tokens)
         if extras_bytes is not None:
             self.sampling.check_extras(extras_bytes, fields)
-        check_prompt_fits(n, max_seq_len, fields.prompt)
+        check_prompt_fits(n, max_seq_len, fields.prompt, self.kind)
+        if self.kind == RequestKind.EMBED:
+            return self if max_new == 0 else replace(self, sampling=replace(self.sampling, max_new_tokens=0))
         if max_new is None:
             return replace(self, sampling=replace(self.sampling, max_new_tokens=max_seq_len - n))
         if n + max_new > max_seq_len:

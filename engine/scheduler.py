@@ -110,15 +110,10 @@ class Scheduler:
         self.counters[tenant] = self.counters.get(tenant, 0.0) + n_tokens / max(seq.request.weight, 1e-6)
 
     def class_ranks(self, now: float) -> dict[int, int]:
-        """Each waiting priority class's rank: the class, raised by one for every ``aging_s``
-        its oldest waiting sequence has waited. A whole class ages, not single requests, so
-        inside a class the order stays fair share: an aged request of a flooding tenant never
-        overtakes a light tenant's fresh request of the same class."""
-        oldest: dict[int, float] = {}
-        for seq in self.waiting:
-            p = seq.request.priority
-            oldest[p] = min(oldest.get(p, seq.arrival), seq.arrival)
-        return {p: max(0, p - int((now - t) / self.aging_s)) for p, t in oldest.items()}
+        """Each waiting priority class's rank (:func:`class_ranks`). A whole class ages, not
+        single requests, so inside a class the order stays fair share: an aged request of a
+        flooding tenant never overtakes a light tenant's fresh request of the same class."""
+        return class_ranks(self.waiting, now, self.aging_s)
 
     def key(self, seq: Sequence, ranks: dict[int, int], below: set[int]) -> tuple:
         """Sort key of a waiting sequence (``ranks`` from :meth:`class_ranks`, ``below`` from
@@ -373,3 +368,13 @@ class Scheduler:
         bisect.insort(self.free_slots, seq.slot)
         seq.slot = slot
         self.running[slot] = seq
+
+
+def class_ranks(waiting: list[Sequence], now: float, aging_s: float) -> dict[int, int]:
+    """Each priority class of ``waiting``'s rank at ``now``: the class, raised by one for every
+    ``aging_s`` seconds its oldest waiting sequence has waited (so ``low`` never starves)."""
+    oldest: dict[int, float] = {}
+    for seq in waiting:
+        p = seq.request.priority
+        oldest[p] = min(oldest.get(p, seq.arrival), seq.arrival)
+    return {p: max(0, p - int((now - t) / aging_s)) for p, t in oldest.items()}

@@ -1,12 +1,15 @@
 """Reading results: one :class:`Stream` per submitted sequence, and :func:`follow`, the one output
 loop that waits on many streams and the client's socket together (as vLLM v1 has one output
-loop for all requests, not a thread per request)."""
+loop for all requests, not a thread per request); an embedding's vector with
+:meth:`Stream.embedding`, many inputs' with :func:`embeddings`."""
 from __future__ import annotations
 
 import socket
 import time
 from dataclasses import dataclass
 from typing import Callable, Iterator
+
+import numpy as np
 
 from engine.errors import (ClientDisconnected, ConstraintFailed, DeadlineExceeded, EngineUnavailable, InvalidRequest,
                            ShuttingDown)
@@ -51,18 +54,22 @@ class Stream:
     closing an unfinished stream cancels the sequence, waits for the engine to finish it (one
     step) and returns the mailbox.
 
+    An embedding's stream (``embeds``) has no tokens: read its vector with :meth:`embedding`
+    (or many streams' with :func:`embeddings`).
+
     Args:
         mailboxes: the transport's mailboxes. lease: the mailbox holding the results.
         n_logprobs: top-k asked for, or None. watch_socket: the client's connection, for
             :meth:`__iter__` (a hang-up cancels). grammar_param: the request field the
-            sequence's grammar came from (named by ``ConstraintFailed``).
+            sequence's grammar came from (named by ``ConstraintFailed``). embeds: the request is
+            an embedding (``RequestKind.EMBED``).
     """
 
     def __init__(self, mailboxes: Mailboxes, lease: Lease, n_prompt: int, n_logprobs: int | None,
                  watch_socket: socket.socket | None = None, engine_alive: Callable[[], bool] | None = None,
-                 grammar_param: str | None = None):
+                 grammar_param: str | None = None, embeds: bool = False):
         self.mailboxes, self.lease, self.engine_alive = mailboxes, lease, engine_alive
-        self.grammar_param = grammar_param
+        self.grammar_param, self.embeds = grammar_param, embeds
         self.n_prompt, self.n_logprobs, self.watch_socket = n_prompt, n_logprobs, watch_socket
         self.n_generated = 0
         self.n_cached = 0
@@ -79,8 +86,10 @@ class Stream:
             the request. ConstraintFailed: the sequence's grammar failed.
         """
         n, done = self.mailboxes.read_new(self.lease)
-        tokens = [Token(*self.mailboxes.token(self.lease, k, self.n_logprobs)) for k in range(self.n_generated, n)]
-        self.n_generated = n
+        tokens = []
+        if not self.embeds:  # an embedding's counter counts its vector's values, not tokens
+            tokens = [Token(*self.mailboxes.token(self.lease, k, self.n_logprobs)) for k in range(self.n_generated, n)]
+            self.n_generated = n
         if done:
             self.finished = True
             outcome = self.mailboxes.outcome(self.lease)
@@ -128,6 +137,27 @@ class Stream:
         entries = self.mailboxes.prompt_logprobs(self.lease, self.n_logprobs or 0)
         return [Token(prompt[0])] + [Token(t, *e) for t, e in zip(prompt[1:], entries)] + \
             [Token(t) for t in prompt[1 + len(entries):]]
+
+    def embedding(self) -> np.ndarray:
+        """An embedding's vector, once the engine computed it: float32 ``[n_embd]``, unit length
+        (a copy). Waits for it (with the client's socket watched), then closes the stream.
+
+        Raises:
+            DeadlineExceeded: the deadline passed first. ClientDisconnected: ``watch_socket``
+            hung up, or the request was cancelled. EngineUnavailable, ShuttingDown,
+            InvalidRequest: as :meth:`poll` (the engine died or stopped; it refused the request,
+            as an embedding engine refuses a request that is not an embedding).
+            TypeError: not an embedding's stream.
+        """
+        return embeddings([self], self.watch_socket)[0]
+
+    def _vector(self) -> np.ndarray:
+        """The finished embedding's vector (:meth:`embedding`), read before :meth:`close`."""
+        if self.finish_reason == "deadline":
+            raise DeadlineExceeded("deadline passed before the embedding was computed")
+        if self.finish_reason == "cancelled":
+            raise ClientDisconnected("the embedding was cancelled before it was computed")
+        return self.mailboxes.vector(self.lease)
 
     def timings(self) -> Timings:
         """Timestamps of this request (kept from the mailbox when the stream closed)."""
@@ -224,3 +254,22 @@ def follow(streams: list[Stream], watch_socket: socket.socket | None = None,
             for k in open_.values():
                 streams[k].check_engine()
             due = set(open_)
+
+
+def embeddings(streams: list[Stream], watch_socket: socket.socket | None = None) -> list[np.ndarray]:
+    """Every embedding stream's vector, in order (float32 ``[n_embd]`` each, unit length): waits
+    for them all in one output loop (:func:`follow`, watching ``watch_socket``), then closes
+    every stream (which cancels the unfinished ones, when one failed).
+
+    Raises:
+        as :meth:`Stream.embedding`, for the first stream that failed.
+    """
+    if not all(s.embeds for s in streams):
+        raise TypeError("not an embedding's stream: its request's kind is not EMBED")
+    try:
+        for _ in follow(streams, watch_socket):
+            pass
+        return [s._vector() for s in streams]  # noqa: SLF001 - this module's own
+    finally:
+        for s in streams:
+            s.close()

@@ -19,18 +19,20 @@ PRIORITY_NORMAL: Priority
 PRIORITY_LOW: Priority
 
 class InferRequest(_message.Message):
-    __slots__ = ("tenant_id", "payload", "priority", "deadline_ms", "max_new_tokens")
+    __slots__ = ("tenant_id", "payload", "priority", "deadline_ms", "max_new_tokens", "model")
     TENANT_ID_FIELD_NUMBER: _ClassVar[int]
     PAYLOAD_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     DEADLINE_MS_FIELD_NUMBER: _ClassVar[int]
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
     tenant_id: str
     payload: str
     priority: Priority
     deadline_ms: int
     max_new_tokens: int
-    def __init__(self, tenant_id: _Optional[str] = ..., payload: _Optional[str] = ..., priority: _Optional[_Union[Priority, str]] = ..., deadline_ms: _Optional[int] = ..., max_new_tokens: _Optional[int] = ...) -> None: ...
+    model: str
+    def __init__(self, tenant_id: _Optional[str] = ..., payload: _Optional[str] = ..., priority: _Optional[_Union[Priority, str]] = ..., deadline_ms: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., model: _Optional[str] = ...) -> None: ...
 
 class InferResponse(_message.Message):
     __slots__ = ("tenant_id", "text", "tokens", "finish_reason", "queue_wait_ms", "latency_ms", "cached_tokens")
@@ -286,3 +288,43 @@ class ChatChunk(_message.Message):
     usage: Usage
     tool_calls: _containers.RepeatedCompositeFieldContainer[ToolCallDelta]
     def __init__(self, index: _Optional[int] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., finish_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCallDelta, _Mapping]]] = ...) -> None: ...
+
+class TokenIds(_message.Message):
+    __slots__ = ("ids",)
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class EmbedRequest(_message.Message):
+    __slots__ = ("model", "input", "input_ids", "dimensions", "truncate_prompt_tokens", "priority")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    INPUT_FIELD_NUMBER: _ClassVar[int]
+    INPUT_IDS_FIELD_NUMBER: _ClassVar[int]
+    DIMENSIONS_FIELD_NUMBER: _ClassVar[int]
+    TRUNCATE_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    input: _containers.RepeatedScalarFieldContainer[str]
+    input_ids: _containers.RepeatedCompositeFieldContainer[TokenIds]
+    dimensions: int
+    truncate_prompt_tokens: int
+    priority: Priority
+    def __init__(self, model: _Optional[str] = ..., input: _Optional[_Iterable[str]] = ..., input_ids: _Optional[_Iterable[_Union[TokenIds, _Mapping]]] = ..., dimensions: _Optional[int] = ..., truncate_prompt_tokens: _Optional[int] = ..., priority: _Optional[_Union[Priority, str]] = ...) -> None: ...
+
+class Embedding(_message.Message):
+    __slots__ = ("index", "embedding")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    EMBEDDING_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    embedding: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, index: _Optional[int] = ..., embedding: _Optional[_Iterable[float]] = ...) -> None: ...
+
+class EmbedResponse(_message.Message):
+    __slots__ = ("model", "data", "usage")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    USAGE_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    data: _containers.RepeatedCompositeFieldContainer[Embedding]
+    usage: Usage
+    def __init__(self, model: _Optional[str] = ..., data: _Optional[_Iterable[_Union[Embedding, _Mapping]]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ...) -> None: ...

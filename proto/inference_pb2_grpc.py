@@ -54,6 +54,11 @@ class InferenceServiceStub:
                 request_serializer=proto_dot_inference__pb2.ChatRequest.SerializeToString,
                 response_deserializer=proto_dot_inference__pb2.ChatChunk.FromString,
                 _registered_method=True)
+        self.Embed = channel.unary_unary(
+                '/inference.v1.InferenceService/Embed',
+                request_serializer=proto_dot_inference__pb2.EmbedRequest.SerializeToString,
+                response_deserializer=proto_dot_inference__pb2.EmbedResponse.FromString,
+                _registered_method=True)
 
 
 class InferenceServiceServicer:
@@ -87,6 +92,14 @@ class InferenceServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Embed(self, request, context):
+        """Embeddings (HTTP POST /v1/embeddings) of an embedding model: one unit vector per input;
+        INVALID_ARGUMENT naming the models that can embed when `model` is not one of them.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_InferenceServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -109,6 +122,11 @@ def add_InferenceServiceServicer_to_server(servicer, server):
                     servicer.ChatCompleteStream,
                     request_deserializer=proto_dot_inference__pb2.ChatRequest.FromString,
                     response_serializer=proto_dot_inference__pb2.ChatChunk.SerializeToString,
+            ),
+            'Embed': grpc.unary_unary_rpc_method_handler(
+                    servicer.Embed,
+                    request_deserializer=proto_dot_inference__pb2.EmbedRequest.FromString,
+                    response_serializer=proto_dot_inference__pb2.EmbedResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -219,6 +237,33 @@ class InferenceService:
             '/inference.v1.InferenceService/ChatCompleteStream',
             proto_dot_inference__pb2.ChatRequest.SerializeToString,
             proto_dot_inference__pb2.ChatChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Embed(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/inference.v1.InferenceService/Embed',
+            proto_dot_inference__pb2.EmbedRequest.SerializeToString,
+            proto_dot_inference__pb2.EmbedResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -20,11 +20,13 @@ def main(argv=None) -> int:
     try:
         config = from_args(argv)
         config.check_files()
+        config.check_memory()
     except ConfigError as e:
         print(f"inference-server: {e}", file=sys.stderr)
         return 2
     os.environ.update(config.to_env())
-    os.environ["MODEL_PATH"] = config.resolved_model_path()
+    if not config.models_file:  # the models as resolved (the bundled one by default), for every process
+        os.environ["MODEL_PATH"] = os.pathsep.join(spec.path for spec in config.models)
     from gunicorn.app.wsgiapp import WSGIApplication
 
     sys.argv = ["inference-server", "-c", "python:server.gunicorn_conf", "server.wsgi:app"]

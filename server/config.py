@@ -18,8 +18,9 @@ from dataclasses import MISSING, dataclass, field, fields
 from typing import NamedTuple
 from urllib.parse import urlparse
 
-from engine.config import POLICIES, WEIGHTS, ConfigError, EngineConfig, check_model_file, default_model_path
-from server.gguf import metadata_strings
+from engine.config import POLICIES, WEIGHTS, ConfigError, EngineConfig, default_model_path
+from server import model_specs
+from server.model_specs import ModelSpec
 
 _ENGINE = {f.name: f.default for f in fields(EngineConfig)}
 
@@ -58,7 +59,17 @@ class ServerConfig:
 
     host: str = _option("--host", "HOST", "address to listen on", "127.0.0.1")
     port: int = _option("--port", "PORT", "HTTP port", 8080)
-    model_path: str | None = _option("--model", "MODEL_PATH", "GGUF model file", None, shown="bundled SmolLM2-135M")
+    model_path: str | None = _option("--model", "MODEL_PATH",
+                                     "GGUF model file; given more than once, one model each (the environment "
+                                     "variable separates them with " + os.pathsep + ")", None,
+                                     shown="bundled SmolLM2-135M")
+    models_file: str = _option("--models", "MODELS_FILE",
+                               "models file (TOML or JSON): several models, each its names, GGUF, chat template, "
+                               "kind (generate or embed) and engine settings (docs/models.md)", "", shown="none")
+    memory_limit: str = _option("--memory-limit", "MEMORY_LIMIT",
+                                "memory the models may take together (bytes, or with a unit: 8GB, 512MiB); "
+                                "a set of models whose estimate is over it does not start", "",
+                                shown="the machine's available memory")
     chat_template: str = _option("--chat-template", "CHAT_TEMPLATE",
                                  "Jinja chat template file to use instead of the model's (llama-server's "
                                  "--chat-template-file); its tool-call format is read from it", "",
@@ -172,8 +183,12 @@ class ServerConfig:
         for name in ("workers", "max_body_bytes", "max_messages"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
-        if self.model_id and not self.model_ids:
-            raise ConfigError("--model-id must name at least one model")
+        if self.models_file and (self.model_path or self.model_id or self.chat_template):
+            raise ConfigError("--models declares every model: --model, --model-id and --chat-template apply only "
+                              "without it")
+        if self.memory_limit:
+            from server.memory import parse_bytes
+            parse_bytes(self.memory_limit, "--memory-limit")
         if not 0 <= self.drain_timeout <= 86400:
             raise ConfigError(f"--drain-timeout must be 0..86400 seconds, got {self.drain_timeout}")
         if not 0 <= self.sse_keepalive_s <= 3600:
@@ -183,7 +198,8 @@ class ServerConfig:
                 raise ConfigError(f"--{name.replace('_', '-')} must be > 0, got {getattr(self, name)}")
         if self.redis_url:
             check_redis_url(self.redis_url)
-        self.engine_config()  # validates the engine's share
+        # the engine's share, validated without reading any file (check_files reads them)
+        ModelSpec(("",), self.model_paths()[0] if not self.models_file else "").engine_config(self._engine_share())
 
     def address(self, port: int) -> str:
         """``host:port`` as gunicorn's ``bind`` and gRPC's ``add_insecure_port`` take it: an
@@ -191,17 +207,27 @@ class ServerConfig:
         return f"[{self.host}]:{port}" if ":" in self.host else f"{self.host}:{port}"
 
     @functools.cached_property
-    def model_ids(self) -> tuple[str, ...]:
-        """The served names, the first being the default: ``--model-id`` (comma-separated), or
-        by default the model file's name (:func:`served_name`) and :data:`ALIAS`.
+    def models(self) -> tuple[ModelSpec, ...]:
+        """The served models, the first being the default: the models file's (``--models``), or
+        one per ``--model`` (the bundled model without one), named by ``--model-id`` or their
+        GGUFs (:mod:`server.model_specs`).
 
         Raises:
-            ConfigError: by default, the model file's metadata cannot be read.
+            ConfigError: a models file or a model file that cannot be read, names declared twice.
         """
-        if self.model_id:
-            return tuple(dict.fromkeys(name.strip() for name in self.model_id.split(",") if name.strip()))
-        path = self.resolved_model_path()
-        return tuple(dict.fromkeys((served_name(path, model_metadata(path).get(NAME_KEY)), ALIAS)))
+        if self.models_file:
+            return model_specs.load_file(self.models_file, engine_settings())
+        return model_specs.from_flags(self.model_paths(), self.model_id, self.chat_template)
+
+    @property
+    def model_ids(self) -> tuple[str, ...]:
+        """Every served name of every model, the default model's id first."""
+        return tuple(name for spec in self.models for name in spec.names)
+
+    def model_paths(self) -> list[str]:
+        """``--model``'s paths (several joined by ``os.pathsep`` in ``MODEL_PATH``), or the
+        bundled model's."""
+        return [p for p in (self.model_path or "").split(os.pathsep) if p] or [default_model_path()]
 
     @property
     def front_end_threads(self) -> int:
@@ -224,54 +250,27 @@ class ServerConfig:
         return "*" if "*" in origins else origins or None
 
     def resolved_model_path(self) -> str:
-        return self.model_path or default_model_path()
+        """The default model's GGUF."""
+        return self.models[0].path
 
-    def engine_config(self) -> EngineConfig:
-        """The engine's share of this configuration: every field declared with ``engine=``, under
-        its :class:`EngineConfig` name, plus the model path, metrics and step log."""
-        shared = {f.metadata["engine"]: getattr(self, f.name) for f in fields(self) if f.metadata.get("engine")}
-        return EngineConfig(model_path=self.resolved_model_path(), metrics=self.metrics, step_log=self.step_log,
-                            **shared)
+    def engine_config(self, spec: ModelSpec | None = None) -> EngineConfig:
+        """The engine of ``spec`` (default: the default model): every field declared with
+        ``engine=``, under its :class:`EngineConfig` name, then the model's own settings, plus
+        its path, metrics and step log (:meth:`ModelSpec.engine_config`)."""
+        return (spec or self.models[0]).engine_config(self._engine_share(), metrics=self.metrics,
+                                                      step_log=self.step_log)
 
-    def check_model(self) -> None:
-        """Raise ConfigError (one line) unless the model file is a readable GGUF whose metadata
-        is whole (:func:`server.gguf.metadata_strings`)."""
-        check_model_file(self.resolved_model_path())
-        model_metadata(self.resolved_model_path())
+    def _engine_share(self) -> dict[str, object]:
+        """Every field declared with ``engine=``, under its :class:`EngineConfig` name."""
+        return {s.engine: getattr(self, name) for name, s in engine_settings().items()}
 
     def chat_template_source(self) -> str | None:
-        """The ``--chat-template`` file's text (None: the model's template, if it has one).
-
-        Raises:
-            ConfigError: the file cannot be read as UTF-8, or it is not a Jinja template.
-        """
-        if not self.chat_template:
-            return None
-        try:
-            with open(self.chat_template, encoding="utf-8") as f:
-                source = f.read()
-        except (OSError, UnicodeDecodeError) as e:
-            raise ConfigError(f"--chat-template {self.chat_template}: {e}") from None
-        _compile(source, f"--chat-template {self.chat_template}")
-        return source
+        """The default model's ``--chat-template`` text (:meth:`ModelSpec.chat_template_source`)."""
+        return self.models[0].chat_template_source()
 
     def chat_template_origin(self) -> str | None:
-        """Where the chat template comes from, as the start-up log says it: the ``--chat-template``
-        file, or the model's ``tokenizer.chat_template``; None: neither, so no chat is served
-        (a base model). Either is compiled here, so a worker never fails on it.
-
-        Raises:
-            ConfigError: a template that cannot be read or does not compile, naming it.
-        """
-        if self.chat_template_source() is not None:
-            return f"--chat-template {self.chat_template}"
-        path = self.resolved_model_path()
-        source = model_metadata(path).get(TEMPLATE_KEY)
-        if not source:
-            return None
-        _compile(source, f"the model's chat template ({TEMPLATE_KEY} of {path}; give one that compiles with "
-                         "--chat-template FILE)")
-        return f"the model's {TEMPLATE_KEY}"
+        """Where the default model's chat template comes from (:meth:`ModelSpec.chat_template_origin`)."""
+        return self.models[0].chat_template_origin()
 
     def check_files(self) -> None:
         """Raise ConfigError (one line) unless the model, the chat template, the tenant file, the
@@ -281,11 +280,22 @@ class ServerConfig:
         from server.control.accounting import Prices
         from server.control.state import ADMIN_KEYS_ENV, load_admin_keys
 
-        self.check_model()
-        self.chat_template_origin()
-        Tenants.load(self.tenants_file or None)
+        for spec in self.models:
+            spec.check()
+            self.engine_config(spec)
+        Tenants.load(self.tenants_file or None).check_models(self.model_ids)
         load_admin_keys(self.admin_keys_file, os.environ.get(ADMIN_KEYS_ENV, ""))
         Prices.load(self.prices_file).check(self.model_ids, self.prices_file)
+
+    def check_memory(self) -> None:
+        """Raise ConfigError (one line naming each model's estimate) when the models would hold
+        more memory together than ``--memory-limit`` (default: the memory available now):
+        :mod:`server.memory`."""
+        from server import memory
+
+        front_ends = self.workers + (1 if self.grpc_port else 0)
+        estimates = {spec.id: memory.estimate(self.engine_config(spec), front_ends) for spec in self.models}
+        memory.check(estimates, memory.parse_bytes(self.memory_limit, "--memory-limit") if self.memory_limit else None)
 
     def control_db_path(self) -> str:
         """The SQLite file of the control plane (without Redis)."""
@@ -303,45 +313,6 @@ class ServerConfig:
         kwargs = {o.name: _convert(o.type, environ[o.env], f"{o.env} ({o.flag})")
                   for o in OPTIONS if environ.get(o.env, "") != ""}
         return cls(**kwargs)
-
-
-#: The name served beside the model's own by default: the only one before names were drawn from
-#: the model file, so clients written then keep working.
-ALIAS = "local-model"
-#: GGUF metadata keys: the model's name, its chat template.
-NAME_KEY, TEMPLATE_KEY = "general.name", "tokenizer.chat_template"
-
-
-@functools.lru_cache(maxsize=4)
-def model_metadata(path: str) -> dict[str, str]:
-    """The model file's name and chat template (:data:`NAME_KEY`, :data:`TEMPLATE_KEY`; absent
-    when the file has none), read once a process: the gunicorn master reads them at start, and
-    its workers fork with them.
-
-    Raises:
-        ConfigError: the file's metadata cannot be read (:func:`server.gguf.metadata_strings`).
-    """
-    return metadata_strings(path, (NAME_KEY, TEMPLATE_KEY))
-
-
-def served_name(path: str, name: str | None) -> str:
-    """The model id drawn from a GGUF: its ``general.name`` (``Gemma 3 270m``), else the file's
-    name without ``.gguf``, with each run of whitespace one ``-`` (``Gemma-3-270m``), as an id
-    in a URL path (``/v1/models/{model}``) and a shell argument wants it."""
-    name = (name or "").strip() or os.path.basename(path).removesuffix(".gguf")
-    return "-".join(name.split())
-
-
-def _compile(source: str, what: str) -> None:
-    """Raise ConfigError (one line naming ``what``) unless ``source`` compiles in the chat
-    template's environment (a syntax error, or a filter or test it does not have)."""
-    import jinja2
-
-    from server.text.chat_template import environment
-    try:
-        environment().from_string(source)
-    except jinja2.TemplateSyntaxError as e:
-        raise ConfigError(f"{what}: line {e.lineno}: {e.message}") from None
 
 
 class Option(NamedTuple):
@@ -368,6 +339,13 @@ def _options() -> list[Option]:
 
 #: Every setting, in ``--help`` order.
 OPTIONS = _options()
+
+
+def engine_settings() -> dict[str, model_specs.Setting]:
+    """The engine settings a model may set for itself in a models file: flag field name ->
+    its ``EngineConfig`` field and type (every flag declared with ``engine=``)."""
+    return {o.name: model_specs.Setting(f.metadata["engine"], o.type)
+            for o, f in zip(OPTIONS, fields(ServerConfig)) if f.metadata.get("engine")}
 
 
 def check_redis_url(url: str) -> None:
@@ -415,6 +393,7 @@ def parser() -> argparse.ArgumentParser:
                            help=f"{o.help} (env {o.env}; default {o.shown})")
             continue
         p.add_argument(o.flag, dest=o.name, type=str, default=None,
+                       action="append" if o.name == "model_path" else "store",  # one model each
                        help=f"{o.help} (env {o.env}; default {o.shown})", metavar=o.type.__name__.upper())
     p.add_argument("--no-prefix-cache", dest="prefix_cache_tokens", action="store_const", const="0",
                    help="reuse no KV cells between requests (same as --prefix-cache-tokens 0)")
@@ -431,6 +410,8 @@ def from_args(argv=None, environ=os.environ) -> ServerConfig:
     base = {f.name: getattr(ServerConfig.from_env(environ), f.name) for f in fields(ServerConfig)}
     for o in OPTIONS:
         raw = getattr(args, o.name)
+        if isinstance(raw, list):  # --model, given once or more
+            raw = os.pathsep.join(raw)
         if raw is not None:
             base[o.name] = _convert(o.type, raw, o.flag)
     return ServerConfig(**base)

@@ -1,4 +1,4 @@
-"""A GGUF file's metadata strings, read by the file format's own layout (the GGUF specification in
+"""A GGUF file's metadata (strings and numbers), read by the file format's own layout (the GGUF specification in
 the ggml repository) without loading llama.cpp: the gunicorn master reads the model's name and
 chat template before any worker starts, so a file whose metadata is cut short is refused there,
 in one line.
@@ -22,6 +22,9 @@ VERSIONS = (2, 3)
 #: GGUF value types (``enum gguf_type``): the byte size of each fixed-size one.
 _FIXED = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
 _STRING, _ARRAY = 8, 9
+#: ``struct`` formats of the scalar types: uint8, int8, uint16, int16, uint32, int32, float32,
+#: bool, uint64, int64, float64.
+_SCALAR = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
 
 
 class _Truncated(Exception):
@@ -42,20 +45,32 @@ def metadata_strings(path: str, keys: tuple[str, ...]) -> dict[str, str]:
         ConfigError: one line naming ``path``: unreadable, not GGUF, a version llama.cpp does not
             read, metadata cut short (a partial download), or one of ``keys`` not a string.
     """
+    found = metadata(path, keys)
+    for name, value in found.items():
+        if not isinstance(value, str):
+            raise ConfigError(f"model file {path}: metadata {name} is not a string")
+    return found
+
+
+def metadata(path: str, keys: tuple[str, ...], arrays: bool = False) -> dict[str, str | int | float | bool]:
+    """The values of ``keys`` in the GGUF at ``path``: strings and scalars (numbers, booleans),
+    and with ``arrays`` an array's length (the vocabulary's size: ``tokenizer.ggml.tokens``);
+    a key the file lacks, or an array without ``arrays``, is absent. Errors as
+    :func:`metadata_strings`."""
     try:
         with open(path, "rb") as f:
             if os.fstat(f.fileno()).st_size < 4:
                 raise ConfigError(f"model file {path} is not a GGUF file")
             with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
-                return _read(data, path, set(keys))
+                return _read(data, path, set(keys), arrays)
     except OSError as e:
         raise ConfigError(f"cannot read model file {path}: {e.strerror}") from None
 
 
-def _read(data: mmap.mmap, path: str, wanted: set[str]) -> dict[str, str]:
+def _read(data: mmap.mmap, path: str, wanted: set[str], arrays: bool = False) -> dict[str, str | int | float | bool]:
     if data[:4] != MAGIC:
         raise ConfigError(f"model file {path} is not a GGUF file")
-    found: dict[str, str] = {}
+    found: dict[str, str | int | float | bool] = {}
     try:
         version, _tensors, n_kv = _unpack(data, "<IQQ", 4)
         if version not in VERSIONS:
@@ -67,11 +82,15 @@ def _read(data: mmap.mmap, path: str, wanted: set[str]) -> dict[str, str]:
             key, offset = _string(data, offset)
             (kind,), offset = _unpack(data, "<I", offset), offset + 4
             name = key.decode("utf-8", errors="replace")
-            if name in wanted:
-                if kind != _STRING:
-                    raise ConfigError(f"model file {path}: metadata {name} is not a string (GGUF type {kind})")
+            if name in wanted and kind == _STRING:
                 value, offset = _string(data, offset)
                 found[name] = value.decode("utf-8", errors="replace")
+            elif name in wanted and kind in _SCALAR:
+                (found[name],) = _unpack(data, _SCALAR[kind], offset)
+                offset += _FIXED[kind]
+            elif name in wanted and kind == _ARRAY and arrays:
+                (found[name],) = _unpack(data, "<Q", offset + 4)
+                offset = _skip(data, kind, offset)
             else:
                 offset = _skip(data, kind, offset)
     except _Truncated:

@@ -22,6 +22,7 @@ files (``server.observability.metrics_dir``).
 from __future__ import annotations
 
 import ctypes
+import functools
 import gc
 import logging
 import multiprocessing
@@ -77,7 +78,7 @@ def on_starting(server) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         _config.check_files()
-        _state["chat_template"] = _config.chat_template_origin()
+        _config.check_memory()
         _state["tenants"] = Tenants.load(_config.tenants_file or None)
         # which projects and keys are in force, and from where (this also creates the node's
         # SQLite file before any worker opens it)
@@ -106,21 +107,25 @@ def _start_engine(server) -> None:
         path = os.path.join(_state["responses_dir"], "responses.db")
         create_database(path)  # before any worker opens it (server.responses.store)
         os.environ[RESPONSES_DB_ENV] = path
-    engine = _config.engine_config()
-    # INFERENCE_SHM may name the segment in advance (tests attach to it to inspect the engine).
-    try:
-        supervisor = EngineSupervisor.create(engine, name=os.environ.get("INFERENCE_SHM") or None,
-                                             on_exit=_engine_exited)
-    except SharedMemoryTooSmall as e:
-        raise SystemExit(f"inference-server: {e}") from None
-    os.environ["INFERENCE_SHM"] = supervisor.transport_name
-    _state["supervisor"] = supervisor
-    supervisor.start()
-    server.log.info("engine starting: %d slots x %d tokens, policy %s, %d threads; shared memory %s",
-                    engine.max_slots, engine.max_seq_len, engine.policy, engine.threads, supervisor.transport_name)
-    server.log.info("model %s, served as %s; %s", engine.model_path, ", ".join(_config.model_ids),
-                    f"chat: yes (chat template: {_state['chat_template']})" if _state["chat_template"] else
-                    "chat: no, the model has no chat template (completions only; give one with --chat-template FILE)")
+    # INFERENCE_SHM may name the first model's segment in advance (tests attach to it to inspect
+    # the engine); the workers get every model's, in the models' order.
+    named = (os.environ.get("INFERENCE_SHM") or "").split(",")
+    supervisors = _state["supervisors"] = {}
+    for i, spec in enumerate(_config.models):
+        engine = _config.engine_config(spec)
+        try:
+            supervisor = EngineSupervisor.create(engine, name=(named[i] if i < len(named) else "") or None,
+                                                 on_exit=functools.partial(_engine_exited, spec.id))
+        except SharedMemoryTooSmall as e:
+            on_exit(server)
+            raise SystemExit(f"inference-server: {e}") from None
+        supervisors[spec.id] = supervisor
+        supervisor.start()
+        server.log.info("engine of %s starting: %d slots x %d tokens, policy %s, %d threads; shared memory %s",
+                        spec.id, engine.max_slots, engine.max_seq_len, engine.policy, engine.threads,
+                        supervisor.transport_name)
+        server.log.info("model %s, served as %s; %s", engine.model_path, ", ".join(spec.names), _serves(spec))
+    os.environ["INFERENCE_SHM"] = ",".join(s.transport_name for s in supervisors.values())
     if _config.grpc_port:
         sidecar = Sidecar(dict(os.environ), on_exit=lambda pid: _process_exited(server, pid, "gRPC sidecar"),
                           on_bind_failed=lambda: _grpc_port_lost(server))
@@ -137,6 +142,16 @@ def _start_engine(server) -> None:
     except Exception as e:
         on_exit(server)
         raise SystemExit(f"inference-server: cannot import the app: {type(e).__name__}: {e}") from None
+
+
+def _serves(spec) -> str:
+    """What the start-up line says a model serves."""
+    if spec.kind == "embed":
+        return "embeddings (POST /v1/embeddings)"
+    origin = spec.chat_template_origin()
+    flag = "--chat-template FILE" if spec.where == "--model" else "chat_template in the models file"
+    return f"chat: yes (chat template: {origin})" if origin else \
+        f"chat: no, the model has no chat template (completions only; give one with {flag})"
 
 
 def pre_request(worker, req) -> None:
@@ -177,11 +192,13 @@ def when_ready(server) -> None:
 
     def handle_hup():
         try:
-            _state["tenants"] = Tenants.load(_config.tenants_file or None)
+            tenants = Tenants.load(_config.tenants_file or None)
+            tenants.check_models(_config.model_ids)
         except Exception as e:  # noqa: BLE001 - never let a bad file stop the master
             server.log.error("SIGHUP: tenant file not reloaded, keeping the previous one: %s",
                              e if isinstance(e, ConfigError) else type(e).__name__)
             return
+        _state["tenants"] = tenants
         server.log.info("SIGHUP: reloading the tenant file in every worker and the gRPC sidecar")
         for pid in list(server.WORKERS):
             os.kill(pid, signal.SIGHUP)
@@ -204,7 +221,8 @@ def _drain(server) -> None:
     if _state.get("draining"):
         raise StopIteration  # what the arbiter's own handle_term does: halt
     _state["draining"] = True
-    _state["supervisor"].start_draining()
+    for supervisor in _state["supervisors"].values():
+        supervisor.start_draining()
     server.log.info("SIGTERM: draining; running requests get up to %.0f s (a second SIGTERM stops now)",
                     _config.drain_timeout)
     threading.Thread(target=_finish_drain, args=(server,), name="drain", daemon=True).start()
@@ -215,15 +233,17 @@ def _finish_drain(server) -> None:
     which ends what still runs with ``server_shutting_down`` (an SSE error event and
     ``[DONE]``, a 503, gRPC ``UNAVAILABLE``); give the front ends time to write that; then
     SIGTERM the master again, which halts gunicorn (``on_exit`` cleans up)."""
-    supervisor = _state["supervisor"]
+    supervisors = list(_state["supervisors"].values())
+    in_flight = lambda: sum(s.in_flight() for s in supervisors)  # noqa: E731
     deadline = time.monotonic() + _config.drain_timeout
-    while supervisor.in_flight() and time.monotonic() < deadline:
+    while in_flight() and time.monotonic() < deadline:
         time.sleep(0.05)
-    if supervisor.in_flight():
-        server.log.warning("drain timeout: ending %d requests still in flight", supervisor.in_flight())
-        supervisor.stop_engine()
+    if in_flight():
+        server.log.warning("drain timeout: ending %d requests still in flight", in_flight())
+        for supervisor in supervisors:
+            supervisor.stop_engine()
         deadline = time.monotonic() + END_WRITES_S
-        while supervisor.in_flight() and time.monotonic() < deadline:
+        while in_flight() and time.monotonic() < deadline:
             time.sleep(0.05)
     server.log.info("drained; stopping")
     os.kill(os.getpid(), signal.SIGTERM)
@@ -308,8 +328,7 @@ def post_worker_init(worker) -> None:
 
 
 def _reclaim(server, who: str) -> None:
-    supervisor = _state.get("supervisor")
-    if supervisor is not None:
+    for supervisor in list(_state.get("supervisors", {}).values()):
         freed = supervisor.reclaim()
         if freed:  # every dead holder's, found when this one exited
             server.log.warning("reclaimed %d mailboxes of dead processes (%s exited)", len(freed), who)
@@ -332,18 +351,18 @@ def _grpc_port_lost(server) -> None:
     os.kill(os.getpid(), signal.SIGINT)
 
 
-def _engine_exited(pid: int, crashed: bool) -> None:
+def _engine_exited(model: str, pid: int, crashed: bool) -> None:
     if _config.metrics:
         metrics_dir.retire(pid)
         if crashed:
             from server.observability.metrics import ENGINE_RESTARTS  # after on_starting prepared the directory
-            ENGINE_RESTARTS.inc()
-    supervisor = _state.get("supervisor")  # None once on_exit took it
+            ENGINE_RESTARTS.labels(model).inc()
+    supervisor = _state.get("supervisors", {}).get(model)  # None once on_exit took them
     if supervisor is not None and supervisor.failed:
         # The engine logged why; the same model will not load on a restart. Stop as on a lost
         # gRPC port: gunicorn's quick stop, exit status 1 (on_exit).
-        logging.getLogger("gunicorn.error").error("inference-server: the engine cannot load the model (its line "
-                                                  "above says why); stopping")
+        logging.getLogger("gunicorn.error").error("inference-server: the engine of %s cannot load its model (its "
+                                                  "line above says why); stopping", model)
         _state["exit_status"] = 1
         os.kill(os.getpid(), signal.SIGINT)
 
@@ -356,8 +375,7 @@ def on_exit(server) -> None:
     sidecar = _state.pop("sidecar", None)
     if sidecar is not None:
         sidecar.stop()
-    supervisor = _state.pop("supervisor", None)
-    if supervisor is not None:
+    for supervisor in _state.pop("supervisors", {}).values():
         supervisor.stop()  # also unlinks the shared memory it created
     responses_dir = _state.pop("responses_dir", None)
     if responses_dir is not None:

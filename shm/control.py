@@ -79,6 +79,16 @@ class ControlBlock:
         """The engine is READY and made progress within ``stall_s`` seconds."""
         return self.state == EngineState.READY and self.seconds_since_progress() < stall_s
 
+    # -- what an embedding engine computes (engine process) ------------------------------------
+    def set_n_embd(self, n_embd: int) -> None:
+        """An embedding engine's vector dimension, set once its model loaded (before READY)."""
+        self._c["n_embd"] = n_embd
+
+    @property
+    def n_embd(self) -> int:
+        """The embedding engine's vector dimension; 0 before it loaded, and for a generation engine."""
+        return int(self._c["n_embd"])
+
     # -- the server's drain (gunicorn master) ------------------------------------------------------
     def start_draining(self) -> None:
         self._c["draining"] = 1

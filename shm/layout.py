@@ -71,6 +71,9 @@ class Layout:
         record_bytes: payload bytes of one request-ring record. The transport does not know what
             a request is; ``engine.request.EngineRequest`` defines the payload's format.
         cache_streams: KV streams of the engine's prefix cache (their occupancy is published).
+        embed: the engine computes embeddings (``EngineConfig.kind`` ``embed``): a mailbox's
+            ``logprobs`` row holds its input's vector (:meth:`shm.mailbox.Mailboxes.publish_vector`),
+            and the top-logprob arrays have no room (``[n_mailboxes, max_seq_len, 0]``).
     Raises:
         ValueError: on a non-positive size.
     """
@@ -80,6 +83,7 @@ class Layout:
     max_seq_len: int
     record_bytes: int
     cache_streams: int = 0
+    embed: bool = False
 
     def __post_init__(self):
         for field in ("max_slots", "n_mailboxes", "max_seq_len", "record_bytes"):
@@ -113,6 +117,9 @@ class Layout:
             ("cache_kv_pos_max", np.int32, (max(self.cache_streams, 1),)),
             # 1 from the server's SIGTERM on: front ends refuse new requests, readiness is 503.
             ("draining", np.int32),
+            # An embedding engine's vector dimension (llama_model_n_embd_out), set before it is
+            # ready; 0 for a generation engine.
+            ("n_embd", np.int32),
         ])
 
     def record_dtype(self) -> np.dtype:
@@ -139,7 +146,7 @@ class Layout:
 
     def arrays(self) -> list[tuple[str, np.dtype, tuple]]:
         """(name, dtype, shape) of every array, in segment order."""
-        n, s, k = self.n_mailboxes, self.max_seq_len, MAX_TOP_LOGPROBS
+        n, s, k = self.n_mailboxes, self.max_seq_len, 0 if self.embed else MAX_TOP_LOGPROBS
         return [
             ("control", self.control_dtype(), (1,)),
             ("ring", self.record_dtype(), (self.n_mailboxes,)),

@@ -24,6 +24,10 @@ end: prompt entry ``i``, the log-probability of prompt token ``i + 1`` given tho
 prompt tokens (``n - 1`` entries) generates at most ``max_seq_len - n`` tokens, so generated
 tokens (from index 0) and prompt entries never share an index, and the segment needs no room of
 its own for them. Their counter is ``n_prompt_logprobs``, under the same rule.
+
+An embedding engine's answer is one vector (float32, ``n_embd <= max_seq_len`` values) in the
+mailbox's ``logprobs`` row from index 0, its length in ``n_tokens``, under the same rule
+(:meth:`Mailboxes.publish_vector`, :meth:`Mailboxes.vector`); its ``tokens`` row stays unused.
 """
 from __future__ import annotations
 
@@ -170,6 +174,13 @@ class Mailboxes:
                  tuple(zip(self.top_ids[i, last - p, :n_logprobs].tolist(),
                            self.top_logprobs[i, last - p, :n_logprobs].tolist()))) for p in range(n)]
 
+    def vector(self, lease: Lease) -> np.ndarray:
+        """An embedding's vector as published so far: float32 ``[n]`` (a copy), ``n`` the
+        counter; whole once the mailbox is DONE (read the state first: :meth:`read_new`)."""
+        i = lease.index
+        n = int(self._n_tokens[i])
+        return self.logprobs[i, :n].copy()
+
     def wait(self, leases: Iterable[Lease], timeout: float | None, extra_fd: int | None = None):
         """Block until a wake-up of one of ``leases`` or ``extra_fd`` hangs up; see
         :meth:`shm.wakeup.Wakeups.wait`. Returns ``(mailbox indices woken, hung up)``."""
@@ -240,6 +251,23 @@ class Mailboxes:
             self._n_tokens[i] = k + 1
         for p in tokens:
             self.wakeups.wake(p.index)
+
+    def publish_vector(self, index: int, vector: np.ndarray, now: float) -> None:
+        """An embedding engine's answer: ``vector`` (float32 ``[n]``, ``n <= max_seq_len``) into
+        mailbox ``index``'s ``logprobs`` row, then the counter (``n_tokens = n``; the time of the
+        first token is now), then the wake-up. Once per lease: the row is never rewritten while
+        the counter covers it.
+
+        Raises:
+            ValueError: ``vector`` is longer than a row.
+        """
+        n = len(vector)
+        if n > self.logprobs.shape[1]:
+            raise ValueError(f"a vector of {n} values does not fit a mailbox row of {self.logprobs.shape[1]}")
+        self.logprobs[index, :n] = vector
+        self._t_first_token[index] = now
+        self._n_tokens[index] = n
+        self.wakeups.wake(index)
 
     def publish_prompt_logprobs(self, index: int, start: int, logprob: np.ndarray, top_ids: np.ndarray,
                                 top_logprobs: np.ndarray) -> None:

@@ -21,7 +21,7 @@ from shm.wakeup import Wakeups
 _MAGIC = 0x494E4652  # "INFR"
 _META = np.dtype([("magic", np.uint32), ("max_slots", np.int32),
                   ("n_mailboxes", np.int32), ("max_seq_len", np.int32), ("record_bytes", np.int32),
-                  ("cache_streams", np.int32)])
+                  ("cache_streams", np.int32), ("embed", np.int32)])
 _META_BYTES = 64
 SHM_DIR = segment.SHM_DIR
 
@@ -32,7 +32,8 @@ class Transport:
     Use :meth:`create` in the process that owns the transport (it unlinks everything in
     :meth:`close`) and :meth:`attach` everywhere else. The segment's arrays (``control``,
     ``ring``, ``mailboxes``, ``tokens`` ``[n_mailboxes, max_seq_len]``, ``logprobs``,
-    ``top_ids`` and ``top_logprobs`` ``[n_mailboxes, max_seq_len, 20]``) are numpy views used
+    ``top_ids`` and ``top_logprobs`` ``[n_mailboxes, max_seq_len, 20]``, 0 wide for an embedding
+    engine) are numpy views used
     through the verbs of four objects: :attr:`control` (:class:`shm.control.ControlBlock`),
     :attr:`ring` (:class:`shm.ring.RequestRing`), :attr:`mailboxes`
     (:class:`shm.mailbox.Mailboxes`) and :attr:`buckets` (:class:`shm.buckets.SharedBuckets`).
@@ -89,7 +90,7 @@ class Transport:
             raise
         np.ndarray((), _META, buffer=shm.buf)[()] = (_MAGIC, layout.max_slots, layout.n_mailboxes,
                                                      layout.max_seq_len, layout.record_bytes,
-                                                     layout.cache_streams)
+                                                     layout.cache_streams, layout.embed)
         transport.mailboxes.boxes["slot"] = -1
         transport.control.publish(0, -1, -1, 0)
         return transport
@@ -109,7 +110,7 @@ class Transport:
             shm.close()
             raise ValueError(f"shared memory segment {name!r} is not an inference transport")
         layout = Layout(int(meta["max_slots"]), int(meta["n_mailboxes"]), int(meta["max_seq_len"]),
-                        int(meta["record_bytes"]), int(meta["cache_streams"]))
+                        int(meta["record_bytes"]), int(meta["cache_streams"]), bool(meta["embed"]))
         return cls(shm, layout, owner=False)
 
     def close(self) -> None:

@@ -3,7 +3,10 @@
 * :mod:`engine.llama.library`: initialization, log sink, loading a GGUF, metadata, devices;
 * :mod:`engine.llama.backend`: the device profile (CPU or GPU) and the choices it carries;
 * :mod:`engine.llama.weights`: the weight format computed with (a copy converted once);
-* :mod:`engine.llama.model`: one context and its KV cache (``Model.from_config``);
+* :mod:`engine.llama.model`: one context and its KV cache (``Model.from_config``), and what every
+  context shares (``Context``);
+* :mod:`engine.llama.embedding`: an embedding context, pooling each sequence into one unit vector
+  (``EmbeddingModel.from_config``);
 * :mod:`engine.llama.kv_pages`: the KV memory of streams that hold nothing given back to the kernel,
   on the cache layouts it knows (one cache; interleaved sliding window), the others refused;
 * :mod:`engine.llama.batch`: the ``llama_batch`` the engine fills;

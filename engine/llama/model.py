@@ -1,4 +1,5 @@
-"""The model and its KV cache in llama.cpp (low-level API of llama-cpp-python)."""
+"""The model and its KV cache in llama.cpp (low-level API of llama-cpp-python): the generation
+context (:class:`Model`) and what every context of the engine shares (:class:`Context`)."""
 from __future__ import annotations
 
 import ctypes
@@ -48,7 +49,85 @@ class DecodeError(RuntimeError):
     """``llama_decode`` returned non-zero (see llama.h: 1 = no KV slot, < 0 = error)."""
 
 
-class Model:
+class Context:
+    """What the engine's llama.cpp contexts share (:class:`Model`, generating;
+    :class:`engine.llama.embedding.EmbeddingModel`, pooling embeddings): the model loaded from
+    ``path`` on ``backend``, the context's compute threads, the progress hook of its decodes, the
+    decode itself, and freeing both. A subclass creates ``self.ctx`` (:meth:`_context`) from
+    :meth:`_params`.
+
+    Raises:
+        ConfigError: unreadable or non-GGUF file. RuntimeError: llama.cpp refused the model.
+    """
+
+    def __init__(self, path: str, n_threads: int, backend: Backend = CPU):
+        self.path, self.backend = path, backend
+        self.ctx = None
+        self.model = load_model(self.path, n_gpu_layers=backend.n_gpu_layers)
+        self.vocab = llama_cpp.llama_model_get_vocab(self.model)
+        self.n_vocab = llama_cpp.llama_vocab_n_tokens(self.vocab)
+        self.n_threads = n_threads
+        self._progress = self._no_progress = llama_cpp.ggml_abort_callback()  # NULL: no hook
+        self._reporting = False
+
+    def _params(self, n_batch: int):
+        """llama.cpp's context parameters every context of the engine takes: ``n_batch`` tokens
+        a decode in one micro-batch, flash attention, the compute threads, no perf counters."""
+        params = llama_cpp.llama_context_default_params()
+        params.n_batch = params.n_ubatch = n_batch
+        # Flash attention: on the paths the deterministic profile keeps to (engine.llama.backend)
+        # it computes each query row on its own, so outputs do not depend on the batch
+        # (docs/architecture.md, "Prefix cache"). It also keeps V untransposed (kv_pages).
+        params.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED
+        params.n_threads = params.n_threads_batch = self.n_threads
+        params.no_perf = True
+        return params
+
+    def _context(self, params):
+        ctx = llama_cpp.llama_init_from_model(self.model, params)
+        if not ctx:
+            raise RuntimeError("llama.cpp could not create a context (out of memory?)")
+        return ctx
+
+    def set_threads(self, n_threads: int) -> None:
+        """Compute threads of the next decodes (``llama_set_n_threads``; a no-op if unchanged)."""
+        if n_threads != self.n_threads:
+            llama_cpp.llama_set_n_threads(self.ctx, n_threads, n_threads)
+            self.n_threads = n_threads
+
+    def on_progress(self, beat: Callable[[], None]) -> None:
+        """Have decodes asked to report progress call ``beat()`` after every node of llama.cpp's
+        compute graph: through its abort callback, which ggml's CPU backend calls from its first
+        thread after each node (``ggml_graph_compute_thread``); ours never aborts. About 0.3 us
+        a call from C into Python, some 500 calls a decode of SmolLM2-135M."""
+        self._progress = llama_cpp.ggml_abort_callback(lambda _data: beat() or False)  # kept: C holds it
+        self._reporting = None  # (re)install at the next decode
+
+    def decode(self, batch: Batch, report_progress: bool = False) -> None:
+        """Run ``batch`` (``llama_decode``); ``report_progress``: call the :meth:`on_progress`
+        hook while it runs.
+
+        Raises:
+            DecodeError: llama.cpp returned non-zero.
+        """
+        if report_progress != self._reporting:
+            llama_cpp.llama_set_abort_callback(self.ctx, self._progress if report_progress else self._no_progress,
+                                               None)
+            self._reporting = report_progress
+        rc = llama_cpp.llama_decode(self.ctx, batch.as_struct())
+        if rc != 0:
+            raise DecodeError(f"llama_decode returned {rc}")
+
+    def close(self) -> None:
+        if self.ctx:
+            llama_cpp.llama_free(self.ctx)
+            self.ctx = None
+        if self.model:
+            llama_cpp.llama_model_free(self.model)
+            self.model = None
+
+
+class Model(Context):
     """One llama.cpp context with ``n_seq_max = max_slots + cache_streams`` sequences of
     ``max_seq_len`` cells each.
 
@@ -74,31 +153,18 @@ class Model:
 
     def __init__(self, path: str, max_slots: int, max_seq_len: int, n_batch: int, n_threads: int,
                  cache_streams: int = 0, backend: Backend = CPU, kv_cells: int | None = None):
-        self.path, self.backend = path, backend
-        self.model = load_model(self.path, n_gpu_layers=backend.n_gpu_layers)
-        self.vocab = llama_cpp.llama_model_get_vocab(self.model)
-        self.n_vocab = llama_cpp.llama_vocab_n_tokens(self.vocab)
-        self.n_threads = n_threads
+        super().__init__(path, n_threads, backend)
         n_seq_max = max_slots + cache_streams
         #: Logits rows one decode may ask for (:func:`logits_rows`); llama.cpp sizes its output
         #: buffer and the logits in its compute buffer to it.
         self.max_logits_rows = logits_rows(self.n_vocab, n_seq_max, n_batch)
-        self.params = params = llama_cpp.llama_context_default_params()
+        self.params = params = self._params(n_batch)
         params.n_ctx = n_seq_max * max_seq_len
-        params.n_batch = params.n_ubatch = n_batch
         params.n_seq_max = n_seq_max
         params.n_outputs_max = self.max_logits_rows
         params.kv_unified = False  # one stream per sequence (see Scheduler.gap)
         params.swa_full = False  # llama-server's default: sliding-window layers keep the window only
-        # Flash attention: on the paths the deterministic profile keeps to (engine.llama.backend)
-        # it computes each query row on its own, so outputs do not depend on the batch
-        # (docs/architecture.md, "Prefix cache"). It also keeps V untransposed (kv_pages).
-        params.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED
-        params.n_threads = params.n_threads_batch = n_threads
-        params.no_perf = True
         self.ctx = self._context(params)
-        self._progress = self._no_progress = llama_cpp.ggml_abort_callback()  # NULL: no hook
-        self._reporting = False
         self.pages = None
         if backend.kv_pages:
             try:
@@ -112,12 +178,6 @@ class Model:
         #: How much of a copied sequence another one can reuse (PrefixCache.window): None with
         #: full attention; the sliding window's tokens; 0 for a recurrent or hybrid state.
         self.window = reuse_window(self.model)
-
-    def _context(self, params):
-        ctx = llama_cpp.llama_init_from_model(self.model, params)
-        if not ctx:
-            raise RuntimeError("llama.cpp could not create a context (out of memory?)")
-        return ctx
 
     def _fall_back(self, reason: str, kv_cells: int) -> None:
         """Replace the context, whose KV memory :mod:`engine.llama.kv_pages` refused (``reason``),
@@ -149,35 +209,6 @@ class Model:
         path = weights_path(config.model_path, config.weights, backend=backend)
         return cls(path, config.max_slots, config.max_seq_len, config.n_batch, config.threads,
                    config.cache_streams, backend, config.kv_cache_tokens + config.prefix_cache_tokens + config.n_batch)
-
-    def set_threads(self, n_threads: int) -> None:
-        """Compute threads of the next decodes (``llama_set_n_threads``; a no-op if unchanged)."""
-        if n_threads != self.n_threads:
-            llama_cpp.llama_set_n_threads(self.ctx, n_threads, n_threads)
-            self.n_threads = n_threads
-
-    def on_progress(self, beat: Callable[[], None]) -> None:
-        """Have decodes asked to report progress call ``beat()`` after every node of llama.cpp's
-        compute graph: through its abort callback, which ggml's CPU backend calls from its first
-        thread after each node (``ggml_graph_compute_thread``); ours never aborts. About 0.3 us
-        a call from C into Python, some 500 calls a decode of SmolLM2-135M."""
-        self._progress = llama_cpp.ggml_abort_callback(lambda _data: beat() or False)  # kept: C holds it
-        self._reporting = None  # (re)install at the next decode
-
-    def decode(self, batch: Batch, report_progress: bool = False) -> None:
-        """Run ``batch`` (``llama_decode``); ``report_progress``: call the :meth:`on_progress`
-        hook while it runs.
-
-        Raises:
-            DecodeError: llama.cpp returned non-zero.
-        """
-        if report_progress != self._reporting:
-            llama_cpp.llama_set_abort_callback(self.ctx, self._progress if report_progress else self._no_progress,
-                                               None)
-            self._reporting = report_progress
-        rc = llama_cpp.llama_decode(self.ctx, batch.as_struct())
-        if rc != 0:
-            raise DecodeError(f"llama_decode returned {rc}")
 
     def logits(self, row: int) -> np.ndarray:
         """Float32 view ``[n_vocab]`` of the logits of batch row ``row`` (valid until next decode)."""
@@ -237,10 +268,3 @@ class Model:
         """Highest KV position held by ``seq_id``; -1 when it holds none."""
         return llama_cpp.llama_memory_seq_pos_max(self.mem, seq_id)
 
-    def close(self) -> None:
-        if self.ctx:
-            llama_cpp.llama_free(self.ctx)
-            self.ctx = None
-        if self.model:
-            llama_cpp.llama_model_free(self.model)
-            self.model = None

@@ -43,22 +43,26 @@ class Tokenizer:
         tmpl = llama_cpp.llama_model_chat_template(self._model, None)
         self.chat_template = tmpl.decode("utf-8") if tmpl else None
 
-    def encode(self, text: str, *, special: bool = False, add_bos: bool = False) -> list[int]:
+    def encode(self, text: str, *, special: bool = False, add_bos: bool = False,
+               add_special: bool = False) -> list[int]:
         """Token ids of ``text``.
 
         Args:
             special: parse special-token text (``<|im_start|>``) as those tokens. Off for user
                 data, so such text stays plain text.
             add_bos: prepend BOS if the model wants one.
+            add_special: add every token the vocabulary asks around a text (BOS, EOS:
+                ``llama_tokenize``'s ``add_special``), as llama-server tokenizes an input to embed.
         """
         data = text.encode("utf-8")
         cap = len(data) + 8
         out = (llama_cpp.llama_token * cap)()
-        n = llama_cpp.llama_tokenize(self.vocab, data, len(data), out, cap, add_bos and self.add_bos, special)
+        wrap = add_special or (add_bos and self.add_bos)
+        n = llama_cpp.llama_tokenize(self.vocab, data, len(data), out, cap, wrap, special)
         if n < 0:  # buffer too small: -n is the size needed
             cap = -n
             out = (llama_cpp.llama_token * cap)()
-            n = llama_cpp.llama_tokenize(self.vocab, data, len(data), out, cap, add_bos and self.add_bos, special)
+            n = llama_cpp.llama_tokenize(self.vocab, data, len(data), out, cap, wrap, special)
         return list(out[:n])
 
     @functools.cached_property

@@ -1,7 +1,8 @@
 """``/infer``, the original endpoint, protocol-neutral: the body's parser and the response.
 
 Request: ``{"tenant_id", "payload", "priority": "high|normal|low", "deadline_ms",
-"max_new_tokens"}``; ``payload`` is the user's message, rendered with the chat template (for a
+"max_new_tokens", "model"}`` (``model``: which served model, the default one without it);
+``payload`` is the user's message, rendered with the chat template (for a
 model without one, a plain prompt the model continues: ``Generator.infer``), decoded greedily.
 Response: ``{"tenant_id", "text", "tokens", "cached_tokens", "finish_reason":
 "stop|length|deadline", "queue_wait_ms", "latency_ms"}``. The HTTP route (``server/http/infer.py``)
@@ -19,7 +20,7 @@ from server.generation.generation import Generation
 from server.generation.request import Choice, GenerationRequest
 from server.tenancy.tenants import Tenant, TenantRegistry
 
-INFER_FIELDS = frozenset({"tenant_id", "payload", "priority", "deadline_ms", "max_new_tokens"})
+INFER_FIELDS = frozenset({"tenant_id", "payload", "priority", "deadline_ms", "max_new_tokens", "model"})
 INFER = FieldPolicy(INFER_FIELDS)
 #: At least 1: only a scoring request may generate nothing, and /infer does not score.
 MAX_NEW_TOKENS_BOUNDS = {**SamplingParams.bounds("max_new_tokens"), "lo": 1}

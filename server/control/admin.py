@@ -1,7 +1,8 @@
 """The Admin API's operations, in OpenAI's shapes (``Project``, ``ProjectServiceAccount``,
-``ProjectApiKey``, ``ProjectRateLimit``, ``ProjectSpendLimitResource``; OpenAI's OpenAPI
-document), over the control plane (``server/control/state.py``). Protocol-neutral: bodies in,
-OpenAI objects out; the routes are ``server/http/admin.py``'s.
+``ProjectApiKey``, ``ProjectRateLimit``, ``ProjectSpendLimitResource``,
+``ProjectModelPermissions``; OpenAI's OpenAPI document), over the control plane
+(``server/control/state.py``). Protocol-neutral: bodies in, OpenAI objects out; the routes are
+``server/http/admin.py``'s.
 
 Our fields, in OpenAI's style (listed in ``server/http/openapi.json``):
 
@@ -102,7 +103,8 @@ class Admin:
     def __init__(self, control: ControlPlane, price: Price, model_names: tuple[str, ...] = (), clock=time.time):
         #: the served model's price: a spend limit fires only with one
         self.control, self.price, self.clock = control, price, clock
-        #: every name the model is served under: ``rl-<name>`` names its rate limit
+        #: every name a model is served under: ``rl-<name>`` names its rate limit; model
+        #: permissions name served models only
         self.model_names = model_names or (control.model,)
 
     @property
@@ -197,7 +199,8 @@ class Admin:
         keys = [d["id"] for d in self.state.of_kind("api_key", project_id=project_id)]
         limits = [n for n, d in self.state.docs.items()
                   if n.startswith("rate_limit/") and d["project_id"] == project_id]
-        self.control.write({}, (f"project/{project_id}", f"spend_limit/{project_id}", *owned, *limits))
+        self.control.write({}, (f"project/{project_id}", f"spend_limit/{project_id}",
+                                f"model_permissions/{project_id}", *owned, *limits))
         self._forget(keys)
         return ({"object": "organization.project.deleted", "id": project_id, "deleted": True},
                 ("project.delete", project_id))
@@ -461,3 +464,53 @@ class Admin:
             raise NotFound(f"project {shown(project_id)} has no spend limit", "project_id")
         self.control.write({}, (f"spend_limit/{project_id}",))
         return {"object": "project.spend_limit.deleted", "deleted": True}, ("spend_limit.delete", project_id)
+
+    # model permissions
+    def model_permissions_object(self, project_id: str) -> dict:
+        """OpenAI's ``ProjectModelPermissions``: the file's ``models`` for a file project (an
+        allow list), else the stored document; without either, every model (an empty deny list)."""
+        file_tenant = self.state.file.by_id.get(project_id)
+        if file_tenant is not None:
+            access = file_tenant.models
+            doc = {"mode": access.mode, "model_ids": access.model_ids} if access else None
+        else:
+            doc = self.state.doc("model_permissions", project_id)
+        doc = doc or {"mode": "deny_list", "model_ids": []}
+        return {"object": "project.model_permissions", "mode": doc["mode"], "model_ids": list(doc["model_ids"])}
+
+    def get_model_permissions(self, project_id: str) -> dict:
+        self.project(project_id)
+        return self.model_permissions_object(project_id)
+
+    def update_model_permissions(self, project_id: str, body: dict) -> tuple[dict, tuple[str, str]]:
+        """The models the project may use (``allow_list``) or may not (``deny_list``), by any of
+        their served names; in force without a reload. Each id must be a served name (a
+        misspelt one would allow or deny nothing); an empty allow list is refused (a project that
+        can use no model; archive it instead)."""
+        self.project(project_id, writable=True)
+        _fields(body, {"mode", "model_ids"})
+        mode = body.get("mode")
+        if mode not in ("allow_list", "deny_list"):
+            raise InvalidRequest(f"mode must be allow_list or deny_list, got {shown(mode)}", "mode")
+        ids = body.get("model_ids")
+        if not isinstance(ids, list):
+            raise InvalidRequest(f"model_ids must be an array of model ids, got {shown(ids)}", "model_ids")
+        for i, name in enumerate(ids):
+            if not isinstance(name, str) or name not in self.model_names:
+                raise InvalidRequest(f"model_ids[{i}]: {shown(name)} is not a model served here (this server "
+                                     f"serves {', '.join(self.model_names)})", f"model_ids[{i}]")
+        if mode == "allow_list" and not ids:
+            raise InvalidRequest("model_ids: an empty allow_list would let the project use no model (archive it "
+                                 "to stop its keys; DELETE the model permissions for every model)", "model_ids")
+        doc = {"project_id": project_id, "mode": mode, "model_ids": list(dict.fromkeys(ids))}
+        self.control.write({f"model_permissions/{project_id}": doc})
+        return self.model_permissions_object(project_id), ("model_permissions.update", project_id)
+
+    def delete_model_permissions(self, project_id: str) -> tuple[dict, tuple[str, str]]:
+        """Back to every model (whether or not the project had permissions set: the route only
+        resets)."""
+        self.project(project_id, writable=True)
+        if self.state.doc("model_permissions", project_id) is not None:
+            self.control.write({}, (f"model_permissions/{project_id}",))
+        return ({"object": "project.model_permissions.deleted", "deleted": True},
+                ("model_permissions.delete", project_id))

@@ -9,9 +9,10 @@ A project is a tenant (OpenAI's Admin API). Projects come from two places:
   the declared state of a GitOps deployment, and copying it into the shared state would let two
   replicas with different files, or a rolled-back file, overwrite each other.
 - the store (``server/control/store.py``): projects made through the API, with their service
-  accounts, keys, rate limits and spend limits, shared by every replica through Redis (or the
-  node's SQLite file). A change is in force in every process within :data:`POLL_S` (each
-  process polls the store's version and re-reads the documents when it moved).
+  accounts, keys, rate limits, spend limits and model permissions, shared by every replica
+  through Redis (or the node's SQLite file). A change is in force in every process within
+  :data:`POLL_S` (each process polls the store's version and re-reads the documents when it
+  moved).
 """
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ from dataclasses import dataclass, field
 from engine.config import ConfigError
 from engine.request import Priority
 from server.control.store import ControlUnavailable, RedisControl, open_store
-from server.tenancy.tenants import Rate, Tenant, Tenants, tenant_index
+from server.tenancy.tenants import ModelAccess, Rate, Tenant, Tenants, tenant_index
 
 log = logging.getLogger("control")
 
@@ -57,6 +58,14 @@ def rates(limit: dict | None) -> dict:
             "requests_per_day": rate("max_requests_per_1_day", 86400)}
 
 
+def model_access(permissions: dict | None) -> ModelAccess | None:
+    """A model-permissions document (OpenAI's ``mode`` and ``model_ids``) as the ``Tenant``'s
+    ``models``; None (no document): every model."""
+    if permissions is None:
+        return None
+    return ModelAccess(permissions["mode"], tuple(permissions["model_ids"]))
+
+
 @dataclass(frozen=True)
 class ControlState:
     """The documents of one version, indexed; and the tenant file's tenants.
@@ -84,7 +93,9 @@ class ControlState:
                 if doc.get("archived_at") is None:
                     limit = docs.get(f"rate_limit/{doc['id']}/{model}")
                     tenants[doc["id"]] = Tenant(doc["id"], tenant_index(doc["id"]), Priority[doc["priority"].upper()],
-                                                doc["weight"], max_concurrent=doc.get("max_concurrent"), **rates(limit))
+                                                doc["weight"], max_concurrent=doc.get("max_concurrent"),
+                                                models=model_access(docs.get(f"model_permissions/{doc['id']}")),
+                                                **rates(limit))
         for tid, tenant in file.by_id.items():
             projects[tid] = {"id": tid, "name": tid, "created_at": 0, "archived_at": None, "source": "file",
                              "priority": tenant.priority.name.lower(), "weight": tenant.weight,

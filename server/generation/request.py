@@ -112,3 +112,23 @@ class Usage:
         """OpenAI's ``usage`` object (CompletionUsage), ``prompt_tokens_details`` included."""
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
                 "total_tokens": self.total_tokens, "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
+
+
+@dataclass(frozen=True)
+class EmbeddingRequest:
+    """What ``POST /v1/embeddings`` (and gRPC ``Embed``) asks (parsed by ``server/api/embeddings.py``).
+
+    Attributes:
+        inputs: each input, its text or its token ids, in the request's order.
+        encoding_format: ``float`` (JSON numbers) or ``base64`` (little-endian float32 bytes).
+        dimensions: the vector length asked (None: the model's).
+        truncate: keep each input's last this many tokens (None: refuse a long input; -1: as
+            many as fit).
+        priority: the scheduling class (this server's extension, as on the generation routes).
+    """
+
+    inputs: tuple[str | tuple[int, ...], ...]
+    encoding_format: str = "float"
+    dimensions: int | None = None
+    truncate: int | None = None
+    priority: Priority = Priority.NORMAL

@@ -62,16 +62,20 @@ class Submission:
         #: The spend reserved at admission (None: no accounting, or not admitted).
         self.reservation: Reservation | None = None
         self.streams: list[Stream] = []
+        #: Prepared sequences not submitted yet (``start``'s ``window``), for :meth:`submit_next`.
+        self.pending: list[EngineRequest] = []
         self.rate_buckets: dict = {}
         self._admitted: int | None = None  # prompt tokens taken with the request, refunded on a refusal
         self._uncharged, self._charged_at = 0, time.monotonic()
 
     def start(self, prompts: list[list[int]], n: int, sampling: SamplingParams, kind: RequestKind,
               fields: FieldNames, priority: Priority, deadline_ms: float | None = None,
-              watch_socket: socket.socket | None = None, submits: bool = True) -> None:
+              watch_socket: socket.socket | None = None, submits: bool = True, window: int | None = None) -> None:
         """Prepare every prompt, admit the request (one request, the prompt tokens of every
         choice it submits), then submit ``n`` sequences per prompt (none unless ``submits``:
-        the prompts are only checked).
+        the prompts are only checked; with ``n`` 1, the first ``window`` prompts only, the
+        others by :meth:`submit_next`, so a request of more inputs than the engine's mailboxes
+        runs through them as they free).
 
         Raises:
             InvalidRequest, PromptTooLong: a prompt does not fit (naming the field of
@@ -89,7 +93,10 @@ class Submission:
                     self.tenant, sum(len(p) for p in prompts),
                     n * sum(r.sampling.max_new_tokens for r in prepared) if submits else 0)
             if submits:
-                self.submit(prepared, n, priority, deadline_ms, watch_socket, fields.grammar)
+                self.pending = prepared[window:] if window is not None else []
+                self._later = (priority, deadline_ms, watch_socket, fields.grammar)
+                self.submit(prepared[:window] if window is not None else prepared, n, priority, deadline_ms,
+                            watch_socket, fields.grammar)
         except BaseException:
             self.close()  # nothing stays submitted
             if self._admitted is not None:
@@ -123,6 +130,12 @@ class Submission:
                         prompt.sampling, seed=reduce_seed(seed + j)))
                 self.streams.append(self.engine.submit(request, deadline_ms=deadline_ms, watch_socket=watch_socket,
                                                        grammar_param=grammar_param, **share._asdict()))
+
+    def submit_next(self) -> None:
+        """Submit the first of :attr:`pending` (one sequence). Raises as ``EngineClient.submit``
+        (Saturated: no mailbox free now; it stays pending)."""
+        self.submit(self.pending[:1], 1, *self._later)
+        del self.pending[0]
 
     def charge(self, tokens: int, final: bool = False) -> None:
         """Charge generated tokens to the tenant's token bucket, aggregated (see

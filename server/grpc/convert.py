@@ -12,8 +12,9 @@ from __future__ import annotations
 from engine.errors import InvalidRequest
 from proto import inference_pb2 as pb
 from server.api import json_text
+from server.api.embeddings import EmbeddingRequest, parse_embedding
 from server.api.infer import parse_infer
-from server.api.requests import check_model, generation_request, parse_role, render_options
+from server.api.requests import generation_request, parse_role, render_options
 from server.api.tools import answered, call_arguments, choice_mode, function_tool, tool_array, tool_request
 from server.generation.request import GenerationRequest
 from server.api.structured import parse_structured
@@ -78,22 +79,43 @@ def infer_request(message: pb.InferRequest, tenant: Tenant,
     return parse_infer(scalar_fields(message), tenant, tenants)
 
 
-def chat_request(message: pb.ChatRequest, model_ids: tuple[str, ...],
-                 max_messages: int) -> tuple[str, GenerationRequest, list[dict], dict]:
-    """A ``ChatRequest`` -> ``(model, request, messages, render options)``, as
-    ``/v1/chat/completions`` parses its body.
+def model_field(message) -> dict:
+    """A request message's ``model`` as a body holds it (``ModelRouter.pick``): absent when
+    empty (the default model)."""
+    return {"model": message.model} if message.model else {}
+
+
+def chat_request(message: pb.ChatRequest, max_messages: int) -> tuple[GenerationRequest, list[dict], dict]:
+    """A ``ChatRequest`` -> ``(request, messages, render options)``, as
+    ``/v1/chat/completions`` parses its body (its ``model`` is picked first: :func:`model_field`).
 
     Raises:
         InvalidRequest: a refused field, named as the chat body names it
             (``tools[0].function.parameters``, ``response_format.json_schema.schema``...).
-        ModelNotFound: a model this server does not serve.
     """
-    fields = scalar_fields(message, skip=_CONVERTED)
-    model = check_model(fields, model_ids)
+    fields = scalar_fields(message, skip=_CONVERTED | {"model"})
     request = generation_request(fields, chat=True, structured=lambda: _structured(message),
                                  tools=lambda: _tools(message))
     messages = _messages(message.messages, max_messages)
-    return model, request, messages, render_options({}, messages)
+    return request, messages, render_options({}, messages)
+
+
+def embed_request(message: pb.EmbedRequest) -> EmbeddingRequest:
+    """An ``EmbedRequest`` -> what ``/v1/embeddings`` parses from a body whose ``input`` is the
+    strings, or the token-id arrays of ``input_ids`` (one of the two).
+
+    Raises:
+        InvalidRequest: as :func:`server.api.embeddings.parse_embedding`; both or neither input
+            field set.
+    """
+    fields = scalar_fields(message, skip={"input", "input_ids", "model"})
+    if message.input and message.input_ids:
+        raise InvalidRequest("set input or input_ids, not both", "input_ids")
+    if message.input_ids:
+        fields["input"] = [list(t.ids) for t in message.input_ids]
+    elif message.input:
+        fields["input"] = list(message.input)
+    return parse_embedding(fields)
 
 
 def _tools(message: pb.ChatRequest):

@@ -26,15 +26,11 @@ from engine.client import EngineClient
 from proto import inference_pb2_grpc
 from engine.config import one_line
 from server.config import ServerConfig
-from server.generation.pipeline import Generator
+from server.model_router import ModelRouter
 from server.grpc.keeper import BIND_FAILED, report_bind_failed
 from server.grpc.service import SERVICE_NAME, InferenceService
-from server.tenancy.ratelimit import RateLimiter
-from server.control.accounting import Accounting, Prices
 from server.control.state import ControlPlane
 from server.tenancy.tenants import TenantRegistry, Tenants
-from server.text.chat_template import ChatTemplate
-from engine.llama.tokenizer import Tokenizer
 
 log = logging.getLogger("grpc")
 GRACE_S = 5.0
@@ -56,27 +52,19 @@ def options(config: ServerConfig) -> list[tuple[str, int]]:
     return [("grpc.max_receive_message_length", config.max_body_bytes), ("grpc.so_reuseport", 0)]
 
 
-def build(config: ServerConfig, engine: EngineClient,
+def build(config: ServerConfig, models: ModelRouter,
           tenants: TenantRegistry) -> tuple[grpc.Server, health.HealthServicer]:
-    """The server with its three services, health ``NOT_SERVING`` (set before it starts, so no
-    probe passes during model load), not started.
+    """The server with its three services over ``models`` (``ModelRouter.attach``), health
+    ``NOT_SERVING`` (set before it starts, so no probe passes during model load), not started.
 
     Raises:
-        PortInUse: ``--grpc-port`` is in use (gRPC's own error).
-        ConfigError, RuntimeError: llama.cpp cannot load the model's vocabulary."""
-    tokenizer = Tokenizer(config.resolved_model_path())
-    _ = config.model_ids  # the GGUF's name read now, not by a first request
-    accounting = None
-    if tenants.control is not None:
-        accounting = Accounting(tenants.control, Prices.load(config.prices_file), config.model_ids)
-    generator = Generator(engine, tokenizer, ChatTemplate.of(tokenizer, config.chat_template_source()),
-                          RateLimiter(engine.buckets, config.redis_url), accounting)
+        PortInUse: ``--grpc-port`` is in use (gRPC's own error)."""
     # No cap on concurrent calls: gRPC would refuse the excess with RESOURCE_EXHAUSTED (which
     # means "over quota" here) and count health probes against it. Calls beyond the threads
     # wait for one; the default has a thread for every mailbox and spare ones, so a saturated
     # server still answers UNAVAILABLE at once and probes at once.
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=config.grpc_handler_threads), options=options(config))
-    inference_pb2_grpc.add_InferenceServiceServicer_to_server(InferenceService(config, generator, tenants), server)
+    inference_pb2_grpc.add_InferenceServiceServicer_to_server(InferenceService(config, models, tenants), server)
     health_servicer = health.HealthServicer()
     for name in ("", SERVICE_NAME):
         health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
@@ -90,12 +78,13 @@ def build(config: ServerConfig, engine: EngineClient,
     return server, health_servicer
 
 
-def follow_engine(engine: EngineClient, health_servicer: health.HealthServicer, stop: threading.Event) -> None:
-    """Keep health in step with the engine (ready, restarting, the server draining) until
-    ``stop``; then ``NOT_SERVING`` for good."""
+def follow_engine(engines: list[EngineClient], health_servicer: health.HealthServicer,
+                  stop: threading.Event) -> None:
+    """Keep health in step with the engines (every one ready, none restarting, the server not
+    draining: as ``/health/ready``) until ``stop``; then ``NOT_SERVING`` for good."""
     serving = None
     while not stop.is_set():
-        ready = engine.accepting()
+        ready = all(engine.accepting() for engine in engines)
         if ready != serving:
             status = health_pb2.HealthCheckResponse.SERVING if ready else health_pb2.HealthCheckResponse.NOT_SERVING
             for name in ("", SERVICE_NAME):
@@ -112,26 +101,25 @@ def main() -> int:
     config = ServerConfig.from_env()
     file = Tenants.load(config.tenants_file or None)
     tenants = TenantRegistry(file, ControlPlane.of(config, file).start())
-    engine = EngineClient.attach(os.environ["INFERENCE_SHM"])
     try:
-        server, health_servicer = build(config, engine, tenants)
+        models = ModelRouter.attach(config, os.environ["INFERENCE_SHM"].split(","), tenants.control)
+        server, health_servicer = build(config, models, tenants)
     except PortInUse as e:  # the port was taken after the master's check (keeper.check_port)
         log.error("cannot serve gRPC on %s: %s", config.address(config.grpc_port), e)
         report_bind_failed()
-        engine.close()
+        models.close()
         return BIND_FAILED
     except Exception as e:  # noqa: BLE001 - a start-up error is one line; the workers meet the same and stop the server
         log.error("inference-server: the gRPC sidecar cannot start: %s", one_line(e))
-        engine.close()
         return 1
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGHUP, lambda *_: tenants.reload())
     server.start()
     log.info("gRPC sidecar serving on %s (pid %d)", config.address(config.grpc_port), os.getpid())
-    follow_engine(engine, health_servicer, stop)
+    follow_engine(list(models.engines().values()), health_servicer, stop)
     server.stop(GRACE_S).wait()
-    engine.close()
+    models.close()
     return 0
 
 

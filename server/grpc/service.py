@@ -28,9 +28,9 @@ from server.api.infer import infer_result
 from server.config import ServerConfig
 from server.errors import grpc_error
 from server.generation.generation import Generation
-from server.generation.pipeline import Generator
 from server.generation.request import Delta
-from server.grpc.convert import chat_request, infer_request
+from server.model_router import CHAT, EMBEDDINGS, GENERATION, ModelRouter
+from server.grpc.convert import chat_request, embed_request, infer_request, model_field
 from server.observability.telemetry import RequestRecord, Telemetry
 from server.tenancy.tenants import Tenant, TenantRegistry, key_of
 
@@ -93,17 +93,17 @@ def _observed(method):
 
 
 class InferenceService(inference_pb2_grpc.InferenceServiceServicer):
-    """The four methods over one :class:`Generator`.
+    """The five methods over the served models (``model`` picks one, as over HTTP).
 
     Args:
-        config: the server's settings (model names, message limit). generator: the shared
-            request path. tenants: API keys (reloaded on SIGHUP by the sidecar).
+        config: the server's settings (message limit). models: every model's request path
+            (``ModelRouter``). tenants: API keys (reloaded on SIGHUP by the sidecar).
         telemetry: request metrics and logs (None: as ``config`` says).
     """
 
-    def __init__(self, config: ServerConfig, generator: Generator, tenants: TenantRegistry,
+    def __init__(self, config: ServerConfig, models: ModelRouter, tenants: TenantRegistry,
                  telemetry: Telemetry | None = None):
-        self.config, self.generator, self.tenants = config, generator, tenants
+        self.config, self.models, self.tenants = config, models, tenants
         self.telemetry = telemetry or Telemetry(config.metrics, config.log_prompts)
 
     # -- methods ----------------------------------------------------------------------------------
@@ -143,6 +143,16 @@ class InferenceService(inference_pb2_grpc.InferenceServiceServicer):
                                tool_calls=[pb.ToolCallDelta(index=c.index, id=c.id or "", name=c.name or "",
                                                             arguments=c.arguments) for c in d.tool_calls])
 
+    @_observed
+    def Embed(self, request: pb.EmbedRequest, context, record: RequestRecord) -> pb.EmbedResponse:
+        tenant = record.tenant = self._tenant(context)
+        model, served = self.models.pick(model_field(request), tenant, EMBEDDINGS)
+        ereq = embed_request(request)
+        result = served.embedder.embed(ereq, tenant, deadline_ms=_call_deadline_ms(context, None))
+        return pb.EmbedResponse(model=model, data=[pb.Embedding(index=i, embedding=v)
+                                                   for i, v in enumerate(result.vectors.tolist())],
+                                usage=pb.Usage(prompt_tokens=result.prompt_tokens, total_tokens=result.prompt_tokens))
+
     # -- the shared steps ---------------------------------------------------------------------------
     def _tenant(self, context) -> Tenant:
         # A key sent twice is joined, as HTTP joins repeated headers: never one of them silently.
@@ -155,19 +165,21 @@ class InferenceService(inference_pb2_grpc.InferenceServiceServicer):
 
     def _infer(self, request: pb.InferRequest, context, record: RequestRecord) -> tuple[str, Generation]:
         tenant = record.tenant = self._tenant(context)
+        _, served = self.models.pick(model_field(request), tenant, GENERATION)
         tenant_id, greq, payload = infer_request(request, tenant, self.tenants)
         greq = dataclasses.replace(greq, deadline_ms=_call_deadline_ms(context, greq.deadline_ms))
-        gen = self.generator.infer(payload, greq, tenant=tenant)
+        gen = served.generator.infer(payload, greq, tenant=tenant)
         record.attach(gen, request.payload)
         _cancel_with_call(gen, context)
         return tenant_id, gen
 
     def _chat(self, request: pb.ChatRequest, context, record: RequestRecord) -> tuple[str, Generation]:
         tenant = record.tenant = self._tenant(context)
-        self.generator.chat_template("messages")  # a model without one: that, before any field
-        model, greq, messages, render = chat_request(request, self.config.model_ids, self.config.max_messages)
+        model, served = self.models.pick(model_field(request), tenant, CHAT)
+        served.generator.chat_template("messages")  # a model without one: that, before any field
+        greq, messages, render = chat_request(request, self.config.max_messages)
         greq = dataclasses.replace(greq, deadline_ms=_call_deadline_ms(context, greq.deadline_ms))
-        gen = self.generator.chat(messages, greq, render=render, tenant=tenant)
+        gen = served.generator.chat(messages, greq, render=render, tenant=tenant)
         record.attach(gen, messages)
         _cancel_with_call(gen, context)
         return model, gen

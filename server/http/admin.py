@@ -139,29 +139,46 @@ class AdminAPI:
     def on_delete_spend_limit(self, req, resp, project_id):
         self._done(req, resp, self.admin.delete_spend_limit(project_id))
 
+    def on_get_model_permissions(self, req, resp, project_id):
+        resp.media = self.admin.get_model_permissions(project_id)
+
+    def on_post_model_permissions(self, req, resp, project_id):
+        self._done(req, resp, self.admin.update_model_permissions(project_id, self._body(req)))
+
+    def on_delete_model_permissions(self, req, resp, project_id):
+        self._done(req, resp, self.admin.delete_model_permissions(project_id))
+
     # usage
     def on_get_usage(self, req, resp):
         resp.media = usage_page(self.admin.control.store, req.params)
 
 
 class EngineNow:
-    """``GET /v1/organization/engine`` (ours): slots in use of all, sequences queued, KV cells held
-    of the budget, prefix-cache entries and tokens, preemptions so far; as of the engine's last
-    step."""
+    """``GET /v1/organization/engine`` (ours): per model's engine, slots in use of all, sequences
+    queued, KV cells held of the budget, prefix-cache entries and tokens, preemptions so far; as
+    of its last step. The default model's at the top level, every model's in ``models``.
+
+    Args:
+        engines: model id -> (its engine's client, its ``--kv-cache-tokens``), the default first.
+    """
 
     admin = True
 
-    def __init__(self, config: ServerConfig, engine: EngineClient):
-        self.config, self.engine = config, engine
+    def __init__(self, engines: dict[str, tuple[EngineClient, int]]):
+        self.engines = engines
+
+    @staticmethod
+    def state(engine: EngineClient, budget: int) -> dict:
+        snap = engine.snapshot()
+        return {"ready": engine.ready(), "slots_in_use": sum(1 for m in snap.slot_mailbox if m >= 0),
+                "slots": len(snap.slot_mailbox), "queued": snap.n_waiting, "kv_cells": snap.kv_cells,
+                "kv_cells_budget": budget, "prefix_cache_entries": snap.cache_entries,
+                "prefix_cache_tokens": snap.cache_tokens, "preemptions": snap.preemptions}
 
     def on_get(self, req, resp):
-        snap = self.engine.snapshot()
-        resp.media = {"object": "engine.state", "ready": self.engine.ready(),
-                      "slots_in_use": sum(1 for m in snap.slot_mailbox if m >= 0), "slots": len(snap.slot_mailbox),
-                      "queued": snap.n_waiting, "kv_cells": snap.kv_cells,
-                      "kv_cells_budget": self.config.kv_cache_tokens,
-                      "prefix_cache_entries": snap.cache_entries, "prefix_cache_tokens": snap.cache_tokens,
-                      "preemptions": snap.preemptions}
+        models = [{"model": model, **self.state(*engine)} for model, engine in self.engines.items()]
+        resp.media = {"object": "engine.state", **{k: v for k, v in models[0].items() if k != "model"},
+                      "models": models}
 
 
 class AdminPage:
@@ -188,7 +205,8 @@ class AdminPage:
         resp.set_header("X-Frame-Options", "DENY")
 
 
-def add_routes(app: falcon.App, config: ServerConfig, admin: Admin, engine: EngineClient) -> None:
+def add_routes(app: falcon.App, config: ServerConfig, admin: Admin,
+               engines: dict[str, tuple[EngineClient, int]]) -> None:
     """The Admin API's routes, the engine route and the admin page."""
     api, base = AdminAPI(config, admin), "/v1/organization"
     project = base + "/projects/{project_id}"
@@ -200,9 +218,11 @@ def add_routes(app: falcon.App, config: ServerConfig, admin: Admin, engine: Engi
                          (project + "/api_keys/{api_key_id}/rotate", "rotate"),
                          (project + "/rate_limits", "rate_limits"),
                          (project + "/rate_limits/{rate_limit_id:path}", "rate_limit"),  # rl-org/model
-                         (project + "/spend_limit", "spend_limit"), (base + "/usage/completions", "usage")):
+                         (project + "/spend_limit", "spend_limit"),
+                         (project + "/model_permissions", "model_permissions"),
+                         (base + "/usage/completions", "usage")):
         app.add_route(path, api, suffix=suffix)
-    app.add_route(base + "/engine", EngineNow(config, engine))
+    app.add_route(base + "/engine", EngineNow(engines))
     page = AdminPage()
     app.add_route("/admin", page)
     app.add_route("/admin/{name}", page, suffix="file")

@@ -13,8 +13,9 @@ class Health:
     """Probes; none needs an API key (docs/operations.md "Stopping and draining", k8s/README.md).
 
     - ``GET /health/ready`` (and ``/health``, kept for compatibility): 200 ``{"status": "ok"}``
-      when a request would be served; 503 while the model loads, while the engine restarts and
-      from the first moment of a drain. For readiness and startup probes.
+      when every model's engine would serve a request; 503 while a model loads, while an engine
+      restarts (the others serve meanwhile, but a replica short of a model takes no new traffic
+      for those seconds) and from the first moment of a drain. For readiness and startup probes.
     - ``GET /health/live``: 200 ``{"status": "alive"}`` while this worker answers and its
       master lives, also while the engine restarts (the server heals that itself). For
       liveness probes: a pod restart would not help anything this probe passes.
@@ -22,15 +23,15 @@ class Health:
 
     public = True
 
-    def __init__(self, engine: EngineClient):
-        self.engine = engine
+    def __init__(self, engines: list[EngineClient]):
+        self.engines = engines
         self.master = os.getppid()
 
     def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
-        if self.engine.draining():
+        if any(engine.draining() for engine in self.engines):
             raise ShuttingDown("the server is shutting down")
-        if not self.engine.ready():
-            raise EngineUnavailable("engine is loading or unavailable")
+        if not all(engine.ready() for engine in self.engines):
+            raise EngineUnavailable("an engine is loading or unavailable")
         resp.media = {"status": "ok"}
 
     def on_get_live(self, req: falcon.Request, resp: falcon.Response) -> None:

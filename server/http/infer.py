@@ -7,7 +7,7 @@ import falcon
 
 from server.api.infer import infer_result, parse_infer
 from server.config import ServerConfig
-from server.generation.pipeline import Generator
+from server.model_router import GENERATION, ModelRouter
 from server.http.body import read_json
 from server.http.json import dumps
 from server.tenancy.tenants import TenantRegistry
@@ -18,14 +18,15 @@ class Infer:
 
     observed = True  # telemetry (server/http/middleware.py, Observe)
 
-    def __init__(self, config: ServerConfig, generator: Generator, tenants: TenantRegistry):
-        self.config, self.generator, self.tenants = config, generator, tenants
+    def __init__(self, config: ServerConfig, models: ModelRouter, tenants: TenantRegistry):
+        self.config, self.models, self.tenants = config, models, tenants
 
     def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
         started = req.context.record.started
         body = read_json(req, self.config.max_body_bytes)
+        _, served = self.models.pick(body, req.context.tenant, GENERATION)
         tenant_id, greq, payload = parse_infer(body, req.context.tenant, self.tenants)
-        gen = self.generator.infer(payload, greq, tenant=req.context.tenant,
+        gen = served.generator.infer(payload, greq, tenant=req.context.tenant,
                                    watch_socket=req.env.get("gunicorn.socket"))
         req.context.record.attach(gen, body["payload"])
         (choice,) = gen.collect()

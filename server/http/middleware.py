@@ -62,17 +62,19 @@ class Observe:
 
 
 class Admission:
-    """Falcon middleware: a POST to a generation route while every mailbox is leased gets its 503
-    (``Saturated``, ``Retry-After``) before its body is read, parsed or tokenized. Under
+    """Falcon middleware: a POST to a model route while every mailbox of every engine is leased
+    gets its 503 (``Saturated``, ``Retry-After``) before its body is read, parsed or tokenized
+    (which model it asks for is in the body: one engine's room cannot refuse it yet). Under
     overload most requests are refused, and refusing must stay cheap so that the refusals come
     at once and leave the CPUs to the requests being served. The engine client's own check at
     submission remains the one that decides."""
 
-    def __init__(self, engine: EngineClient):
-        self.engine = engine
+    def __init__(self, engines: list[EngineClient]):
+        self.engines = engines
 
     def process_resource(self, req: falcon.Request, resp: falcon.Response, resource, params) -> None:
-        if getattr(resource, "observed", False) and req.method == "POST" and self.engine.saturated():
+        if getattr(resource, "observed", False) and req.method == "POST" \
+                and all(engine.saturated() for engine in self.engines):
             raise Saturated(retry_after=1)
 
 

@@ -17,11 +17,10 @@ from typing import Iterator
 import falcon
 
 from engine.errors import ClientDisconnected, InvalidRequest
-from server.api.requests import check_model
 from server.config import ServerConfig
 from server.errors import http_error
 from server.generation.generation import Generation
-from server.generation.pipeline import Generator
+from server.model_router import CHAT, ModelRouter
 from server.http.body import read_json
 from server.http.json import dumps, obfuscated, sse_headers
 from server.responses.output import ResponseBuilder
@@ -47,16 +46,16 @@ class Responses:
 
     observed = True  # telemetry and admission (server/http/middleware.py)
 
-    def __init__(self, config: ServerConfig, generator: Generator, store):
-        self.config, self.generator, self.store = config, generator, store
+    def __init__(self, config: ServerConfig, models: ModelRouter, store):
+        self.config, self.models, self.store = config, models, store
 
     def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
         body = read_json(req, self.config.max_body_bytes)
         tenant = req.context.tenant
-        model = check_model(body, self.config.model_ids)
-        self.generator.chat_template("input")  # a model without one: that, before any field
+        model, served = self.models.pick(body, tenant, CHAT)
+        served.generator.chat_template("input")  # a model without one: that, before any field
         rr = parse(body, lambda rid: previous(self.store, tenant.id, rid), self.config.max_messages)
-        gen = self.generator.chat(rr.messages, rr.generation, prompt_param="input", render=dict(RENDER), tenant=tenant,
+        gen = served.generator.chat(rr.messages, rr.generation, prompt_param="input", render=dict(RENDER), tenant=tenant,
                                   watch_socket=req.env.get("gunicorn.socket"))
         req.context.record.attach(gen, body.get("input"))
         builder = ResponseBuilder(new_id("resp"), model, self._echo(body, rr))

@@ -8,10 +8,9 @@ from __future__ import annotations
 import falcon
 
 from engine.request import check_prompt_fits
-from server.api.requests import check_model
 from server.api.tokenize import parse_detokenize, parse_tokenize
 from server.config import ServerConfig
-from server.generation.pipeline import Generator
+from server.model_router import ANY, CHAT, ModelRouter
 from server.http.body import read_json
 from server.http.completions import token_text
 
@@ -24,23 +23,22 @@ class Tokenize:
     them (:meth:`Generator.prompt_ids`: the chat template, message text never parsed for special
     tokens)."""
 
-    def __init__(self, config: ServerConfig, generator: Generator):
-        self.config, self.generator, self.tokenizer = config, generator, generator.tokenizer
-        self.max_seq_len = generator.engine.max_seq_len
+    def __init__(self, config: ServerConfig, models: ModelRouter):
+        self.config, self.models = config, models
 
     def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
         body = read_json(req, self.config.max_body_bytes)
-        check_model(body, self.config.model_ids)
+        _, served = self.models.pick(body, req.context.tenant, CHAT if "messages" in body else ANY)
         r = parse_tokenize(body, self.config.max_messages)
-        tok = self.tokenizer
+        tok, max_seq_len = served.tokenizer, served.engine.max_seq_len
         if r.prompt is not None:
             tokens = tok.encode(r.prompt, special=True, add_bos=r.add_special_tokens)
         else:
-            tokens = self.generator.prompt_ids(r.messages, r.tools, r.render)
-            check_prompt_fits(len(tokens), self.max_seq_len, "messages")  # as the chat refuses it
+            tokens = served.generator.prompt_ids(r.messages, r.tools, r.render)
+            check_prompt_fits(len(tokens), max_seq_len, "messages")  # as the chat refuses it
             if r.add_special_tokens and tok.add_bos:
                 tokens = [tok.bos] + tokens
-        resp.media = {"count": len(tokens), "max_model_len": self.max_seq_len, "tokens": tokens,
+        resp.media = {"count": len(tokens), "max_model_len": max_seq_len, "tokens": tokens,
                       "token_strs": [token_text(tok.piece(t, special=True)) for t in tokens]
                       if r.return_token_strs else None}
 
@@ -49,13 +47,13 @@ class Detokenize:
     """``POST /detokenize`` -> ``{"prompt"}``: the text of ``tokens``, special tokens written as
     their text (as a Hugging Face tokenizer's ``decode``)."""
 
-    def __init__(self, config: ServerConfig, generator: Generator):
-        self.config, self.tokenizer = config, generator.tokenizer
+    def __init__(self, config: ServerConfig, models: ModelRouter):
+        self.config, self.models = config, models
 
     def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
         body = read_json(req, self.config.max_body_bytes)
-        check_model(body, self.config.model_ids)
-        resp.media = {"prompt": self.tokenizer.decode(parse_detokenize(body, self.tokenizer.n_vocab), special=True)}
+        tok = self.models.pick(body, req.context.tenant, ANY)[1].tokenizer
+        resp.media = {"prompt": tok.decode(parse_detokenize(body, tok.n_vocab), special=True)}
 
 
 class TokenizerInfo:
@@ -64,14 +62,21 @@ class TokenizerInfo:
     with, ``bos_token`` the document start), the chat template (null: the model has none, and
     serves no chat), the length limit."""
 
-    def __init__(self, config: ServerConfig, generator: Generator):
-        tok = generator.tokenizer
-        self.info = {"tokenizer_class": "llama.cpp (GGUF vocabulary)", "model_max_length": generator.engine.max_seq_len,
-                     "vocab_size": tok.n_vocab, "add_bos_token": tok.add_bos,
-                     "bos_token": tok.token_text(tok.bos), "eos_token": tok.token_text(tok.eos), "pad_token": None,
-                     "chat_template": generator.template.source if generator.template is not None else None}
+    def __init__(self, config: ServerConfig, models: ModelRouter):
+        self.models = models
+        self.info = {m.spec.id: self.describe(m) for m in models.models}
+
+    @staticmethod
+    def describe(served) -> dict:
+        tok, template = served.tokenizer, served.generator.template if served.generator is not None else None
+        return {"tokenizer_class": "llama.cpp (GGUF vocabulary)", "model_max_length": served.engine.max_seq_len,
+                "vocab_size": tok.n_vocab, "add_bos_token": tok.add_bos,
+                "bos_token": tok.token_text(tok.bos), "eos_token": tok.token_text(tok.eos), "pad_token": None,
+                "chat_template": template.source if template is not None else None}
 
     def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
-        resp.media = self.info
+        """``?model=NAME`` picks the model (the default one without it)."""
+        body = {"model": req.get_param("model")} if req.get_param("model") is not None else {}
+        resp.media = self.info[self.models.pick(body, req.context.tenant, ANY)[1].spec.id]
 
     on_head = on_get

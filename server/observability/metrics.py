@@ -8,7 +8,9 @@ lists them; ``docker/grafana`` queries them). The engine's own step histograms a
 Three gauges are not recorded by anyone but read at scrape time from the engine's control block
 (:class:`EngineStateCollector`): the slot table and queue as of the engine's last step, and its
 state. They are exact at the moment Prometheus samples them, cost the engine loop nothing, and
-need no multiprocess mode (no process holds a value that could go stale when it dies).
+need no multiprocess mode (no process holds a value that could go stale when it dies). So are
+the series a Gateway API Inference Extension endpoint picker routes on, per model and per replica
+(:mod:`server.observability.pool_metrics`).
 
 Buckets fit CPU inference of a small model (seconds unless said):
 
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Mapping
 
 import falcon
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, CollectorRegistry, Counter, Histogram, generate_latest
@@ -29,6 +32,7 @@ from prometheus_client.multiprocess import MultiProcessCollector
 from engine.client import EngineClient
 from server.control.store import ControlUnavailable, month_of
 from server.observability import metrics_dir
+from server.observability.pool_metrics import PoolCollector
 
 LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 60, 120, 300, 600)
 WAIT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 60, 120, 300)
@@ -56,34 +60,45 @@ DEADLINE_EXCEEDED = Counter("inference_requests_deadline_exceeded",
                             ["tenant"])
 RATE_LIMITED = Counter("inference_requests_rate_limited", "Requests refused with 429 / RESOURCE_EXHAUSTED",
                        ["tenant", "kind"])
-ENGINE_RESTARTS = Counter("inference_engine_restarts", "Engine processes started again after a crash or stall")
+ENGINE_RESTARTS = Counter("inference_engine_restarts", "Engine processes started again after a crash or stall",
+                          ["model"])
 
 
 class EngineStateCollector:
-    """Collector of ``inference_kv_slot_utilization`` (busy slots / slots, 0-1),
+    """Collector of each model's engine, labelled ``model`` (its id; bounded: the operator's
+    models): ``inference_kv_slot_utilization`` (busy slots / slots, 0-1),
     ``inference_kv_cells`` (KV cells the running sequences hold or are promised),
     ``inference_preemptions_total`` (sequences requeued for the KV budget or a tenant's fair
     share of slots), ``inference_queue_depth`` (sequences waiting for a slot) and
-    ``inference_engine_up`` (1 when the engine is ready), read from the control block at scrape
-    time."""
+    ``inference_engine_up`` (1 when the engine is ready), read from the control blocks at scrape
+    time.
 
-    def __init__(self, engine: EngineClient):
-        self.engine = engine
+    Args:
+        engines: model id -> its engine's client.
+    """
+
+    def __init__(self, engines: Mapping[str, EngineClient]):
+        self.engines = dict(engines)
 
     def collect(self):
-        snap = self.engine.snapshot()
-        busy = sum(1 for m in snap.slot_mailbox if m >= 0)
-        yield GaugeMetricFamily("inference_kv_slot_utilization", "Busy KV slots / slots, as of the last engine step",
-                                value=busy / len(snap.slot_mailbox))
-        yield GaugeMetricFamily("inference_kv_cells", "KV cells the running sequences hold or are promised "
-                                "(at most --kv-cache-tokens), as of the last engine step", value=snap.kv_cells)
-        yield CounterMetricFamily("inference_preemptions", "Running sequences preempted and requeued: growing "
-                                  "sequences outgrew --kv-cache-tokens, or a tenant below its fair share of "
-                                  "the slots took one", value=snap.preemptions)
-        yield GaugeMetricFamily("inference_queue_depth", "Sequences waiting for a KV slot, as of the last engine step",
-                                value=snap.n_waiting)
-        yield GaugeMetricFamily("inference_engine_up", "1 when the engine process is ready",
-                                value=int(self.engine.ready()))
+        slots = GaugeMetricFamily("inference_kv_slot_utilization", "Busy KV slots / slots, as of the last engine step",
+                                  labels=["model"])
+        cells = GaugeMetricFamily("inference_kv_cells", "KV cells the running sequences hold or are promised "
+                                  "(at most --kv-cache-tokens), as of the last engine step", labels=["model"])
+        preemptions = CounterMetricFamily("inference_preemptions", "Running sequences preempted and requeued: "
+                                          "growing sequences outgrew --kv-cache-tokens, or a tenant below its fair "
+                                          "share of the slots took one", labels=["model"])
+        queued = GaugeMetricFamily("inference_queue_depth", "Sequences waiting for a KV slot, as of the last engine "
+                                   "step", labels=["model"])
+        up = GaugeMetricFamily("inference_engine_up", "1 when the engine process is ready", labels=["model"])
+        for model, engine in self.engines.items():
+            snap = engine.snapshot()
+            slots.add_metric([model], sum(1 for m in snap.slot_mailbox if m >= 0) / len(snap.slot_mailbox))
+            cells.add_metric([model], snap.kv_cells)
+            preemptions.add_metric([model], snap.preemptions)
+            queued.add_metric([model], snap.n_waiting)
+            up.add_metric([model], int(engine.ready()))
+        yield from (slots, cells, preemptions, queued, up)
 
 
 class ProjectCollector:
@@ -123,15 +138,30 @@ class Scrape:
     """``GET /metrics``: every process's metrics added up (Prometheus text format 0.0.4). Needs
     no API key, but an admin key when ``admin`` (admin keys are configured and the metrics
     share the public port: they name the projects). Outside multiprocess mode (an app in one
-    process), this process's registry."""
+    process), this process's registry.
 
-    def __init__(self, engine: EngineClient, control=None, admin: bool = False):
+    Args:
+        engines: model id -> its engine's client (:class:`EngineStateCollector`).
+        control: the control plane, for the projects' months (None: none).
+        names: each name clients send as ``model`` -> its engine's client, aliases included,
+            for the endpoint picker's per-model series and its info gauge
+            (:class:`~server.observability.pool_metrics.PoolCollector`). None: ``engines``.
+        kv_cache_tokens: the engines' ``--kv-cache-tokens`` (one for all, or by name), which the
+            KV utilization needs; None: no KV utilization series.
+    """
+
+    def __init__(self, engines: Mapping[str, EngineClient], control=None, admin: bool = False,
+                 names: Mapping[str, EngineClient] | None = None,
+                 kv_cache_tokens: int | Mapping[str, int] | None = None):
         self.public, self.admin = not admin, admin
         self.path = os.environ.get(metrics_dir.ENV)
         self.registry = CollectorRegistry()
         if self.path:
             MultiProcessCollector(self.registry, self.path)
-        self.registry.register(EngineStateCollector(engine))
+        self.registry.register(EngineStateCollector(engines))
+        # The Inference Extension's endpoint picker reads these (server/observability/pool_metrics.py):
+        # per model name, and per replica over the distinct engines.
+        self.registry.register(PoolCollector(names if names is not None else engines, kv_cache_tokens))
         if control is not None:  # the control plane (server/control/state.py): the projects' months
             self.registry.register(ProjectCollector(control))
 

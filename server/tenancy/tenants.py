@@ -7,7 +7,7 @@ in docs/tenants.md::
       {"id": "team-a", "api_keys": ["key-a1", "key-a2"], "priority": "high", "weight": 2,
        "requests_per_second": {"rate": 5, "burst": 10},
        "tokens_per_second": {"rate": 500, "burst": 2000},
-       "max_concurrent": 8}
+       "max_concurrent": 8, "models": ["local-model"]}
     ]}
 
 Keys are kept only as SHA-256 digests and compared with ``hmac.compare_digest``; a key never
@@ -40,6 +40,22 @@ class Rate:
 
 
 @dataclass(frozen=True)
+class ModelAccess:
+    """Which models a tenant may use, as OpenAI's project model permissions say it: ``mode``
+    ``allow_list`` (only the models one of whose names is in ``model_ids``) or ``deny_list``
+    (every model but those). A model is one thing whatever name a client calls it by, so any of
+    its names listed allows (or denies) all of them."""
+
+    mode: str
+    model_ids: tuple[str, ...]
+
+    def permits(self, model_names: tuple[str, ...]) -> bool:
+        """Whether the model served under ``model_names`` (every name of that one model) passes."""
+        listed = any(name in self.model_ids for name in model_names)
+        return listed if self.mode == "allow_list" else not listed
+
+
+@dataclass(frozen=True)
 class Tenant:
     """One tenant. ``index`` is its fair-share identity in the engine (stable across processes
     and reloads: 62 bits of the id's SHA-256, :func:`tenant_index`; 0 is the keyless default
@@ -58,6 +74,23 @@ class Tenant:
     requests_per_day: Rate | None = None
     #: The API key the request came with (``key_...``, never its value; None: no key).
     key_id: str | None = None
+    #: The models it may use (None: every model): the tenant file's ``models``, or the project's
+    #: model permissions in the control plane. Asked through :meth:`may_use`.
+    models: ModelAccess | None = None
+
+    def may_use(self, model_names: tuple[str, ...]) -> bool:
+        """Whether this tenant may use the model a request names: ``model_names`` is every name
+        that model is served under (the request's ``model`` is one of them), since a tenant
+        allowed ``local-model`` may call the same model ``SmolLM2-135M-Instruct`` too, and one
+        denied it may not get it under another name. Without a list: every model.
+
+        A request for a model it may not use is answered as one for a model that does not
+        exist (404 ``model_not_found``, OpenAI's answer), and the model is left out of its
+        ``/v1/models``: a tenant learns nothing of the models it cannot use.
+        """
+        if isinstance(model_names, str):  # one name: a model's other names would be missed
+            raise TypeError("may_use takes every name of the model (a tuple), not one name")
+        return self.models is None or self.models.permits(model_names)
 
     def priority_for(self, asked: Priority) -> Priority:
         """The class a request runs at: the one it asked for, capped at the tenant's."""
@@ -81,7 +114,8 @@ class EngineShare(NamedTuple):
 
 DEFAULT_TENANT = Tenant("default", 0)
 _NO_KEY = bytes(32)
-_FIELDS = {"id", "api_keys", "priority", "weight", "requests_per_second", "tokens_per_second", "max_concurrent"}
+_FIELDS = {"id", "api_keys", "priority", "weight", "requests_per_second", "tokens_per_second", "max_concurrent",
+           "models"}
 
 
 def _digest(key: str) -> bytes:
@@ -119,6 +153,22 @@ class Tenants:
     def open(self) -> bool:
         """No tenant file: requests need no key and run as the default tenant."""
         return not self.by_id
+
+    def check_models(self, served: tuple[str, ...]) -> None:
+        """Refuse a ``models`` entry that is no name of a served model (``served``: every name of
+        every model): a misspelt name would leave its tenant without the model it was meant to
+        have, silently. For the master, which alone reads the file before any process takes it:
+        at start-up beside the prices' check (``ServerConfig.check_files``) and on SIGHUP before
+        the workers are told to reload (``server/gunicorn_conf.py``).
+
+        Raises:
+            ConfigError: one line naming the tenant and the entry.
+        """
+        for tenant in self.by_id.values():
+            for i, name in enumerate(tenant.models.model_ids if tenant.models else ()):
+                if name not in served:
+                    raise ConfigError(f"{self.path or 'tenants file'}: tenant {tenant.id!r}: field models[{i}]: "
+                                      f"{name!r} is not a name of a served model (served: {', '.join(served)})")
 
     @classmethod
     def load(cls, path: str | None) -> "Tenants":
@@ -205,7 +255,7 @@ def parse(data, path: str = "tenants file") -> list[tuple[Tenant, list[str]]]:
             raise ConfigError(f"{where}: field max_concurrent must be an integer in [1, 1000000]")
         tenant = Tenant(tid, tenant_index(tid), priority, weight,
                         _rate(entry, "requests_per_second", where), _rate(entry, "tokens_per_second", where),
-                        max_concurrent)
+                        max_concurrent, models=_models(entry, where))
         out.append((tenant, list(api_keys)))
     return out
 
@@ -241,6 +291,22 @@ def _rate(entry: dict, name: str, where: str) -> Rate | None:
     # Bounded so every derived figure (Retry-After, TTLs, headers) stays a sane finite number.
     return Rate(_number(value["rate"], f"{where}: field {name}.rate", 1e-6, 1e9),
                 _number(value["burst"], f"{where}: field {name}.burst", 1, 1e12))
+
+
+def _models(entry: dict, where: str) -> ModelAccess | None:
+    """The tenant's ``models``: the names of the models it may use (absent: every model)."""
+    value = entry.get("models")
+    if value is None:
+        return None
+    if not isinstance(value, list) or not value:
+        # an empty list would be a tenant that can use nothing: a mistake, not a policy
+        raise ConfigError(f"{where}: field models must be a non-empty array of model names (leave it out for "
+                          "every model)")
+    for i, name in enumerate(value):
+        if not isinstance(name, str) or not name or name != name.strip() or not _utf8(name):
+            raise ConfigError(f"{where}: field models[{i}] must be a model's name (non-empty text, without "
+                              "spaces around it)")
+    return ModelAccess("allow_list", tuple(dict.fromkeys(value)))
 
 
 def key_of(authorization: str | None, x_tenant_id: str | None) -> str | None:

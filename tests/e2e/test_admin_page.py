@@ -3,9 +3,9 @@ driven by Selenium over a real server with an admin key and its own control data
 admin key is refused with a message; the right one logs in; a project and a key are made through
 the page, the key's value is shown once, serves a completion, and is gone from the page once
 dismissed; the completion's tokens appear in the usage chart (by project, then by model); rate
-and spend limits are set through the page; the key revoked through the page is refused (401); the
-project is archived; logging out forgets the admin key. No Content-Security-Policy violation and
-no key value in the browser's console.
+and spend limits, and the models the project may use, are set through the page; the key revoked
+through the page is refused (401); the project is archived; logging out forgets the admin key.
+No Content-Security-Policy violation and no key value in the browser's console.
 
 Skipped, saying what to install, without Debian's ``chromium`` and ``chromium-driver``
 (``/usr/bin/chromium``, ``/usr/bin/chromedriver``; ``.ci/run`` installs them). Selenium is pointed
@@ -204,6 +204,19 @@ def test_admin_page(admin_server, browser):
     assert page("spend-tokens").text == str(usage["total_tokens"])
     page("spend-remove").click()
     page.until(lambda: page("spend-limit").text == "none", "the spend limit removed")
+    # the models it may use: only the served model (by its alias), then every model again
+    assert Select(page("models-mode")).first_selected_option.get_attribute("value") == ""  # every model
+    Select(page("models-mode")).select_by_value("allow_list")
+    page.fill("models-ids", MODEL)
+    page("models-save").click()
+    page.until(lambda: "Model permissions saved" in page.message(), "the model permissions saved")
+    admin_get(server, f"/projects/{project_id}/model_permissions",
+              lambda m: (m["mode"], m["model_ids"]) == ("allow_list", [MODEL]))
+    Select(page("models-mode")).select_by_value("")
+    page("models-save").click()
+    page.until(lambda: page("models-ids").get_attribute("value") == "", "every model again")
+    admin_get(server, f"/projects/{project_id}/model_permissions",
+              lambda m: (m["mode"], m["model_ids"]) == ("deny_list", []))
 
     # revoked through the page (two clicks): refused at once here, within the poll on the other worker
     revoke = page("key-revoke", within=browser.find_element(By.CSS_SELECTOR, f'#keys-table tr[data-key-id="{key_id}"]'))

@@ -4,7 +4,8 @@ within 2 s, a rotated key works through its grace period and not after; 32 concu
 against a spend limit that allows 10 admit at most 10, the month's spend stays within the limit
 and survives a restart of both replicas; the usage API sums, token for token, to the ``usage``
 the clients were given over chat, completions, Responses, gRPC and streams, several keys and
-both replicas; admin authentication (no key 401, a tenant's key 403) and no key value in any log.
+both replicas; model permissions set, read and reset across the replicas; admin authentication
+(no key 401, a tenant's key 403) and no key value in any log.
 Skipped, saying why, without a redis-server."""
 from __future__ import annotations
 
@@ -197,6 +198,28 @@ def test_spend_limit_holds_under_concurrency(replicas):
     # a restart of both replicas loses no spend: test_restart_keeps_state_and_the_file_wins
 
 
+def test_model_permissions(replicas):
+    """OpenAI's model permissions: set through one replica, read through the other at once, an
+    id not served a 400 naming it, reset by DELETE; each change an audit line."""
+    a, b = replicas
+    project, _, _ = make_key(a, "models")
+    path = f"/projects/{project}/model_permissions"
+    every = {"object": "project.model_permissions", "mode": "deny_list", "model_ids": []}
+    assert admin(b, "GET", path) == (200, every)
+    allowed = {"object": "project.model_permissions", "mode": "allow_list", "model_ids": [MODEL]}
+    assert admin(a, "POST", path, {"mode": "allow_list", "model_ids": [MODEL]}) == (200, allowed)
+    assert admin(b, "GET", path) == (200, allowed)
+    status, body = admin(b, "POST", path, {"mode": "deny_list", "model_ids": [MODEL, "gpt-4o"]})
+    assert status == 400 and body["error"]["param"] == "model_ids[1]", body
+    assert admin(a, "GET", path) == (200, allowed)
+    assert admin(b, "DELETE", path) == (200, {"object": "project.model_permissions.deleted", "deleted": True})
+    assert admin(a, "GET", path) == (200, every)
+    assert admin(a, "GET", "/projects/proj_none/model_permissions")[0] == 404
+    log = open(a.log, encoding="utf-8").read() + open(b.log, encoding="utf-8").read()
+    for action in ("model_permissions.update", "model_permissions.delete"):
+        assert f'"action": "{action}", "target": "{project}"' in log
+
+
 def _sum(page: dict) -> dict:
     totals = {}
     for bucket in page["data"]:
@@ -266,7 +289,8 @@ def test_restart_keeps_state_and_the_file_wins(redis_url, prices, tmp_path):
     are projects the Admin API lists but does not change (the file wins), and the start-up log
     says where the projects and keys come from."""
     from tests.support.tenants import write_tenants
-    tenants = write_tenants(tmp_path / "tenants.json", [{"id": "team-file", "api_keys": ["file-key-0123456789"]}])
+    tenants = write_tenants(tmp_path / "tenants.json", [{"id": "team-file", "api_keys": ["file-key-0123456789"],
+                                                         "models": [MODEL]}])
     common = ("--prices", prices, "--workers", "1", "--model-id", MODEL)
     flag_sets = (("--redis-url", redis_url, *common),
                  ("--control-db", str(tmp_path / "control.db"), "--tenants", tenants, *common))
@@ -277,7 +301,15 @@ def test_restart_keeps_state_and_the_file_wins(redis_url, prices, tmp_path):
             project, _, value = make_key(s, "durable")
             usage = completion(s, value, 3).json()["usage"]
             made.append((project, value, usage, admin(s, "GET", f"/projects/{project}/spend_limit")[1]))
+            assert admin(s, "POST", f"/projects/{project}/model_permissions",
+                         {"mode": "allow_list", "model_ids": [MODEL]})[0] == 200
         file_server = servers[1]
+        # the file's models, read-only through the Admin API
+        permissions = "/projects/team-file/model_permissions"
+        assert admin(file_server, "GET", permissions)[1]["model_ids"] == [MODEL]
+        for method, body in (("POST", {"mode": "deny_list", "model_ids": []}), ("DELETE", None)):
+            status, reply = admin(file_server, method, permissions, body)
+            assert status == 409 and reply["error"]["param"] == "project_id", reply
         projects = admin(file_server, "GET", "/projects")[1]["data"]
         assert next(p for p in projects if p["id"] == "team-file")["source"] == "file"
         keys = admin(file_server, "GET", "/projects/team-file/api_keys")[1]["data"]
@@ -290,6 +322,8 @@ def test_restart_keeps_state_and_the_file_wins(redis_url, prices, tmp_path):
     with started_together(*[dict(flags=flags, env=env) for flags in flag_sets]) as servers:
         for s, (project, value, usage, spend) in zip(servers, made):
             assert served(s, value)
+            permissions = admin(s, "GET", f"/projects/{project}/model_permissions")[1]
+            assert (permissions["mode"], permissions["model_ids"]) == ("allow_list", [MODEL])
             again = admin(s, "GET", f"/projects/{project}/spend_limit")[1]
             assert again["spent_amount"] > spend["spent_amount"] > 0
             assert spend["tokens_used"] == usage["prompt_tokens"] + usage["completion_tokens"]

@@ -34,7 +34,8 @@ def test_every_engine_option_reaches_the_engine():
 def test_the_model_id_is_drawn_from_the_gguf_and_local_model_stays_an_alias(model_path, gemma_model_path):
     """By default a model is served under its ``general.name`` (each run of spaces one ``-``), then
     ``local-model``; ``--model-id`` replaces both; a file without a name is named by its file."""
-    from server.config import ServerConfig, served_name
+    from server.config import ServerConfig
+    from server.model_specs import served_name
 
     assert ServerConfig(model_path=model_path).model_ids == ("Smollm2-135M-8k-Lc100K-Mix1-Ep2", "local-model")
     assert ServerConfig(model_path=gemma_model_path).model_ids == ("Gemma-3-270m", "local-model")

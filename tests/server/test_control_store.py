@@ -114,3 +114,67 @@ def test_write_behind_keeps_what_redis_misses_and_writes_it_when_back():
         assert store.spend("p", month).spent == 52 * 100
         minute = store_module.bucket_start(record.at, "1m")
         assert store.usage("1m", [minute])[minute][("p", "k", "m")] == [520, 260, 0, 52]
+
+
+def test_model_permissions_stored_and_in_force(store, tmp_path):
+    """The Admin API's model permissions (OpenAI's shapes) on either backend: stored with the
+    project, in force on its tenant (``Tenant.may_use``) and its keys at once, refused with a
+    400 naming the field for an id not served, read-only (409) for a tenant-file project, whose
+    ``models`` they show; gone with the project."""
+    from engine.errors import InvalidRequest
+    from server.api.errors import Conflict
+    from server.control.accounting import Price
+    from server.control.admin import Admin
+    from server.control.state import ControlPlane
+    from server.tenancy.tenants import Tenants
+    from tests.support.tenants import write_tenants
+
+    file = Tenants.load(write_tenants(tmp_path / "t.json", [{"id": "filed", "api_keys": ["file-key-0"],
+                                                             "models": ["embed"]}]))
+    names = ("SmolLM2-135M-Instruct", "local-model", "Gemma-3-270m", "embed")
+    model_a, model_b = names[:2], names[2:3]
+    admin = Admin(ControlPlane(store, file, "SmolLM2-135M-Instruct"), Price(), names)
+    project = admin.create_project({"name": "p"})[0]["id"]
+    value = admin.create_account(project, {"name": "bot"})[0]["api_key"]["value"]
+    every = {"object": "project.model_permissions", "mode": "deny_list", "model_ids": []}
+    assert admin.get_model_permissions(project) == every  # none set: every model
+
+    out, audit = admin.update_model_permissions(project, {"mode": "allow_list",
+                                                          "model_ids": ["local-model", "local-model"]})
+    assert out == {"object": "project.model_permissions", "mode": "allow_list", "model_ids": ["local-model"]}
+    assert audit == ("model_permissions.update", project)
+    tenant = admin.state.authenticate(value)  # what a request with the project's key runs as
+    assert tenant.may_use(model_a) and not tenant.may_use(model_b)
+    assert admin.state.tenants[project].may_use(model_a)
+    admin.update_model_permissions(project, {"mode": "deny_list", "model_ids": ["SmolLM2-135M-Instruct"]})
+    tenant = admin.state.authenticate(value)
+    assert not tenant.may_use(model_a) and tenant.may_use(model_b)  # denied under either of its names
+    assert store.documents()[1][f"model_permissions/{project}"]["model_ids"] == ["SmolLM2-135M-Instruct"]
+
+    for body, param in (({"mode": "allow_list", "model_ids": ["local-model", "gpt-4o"]}, "model_ids[1]"),
+                        ({"mode": "allow_list", "model_ids": [7]}, "model_ids[0]"),
+                        ({"mode": "allow_list", "model_ids": []}, "model_ids"),
+                        ({"mode": "deny_list"}, "model_ids"), ({"mode": "allow", "model_ids": []}, "mode"),
+                        ({"mode": "deny_list", "model_ids": [], "extra": 1}, "extra")):
+        with pytest.raises(InvalidRequest) as e:
+            admin.update_model_permissions(project, body)
+        assert e.value.param == param, (body, e.value)
+    assert admin.get_model_permissions(project)["model_ids"] == ["SmolLM2-135M-Instruct"]  # unchanged
+
+    assert admin.delete_model_permissions(project) == (
+        {"object": "project.model_permissions.deleted", "deleted": True}, ("model_permissions.delete", project))
+    assert admin.get_model_permissions(project) == every and admin.state.authenticate(value).may_use(model_a)
+    assert admin.delete_model_permissions(project)[0]["deleted"]  # a reset, again
+
+    # a tenant-file project: the file's models, read-only here
+    assert admin.get_model_permissions("filed") == {"object": "project.model_permissions", "mode": "allow_list",
+                                                    "model_ids": ["embed"]}
+    for change in (lambda: admin.update_model_permissions("filed", {"mode": "deny_list", "model_ids": []}),
+                   lambda: admin.delete_model_permissions("filed")):
+        with pytest.raises(Conflict):
+            change()
+    # gone with its project
+    admin.update_model_permissions(project, {"mode": "allow_list", "model_ids": ["embed"]})
+    admin.archive_project(project)
+    admin.delete_project(project)
+    assert not [n for n in store.documents()[1] if n.startswith("model_permissions/")]

@@ -317,8 +317,8 @@ def test_health_is_not_serving_until_the_engine_is_ready(model_path):
     """The sidecar's own server over a real transport whose engine state this test sets (as an
     engine process would): NOT_SERVING from before the server starts, SERVING once ready, and
     NOT_SERVING again when the engine dies, then for good after the stop."""
-    from engine.client import EngineClient
     from server.config import ServerConfig
+    from server.model_router import ModelRouter
     from server.grpc.server import build, follow_engine
     from server.tenancy.tenants import TenantRegistry, Tenants
     from shm import EngineState, Transport
@@ -326,11 +326,12 @@ def test_health_is_not_serving_until_the_engine_is_ready(model_path):
 
     config = ServerConfig(model_path=model_path, max_slots=1, max_seq_len=256, grpc_port=free_port())
     transport = Transport.create(config.engine_config().layout())
-    engine = EngineClient(transport)
-    server, health = build(config, engine, TenantRegistry(Tenants.load(None)))
+    models = ModelRouter.attach(config, [transport.name], None)
+    engine = models.default.engine
+    server, health = build(config, models, TenantRegistry(Tenants.load(None)))
     server.start()
     stop = threading.Event()
-    follower = threading.Thread(target=follow_engine, args=(engine, health, stop))
+    follower = threading.Thread(target=follow_engine, args=([engine], health, stop))
     follower.start()
     try:
         channel = open_channel(config.grpc_port)
@@ -465,6 +466,7 @@ def test_the_sidecar_does_not_share_its_port(model_path):
     to bind (:func:`server.grpc.server.options` turns gRPC's default ``SO_REUSEPORT`` off): a port
     taken after the master's check is a restart in the log, never calls answered elsewhere."""
     from server.config import ServerConfig
+    from server.model_router import ModelRouter
     from server.grpc.server import build
     from server.tenancy.tenants import TenantRegistry, Tenants
     from shm import Transport
@@ -472,12 +474,12 @@ def test_the_sidecar_does_not_share_its_port(model_path):
     with _listener_sharing_its_port() as port:
         config = ServerConfig(model_path=model_path, max_slots=1, max_seq_len=256, grpc_port=port)
         transport = Transport.create(config.engine_config().layout())
-        engine = EngineClient(transport)
+        models = ModelRouter.attach(config, [transport.name], None)
         try:
             with pytest.raises(RuntimeError):
-                build(config, engine, TenantRegistry(Tenants.load(None)))
+                build(config, models, TenantRegistry(Tenants.load(None)))
         finally:
-            engine.close()
+            models.close()
             transport.close()
 
 

@@ -10,12 +10,12 @@ import pytest
 from engine.errors import InvalidRequest
 from engine.request import Priority
 from proto import inference_pb2 as pb
-from server.api.errors import ModelNotFound, PermissionDenied
+from server.generation.request import EmbeddingRequest
+from server.api.errors import PermissionDenied
 from server.api.requests import parse_generation, parse_messages
-from server.grpc.convert import chat_request, infer_request
+from server.grpc.convert import chat_request, embed_request, infer_request, model_field
 from server.tenancy.tenants import DEFAULT_TENANT, Tenant, TenantRegistry, Tenants
 
-MODELS = ("m", "alias")
 WEATHER = '{"type": "object", "properties": {"city": {"type": "string"}}}'
 
 
@@ -31,7 +31,7 @@ def test_a_chat_message_becomes_the_request_its_json_body_is():
     message.messages.extend([pb.ChatMessage(role="assistant", content="", tool_calls=[
         pb.ToolCall(id="c1", name="w", arguments='{"city": "Oslo"}')]), pb.ChatMessage(role="tool", content="3",
                                                                                       tool_call_id="c1")])
-    model, greq, messages, render = chat_request(message, MODELS, 8)
+    greq, messages, render = chat_request(message, 8)
     body = {"messages": [{"role": "user", "content": "Hi"},
                          {"role": "assistant", "content": "", "tool_calls": [{
                              "id": "c1", "type": "function", "function": {"name": "w", "arguments": '{"city": "Oslo"}'}}]},
@@ -41,10 +41,11 @@ def test_a_chat_message_becomes_the_request_its_json_body_is():
                                                         "strict": True}}],
             "tool_choice": {"type": "function", "function": {"name": "w"}}, "parallel_tool_calls": False,
             "response_format": {"type": "json_object", "schema": {"type": "object"}}}
-    assert model == "alias" and greq == parse_generation(body, chat=True) and greq.priority == Priority.LOW
+    assert model_field(message) == {"model": "alias"}
+    assert greq == parse_generation(body, chat=True) and greq.priority == Priority.LOW
     assert messages == parse_messages(body, 8)
     assert render == {"add_generation_prompt": True, "continue_final_message": False}
-    assert chat_request(chat(), MODELS, 8)[0] == "m"  # empty: the first served name
+    assert model_field(chat()) == {}  # empty: the default model
 
 
 @pytest.mark.parametrize("fields,param,says", [
@@ -65,7 +66,7 @@ def test_a_chat_message_becomes_the_request_its_json_body_is():
 ])
 def test_a_refusal_names_the_chat_field(fields, param, says):
     with pytest.raises(InvalidRequest) as e:
-        chat_request(chat(**fields), MODELS, 8)
+        chat_request(chat(**fields), 8)
     assert e.value.param == param and says in e.value.message, e.value
 
 
@@ -85,13 +86,8 @@ def test_a_refusal_names_the_chat_field(fields, param, says):
 ])
 def test_a_message_refusal_names_the_message(messages, param, says):
     with pytest.raises(InvalidRequest) as e:
-        chat_request(pb.ChatRequest(messages=messages), MODELS, 8)
+        chat_request(pb.ChatRequest(messages=messages), 8)
     assert e.value.param == param and says in e.value.message, e.value
-
-
-def test_an_unknown_model_is_not_found():
-    with pytest.raises(ModelNotFound):
-        chat_request(chat(model="gpt-4o"), MODELS, 8)
 
 
 def test_an_infer_message_is_the_infer_body():
@@ -109,3 +105,16 @@ def test_an_infer_message_is_the_infer_body():
     with pytest.raises(PermissionDenied) as e:
         infer_request(pb.InferRequest(payload="x", tenant_id="other"), acme, closed)
     assert e.value.param == "tenant_id"
+
+
+def test_an_embed_message_is_the_embeddings_body():
+    """Strings or token-id arrays, as ``/v1/embeddings``'s ``input``; both at once is refused."""
+    assert embed_request(pb.EmbedRequest(input=["a", "b"], dimensions=4, priority=pb.PRIORITY_HIGH)) == \
+        EmbeddingRequest(("a", "b"), dimensions=4, priority=Priority.HIGH)
+    assert embed_request(pb.EmbedRequest(input_ids=[pb.TokenIds(ids=[1, 2]), pb.TokenIds(ids=[3])],
+                                         truncate_prompt_tokens=-1)) == EmbeddingRequest(((1, 2), (3,)), truncate=-1)
+    for message, param in ((pb.EmbedRequest(input=["a"], input_ids=[pb.TokenIds(ids=[1])]), "input_ids"),
+                           (pb.EmbedRequest(), "input"), (pb.EmbedRequest(input=[""]), "input[0]")):
+        with pytest.raises(InvalidRequest) as e:
+            embed_request(message)
+        assert e.value.param == param, e.value

@@ -162,6 +162,10 @@ def test_fail_open_when_redis_refuses_or_freezes_and_back_when_it_answers(bucket
     ({"id": "a", "api_keys": ["k"], "max_concurrent": 0}, "tenant 'a': field max_concurrent"),
     ({"id": "a", "api_keys": ["k"], "colour": "red"}, "tenant 'a': unknown field colour"),
     ({"api_keys": ["k"]}, "tenant #1: field id"),
+    ({"id": "a", "api_keys": ["k"], "models": []}, "tenant 'a': field models must be a non-empty array"),
+    ({"id": "a", "api_keys": ["k"], "models": "local-model"}, "tenant 'a': field models must be"),
+    ({"id": "a", "api_keys": ["k"], "models": ["local-model", 7]}, "tenant 'a': field models[1]"),
+    ({"id": "a", "api_keys": ["k"], "models": [" local-model"]}, "tenant 'a': field models[0]"),
 ])
 def test_bad_tenant_file_names_tenant_and_field(tmp_path, entry, message):
     with pytest.raises(ConfigError) as e:
@@ -181,6 +185,31 @@ def test_key_listed_twice_is_an_error_and_toml_loads(tmp_path):
     a = tenants.authenticate("k1")
     assert a.id == "a" and a.weight == 3 and a.requests_per_second == Rate(2, 4) and a.priority.name == "LOW"
     assert tenants.authenticate("k2") is None and tenants.authenticate(None) is None
+
+
+def test_models_in_the_file_and_may_use(tmp_path):
+    """``models``: the models a tenant may use, by any of their names (absent: every model);
+    ``Tenant.may_use`` takes every name of the requested model."""
+    from server.tenancy.tenants import DEFAULT_TENANT, ModelAccess
+
+    toml = tmp_path / "t.toml"
+    toml.write_text('[[tenants]]\nid = "a"\napi_keys = ["k1"]\nmodels = ["local-model", "embed", "local-model"]\n'
+                    '[[tenants]]\nid = "b"\napi_keys = ["k2"]\n')
+    tenants = Tenants.load(str(toml))
+    a, b = tenants.authenticate("k1"), tenants.authenticate("k2")
+    assert a.models == ModelAccess("allow_list", ("local-model", "embed")) and b.models is None
+    model_a, model_b, model_c = ("SmolLM2-135M-Instruct", "local-model"), ("Gemma-3-270m",), ("embed",)
+    assert a.may_use(model_a) and a.may_use(model_c) and not a.may_use(model_b)  # any name of the model allows it
+    assert all(t.may_use(m) for t in (b, DEFAULT_TENANT) for m in (model_a, model_b, model_c))
+    with pytest.raises(TypeError):
+        a.may_use("local-model")  # one name would miss the model's others
+    denied = Tenant("d", 1, models=ModelAccess("deny_list", ("local-model",)))
+    assert not denied.may_use(model_a) and denied.may_use(model_b)  # denied under any of its names
+    assert Tenant("e", 1, models=ModelAccess("deny_list", ())).may_use(model_b)
+    # every name in the file must be served (the master checks it where it checks the prices)
+    tenants.check_models(("SmolLM2-135M-Instruct", "local-model", "Gemma-3-270m", "embed"))
+    with pytest.raises(ConfigError, match=r"tenant 'a': field models\[1\]: 'embed' is not a name of a served"):
+        tenants.check_models(("SmolLM2-135M-Instruct", "local-model"))
 
 
 def test_bad_tenant_file_stops_start_up_with_one_line(tmp_path):

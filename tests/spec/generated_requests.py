@@ -50,7 +50,15 @@ def _pinned_document() -> dict:
     doc = copy.deepcopy(DOC)
     for name in ("CreateChatCompletionRequest", "CreateCompletionRequest", "CreateResponseRequest"):
         doc["components"]["schemas"][name]["properties"]["model"] = {"enum": [MODEL, None]}
+    _pin_model_ids(doc)
     return doc
+
+
+def _pin_model_ids(doc: dict) -> None:
+    """Model permissions' ``model_ids`` pinned to the served name: any other is a documented 400,
+    and the permissions would never be set."""
+    doc["components"]["schemas"]["ProjectModelPermissionsUpdateRequest"]["properties"]["model_ids"]["items"] = \
+        {"type": "string", "enum": [MODEL]}
 
 
 def _cheap_document(stream: bool) -> dict:
@@ -193,9 +201,9 @@ def test_schemathesis_openai_document(case, small_server):
 # -- OpenAI's Admin API document (server/control/, server/http/admin.py) ---------------------------------------
 ADMIN_DOC = json.loads((pathlib.Path(__file__).parent / "openai" / "openapi-admin-subset.json").read_text())
 ADMIN_KEY = "generated-requests-admin-key-0"
-#: What the document has and this server does not serve: model permissions come with several
-#: models per server, embeddings with an embedding model.
-NOT_SERVED = ("/organization/projects/{project_id}/model_permissions", "/embeddings", "/organization/usage/embeddings")
+#: What the document has and this server does not serve: embeddings come with an embedding model.
+NOT_SERVED = ("/embeddings", "/organization/usage/embeddings")
+_pin_model_ids(ADMIN_DOC)
 ADMIN = schemathesis.openapi.from_dict({**ADMIN_DOC, "paths": {p: v for p, v in ADMIN_DOC["paths"].items()
                                                                if p not in NOT_SERVED}})
 ADMIN.config.generation.update(modes=[schemathesis.GenerationMode.POSITIVE], max_examples=2)

@@ -1,6 +1,7 @@
 """Docker and Kubernetes files, validated offline (no container engine or cluster here)."""
 from __future__ import annotations
 
+import functools
 import os
 import pathlib
 import re
@@ -340,3 +341,217 @@ def test_redis_keeps_the_control_plane_across_restarts():
     volume = deploy["spec"]["template"]["spec"]["volumes"][0]
     assert volume["persistentVolumeClaim"]["claimName"] == claim["metadata"]["name"]
     assert deploy["spec"]["strategy"] == {"type": "Recreate"}
+
+
+# --- Routing with the Gateway API Inference Extension (k8s/inference-extension/) ---------------
+
+GAIE = ROOT / "k8s" / "inference-extension"
+CRDS = pathlib.Path(__file__).resolve().parent / "crds"  # their sources and licenses: crds/README.md
+#: The plugin types the endpoint picker v1.5.0 registers that the shipped configuration may use
+#: (cmd/epp/runner/runner.go, registerInTreePlugins, at that tag).
+EPP_PLUGIN_TYPES = {"queue-scorer", "kv-cache-utilization-scorer", "prefix-cache-scorer", "lora-affinity-scorer",
+                    "running-requests-size-scorer", "token-load-scorer", "max-score-picker", "random-picker",
+                    "weighted-random-picker", "single-profile-handler", "metrics-data-source",
+                    "core-metrics-extractor"}
+
+
+def gaie_docs(name: str | None = None) -> list[dict]:
+    files = [GAIE / name] if name else sorted(GAIE.glob("*.yaml"))
+    return [d for f in files for d in yaml.safe_load_all(f.read_text()) if d]
+
+
+def gaie_doc(kind: str) -> dict:
+    (doc,) = [d for d in gaie_docs() if d["kind"] == kind]
+    return doc
+
+
+def _strict(schema):
+    """A CRD's structural schema (OpenAPI v3) as JSON Schema draft 4 reads it, refusing the fields
+    an object does not name unless it preserves unknown fields, as ``kubectl apply``'s default
+    (strict) field validation refuses them; ``nullable`` allows null."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    if "properties" in out:
+        out["properties"] = {name: _strict(s) for name, s in out["properties"].items()}
+        if "additionalProperties" not in out and not out.get("x-kubernetes-preserve-unknown-fields"):
+            out["additionalProperties"] = False
+    for key in ("items", "not"):
+        if isinstance(out.get(key), dict):
+            out[key] = _strict(out[key])
+    if isinstance(out.get("additionalProperties"), dict):
+        out["additionalProperties"] = _strict(out["additionalProperties"])
+    for key in ("allOf", "anyOf", "oneOf"):
+        if key in out:
+            out[key] = [_strict(s) for s in out[key]]
+    if out.get("nullable") and "type" in out:
+        out["type"] = [out["type"], "null"]
+    return out
+
+
+@functools.lru_cache(maxsize=1)
+def crd_validators() -> dict[tuple[str, str], object]:
+    """``(apiVersion, kind) -> validator`` for every served version of the committed CRDs."""
+    import jsonschema
+
+    validators = {}
+    for path in sorted(CRDS.glob("*.yaml")):
+        for crd in yaml.safe_load_all(path.read_text()):
+            assert crd["kind"] == "CustomResourceDefinition", path
+            spec = crd["spec"]
+            for version in spec["versions"]:
+                if version["served"]:
+                    schema = _strict(version["schema"]["openAPIV3Schema"])
+                    jsonschema.Draft4Validator.check_schema(schema)
+                    validators[(f"{spec['group']}/{version['name']}", spec["names"]["kind"])] = \
+                        jsonschema.Draft4Validator(schema)
+    return validators
+
+
+def manifest_errors(doc: dict, validators: dict) -> list[str]:
+    """What is wrong with one manifest: against its CRD's schema, or Kubernetes 1.30's for a
+    built-in kind (``kubernetes-validate --strict``); a kind known to neither is an error."""
+    import kubernetes_validate
+
+    if not doc.get("metadata", {}).get("name"):
+        return ["metadata.name is missing"]
+    validator = validators.get((doc.get("apiVersion"), doc.get("kind")))
+    if validator is not None:
+        return [f"{'.'.join(map(str, e.absolute_path)) or '(root)'}: {e.message}" for e in validator.iter_errors(doc)]
+    try:
+        kubernetes_validate.validate(doc, "1.30.0", strict=True)
+    except kubernetes_validate.SchemaNotFoundError:
+        return [f"no schema for {doc.get('apiVersion')} {doc.get('kind')}: commit its CRD under tests/spec/crds"]
+    except kubernetes_validate.ValidationError as e:
+        return [str(e)]
+    return []
+
+
+def test_inference_extension_manifests_validate_against_their_schemas():
+    validators = crd_validators()
+    assert {("inference.networking.k8s.io/v1", "InferencePool"),
+            ("gateway.networking.k8s.io/v1", "HTTPRoute")} <= set(validators)
+    docs = gaie_docs()
+    assert sorted(d["kind"] for d in docs) == sorted(["InferencePool", "HTTPRoute", "ConfigMap", "ServiceAccount",
+                                                      "Role", "RoleBinding", "Deployment", "Service"])
+    for doc in docs:
+        assert manifest_errors(doc, validators) == [], (doc["kind"], manifest_errors(doc, validators))
+
+
+@pytest.mark.parametrize("kind, path, value, message", [
+    ("InferencePool", ("spec", "targetPorts", 0, "number"), 0, "less than the minimum"),
+    ("InferencePool", ("spec", "targetPorts"), [], "should be non-empty"),
+    ("InferencePool", ("spec", "endpointPickerRef", "failureMode"), "Open", "is not one of"),
+    ("InferencePool", ("spec", "targetPort"), 8080, "Additional properties"),  # a typo of targetPorts
+    ("InferencePool", ("spec", "endpointPickerRef"), None, "'endpointPickerRef' is a required property"),
+    ("InferencePool", ("spec", "selector", "matchLabels"), {"app": "-bad-"}, "does not match"),
+    ("HTTPRoute", ("spec", "rules", 0, "matches", 0, "path", "type"), "Prefix", "is not one of"),
+    ("HTTPRoute", ("spec", "rules", 0, "backendRefs", 0, "kind"), "Inference Pool", "does not match"),
+    ("HTTPRoute", ("spec", "rules", 0, "timeouts", "request"), "30 minutes", "does not match"),
+    ("HTTPRoute", ("spec", "rules", 0, "backend"), {}, "Additional properties"),
+])
+def test_a_manifest_that_breaks_its_crd_schema_fails(kind, path, value, message):
+    import copy
+
+    validators = crd_validators()
+    doc = copy.deepcopy(gaie_doc(kind))
+    assert manifest_errors(doc, validators) == []
+    parent = doc
+    for key in path[:-1]:
+        parent = parent[key]
+    if value is None:
+        del parent[path[-1]]
+    else:
+        parent[path[-1]] = value
+    errors = manifest_errors(doc, validators)
+    assert errors and any(message in e for e in errors), errors
+
+
+def test_an_unknown_kind_is_not_waved_through():
+    assert "no schema" in manifest_errors({"apiVersion": "inference.networking.x-k8s.io/v1alpha2",
+                                           "kind": "InferencePool", "metadata": {"name": "x"}}, crd_validators())[0]
+
+
+def test_the_pool_routes_to_the_servers_http_port_and_asks_its_picker():
+    (deploy,) = load_all("deployment.yaml")
+    (cm,) = load_all("configmap.yaml")
+    ports = {p["name"]: p["containerPort"] for p in deploy["spec"]["template"]["spec"]["containers"][0]["ports"]}
+    pool = gaie_doc("InferencePool")["spec"]
+    assert pool["selector"]["matchLabels"] == deploy["spec"]["template"]["metadata"]["labels"]
+    assert [p["number"] for p in pool["targetPorts"]] == [ports["http"]] == [int(cm["data"]["PORT"])]
+    # The CRD's CEL rules, which no API server evaluates here: a Service reference names its
+    # port, and target port numbers are unique.
+    ref = pool["endpointPickerRef"]
+    assert ref.get("kind", "Service") == "Service" and "port" in ref
+    assert len({p["number"] for p in pool["targetPorts"]}) == len(pool["targetPorts"])
+    # The reference is the picker's Service, whose port reaches the picker's ext_proc port.
+    service, epp = gaie_doc("Service"), gaie_doc("Deployment")
+    assert ref["name"] == service["metadata"]["name"]
+    (port,) = [p for p in service["spec"]["ports"] if p["port"] == ref["port"]["number"]]
+    pod = epp["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    assert {p["name"]: p["containerPort"] for p in container["ports"]}[port["targetPort"]] == 9002
+    assert service["spec"]["selector"] == epp["spec"]["template"]["metadata"]["labels"]
+    # The picker serves this pool, and scrapes the server's metrics port (not the target port,
+    # where /metrics answers 404).
+    args = dict(a.removeprefix("--").split("=", 1) for a in container["args"])
+    pool_doc = gaie_doc("InferencePool")
+    assert args["pool-name"] == pool_doc["metadata"]["name"]
+    assert args["pool-group"] == pool_doc["apiVersion"].split("/")[0]
+    assert int(args["model-server-metrics-port"]) == ports["metrics"] == int(cm["data"]["METRICS_PORT"])
+    assert {e["name"] for e in container["env"]} >= {"NAMESPACE"}  # the pool's namespace: the picker's own
+    # Its configuration file is the ConfigMap's, mounted where --config-file says.
+    config_path = pathlib.PurePosixPath(args["config-file"])
+    mount = next(m for m in container["volumeMounts"] if m["mountPath"] == str(config_path.parent))
+    volume = next(v for v in pod["volumes"] if v["name"] == mount["name"])
+    configmap = gaie_doc("ConfigMap")
+    assert volume["configMap"]["name"] == configmap["metadata"]["name"] and config_path.name in configmap["data"]
+    # It may read what it watches, as its own service account.
+    account, role, binding = gaie_doc("ServiceAccount"), gaie_doc("Role"), gaie_doc("RoleBinding")
+    assert pod["serviceAccountName"] == account["metadata"]["name"]
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": account["metadata"]["name"]}]
+    assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role",
+                                  "name": role["metadata"]["name"]}
+    granted = {(g, r) for rule in role["rules"] if {"get", "watch", "list"} <= set(rule["verbs"])
+               for g in rule["apiGroups"] for r in rule["resources"]}
+    assert {("", "pods"), ("inference.networking.k8s.io", "inferencepools")} <= granted
+    assert container["securityContext"]["readOnlyRootFilesystem"] and pod["securityContext"]["runAsNonRoot"]
+    # The route sends /v1 to the pool; the public Service stays beside it.
+    (rule,) = gaie_doc("HTTPRoute")["spec"]["rules"]
+    assert rule["matches"] == [{"path": {"type": "PathPrefix", "value": "/v1"}}]
+    assert rule["backendRefs"] == [{"group": "inference.networking.k8s.io", "kind": "InferencePool",
+                                    "name": pool_doc["metadata"]["name"]}]
+    assert load_all("service.yaml")[0]["spec"]["selector"] == pool["selector"]["matchLabels"]
+
+
+def _spec_name(spec: str) -> str:
+    """The metric a picker's metric specification (``name{label="value"}``) names."""
+    return spec.split("{", 1)[0].strip()
+
+
+def test_the_picker_reads_the_metrics_the_server_exports():
+    from server.observability.pool_metrics import FAMILIES, MODELS_INFO, REPLICA_KV, REPLICA_RUNNING, REPLICA_WAITING
+
+    configmap = gaie_doc("ConfigMap")
+    (text,) = configmap["data"].values()
+    config = yaml.safe_load(text)
+    assert config["apiVersion"] == "inference.networking.x-k8s.io/v1alpha1" and config["kind"] == "EndpointPickerConfig"
+    plugins = {p.get("name", p["type"]): p for p in config["plugins"]}
+    assert {p["type"] for p in plugins.values()} <= EPP_PLUGIN_TYPES
+    for profile in config["schedulingProfiles"]:
+        assert {p["pluginRef"] for p in profile["plugins"]} <= set(plugins)
+    for source in config["dataLayer"]["sources"]:
+        assert plugins[source["pluginRef"]]["type"] == "metrics-data-source"
+        assert {plugins[e["pluginRef"]]["type"] for e in source["extractors"]} == {"core-metrics-extractor"}
+    # The path the server serves its metrics on (server/http/app.py's /metrics route).
+    assert plugins["metrics-data-source"]["parameters"]["path"] == "/metrics"
+    assert 'add_route("/metrics"' in (ROOT / "server/http/app.py").read_text()
+    extractor = plugins["core-metrics-extractor"]["parameters"]
+    (engine,) = [e for e in extractor["engineConfigs"] if e["name"] == extractor["defaultEngine"]]
+    assert {k: _spec_name(v) for k, v in engine.items() if k.endswith("Spec") and v} == {
+        "queuedRequestsSpec": REPLICA_WAITING, "runningRequestsSpec": REPLICA_RUNNING, "kvUsageSpec": REPLICA_KV,
+        "loraSpec": MODELS_INFO}
+    assert set(map(_spec_name, (v for k, v in engine.items() if k.endswith("Spec") and v))) <= set(FAMILIES)
+    # A pod that does not serve the requested model never outscores one that does.
+    weights = {p["pluginRef"]: p.get("weight", 1) for p in config["schedulingProfiles"][0]["plugins"]}
+    assert weights["lora-affinity-scorer"] > sum(w for name, w in weights.items() if name != "lora-affinity-scorer")

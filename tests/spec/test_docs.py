@@ -15,7 +15,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 SOURCES = [p for d in ("engine", "shm", "server", "bench", "tests", "proto") for p in (ROOT / d).rglob("*.py")]
 MARKDOWN = [*PAGES, *sorted((ROOT / "bench").glob("*.md")), *sorted((ROOT / "k8s").glob("*.md"))]
 CITING = [*MARKDOWN, ROOT / "proto" / "inference.proto", ROOT / "server" / "http" / "openapi.json",
-          *sorted((ROOT / "k8s").glob("*.yaml")), *sorted((ROOT / "docker").rglob("*file"))]
+          *sorted((ROOT / "k8s").rglob("*.yaml")), *sorted((ROOT / "docker").rglob("*file"))]
 
 
 def test_configuration_table_matches_the_options():

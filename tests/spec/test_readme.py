@@ -34,7 +34,7 @@ def test_curl_example(server, command):
     if '"stream": true' in command:
         assert body.rstrip().endswith("data: [DONE]")
     elif command.endswith("/metrics"):
-        assert "\ninference_kv_slot_utilization " in body
+        assert "\ninference_kv_slot_utilization{model=" in body
     else:
         reply = json.loads(body)
         assert reply.get("error") is None and (reply.get("choices") or reply.get("output") or reply.get("text"))

@@ -1,5 +1,5 @@
 /* The admin page of inference-server, served at /admin (server/http/admin.py, AdminPage): projects,
- * their keys, rate limits and spend limit, usage over time, the engine now (docs/operations.md,
+ * their keys, rate limits, model permissions and spend limit, usage over time, the engine now (docs/operations.md,
  * "Admin page"). Every figure comes from the Admin API (/v1/organization/..., server/http/admin.py),
  * called with the admin key as a bearer token; the key is kept in this tab's sessionStorage only,
  * never in a URL, a cookie or a log.
@@ -374,8 +374,9 @@
     note.hidden = !(fromFile || archived);
     for (const id of ["key-name", "key-create", "rotate-grace"]) $(id).disabled = fromFile || archived;
     for (const id of ["rate-rpm", "rate-tpm", "rate-rpd", "rate-save"]) $(id).disabled = fromFile || archived;
+    for (const id of ["models-mode", "models-ids", "models-save"]) $(id).disabled = fromFile || archived;
     $("project-panel").hidden = false;
-    await Promise.all([loadKeys(), loadRateLimits(), loadSpend()].map((p) => p.catch(failed)));
+    await Promise.all([loadKeys(), loadRateLimits(), loadModels(), loadSpend()].map((p) => p.catch(failed)));
   }
 
   // keys
@@ -482,6 +483,32 @@
       max_requests_per_1_day: int("rate-rpd")});
     showRateLimit(rl);
     showMessage("Rate limits saved.", "info");
+  }));
+
+  // model permissions: "every model" is OpenAI's empty deny list, and a DELETE
+  function showModels(m) {
+    const every = m.mode === "deny_list" && !m.model_ids.length;
+    $("models-mode").value = every ? "" : m.mode;
+    $("models-ids").value = m.model_ids.join(", ");
+  }
+
+  async function loadModels() {
+    const project = state.project;
+    if (!project) return;
+    const m = await api("GET", projectPath("/model_permissions"));
+    if (state.project === project) showModels(m);
+  }
+
+  $("models-form").addEventListener("submit", action(async () => {
+    const mode = $("models-mode").value;
+    const ids = $("models-ids").value.split(",").map((s) => s.trim()).filter((s) => s);
+    if (mode) {
+      showModels(await api("POST", projectPath("/model_permissions"), {mode, model_ids: ids}));
+    } else {
+      await api("DELETE", projectPath("/model_permissions"));
+      showModels({mode: "deny_list", model_ids: []});
+    }
+    showMessage("Model permissions saved.", "info");
   }));
 
   // spend

@@ -1,0 +1,122 @@
+"""Declaring several models (server/model_specs.py): the models file, ``--model`` given more than
+once, the names each model is served under, its engine settings, and the memory the set may take
+(server/memory.py). No engine starts here."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from engine.config import EMBED_DEFAULTS, ConfigError
+
+
+def _file(tmp_path, models, name="models.toml") -> str:
+    path = tmp_path / name
+    if name.endswith(".json"):
+        path.write_text(json.dumps({"models": models}))
+    else:
+        lines = []
+        for m in models:
+            lines.append("[[models]]")
+            lines += [f"{k} = {json.dumps(v)}" for k, v in m.items()]
+        path.write_text("\n".join(lines) + "\n")
+    return str(path)
+
+
+def test_a_models_file_declares_names_kinds_and_engine_settings(tmp_path, model_path, gemma_model_path):
+    from server.config import ServerConfig
+
+    path = _file(tmp_path, [{"names": ["chat", "local-model"], "path": model_path, "max_slots": 3},
+                            {"path": gemma_model_path},
+                            {"names": ["embed"], "path": model_path, "kind": "embed", "pooling": "mean"}])
+    config = ServerConfig(models_file=path, max_slots=5)
+    chat, gemma, embed = config.models
+    assert config.model_ids == ("chat", "local-model", "Gemma-3-270m", "embed")  # a table without names: the GGUF's
+    assert config.engine_config(chat).max_slots == 3  # its own setting
+    assert config.engine_config(gemma).max_slots == 5  # the server's flag
+    engine = config.engine_config(embed)  # the embedding sizes, unless the model sets its own
+    assert (engine.kind, engine.pooling) == ("embed", "mean")
+    assert {k: getattr(engine, k) for k in EMBED_DEFAULTS} == EMBED_DEFAULTS
+    assert chat.chat_template_origin() and gemma.chat_template_origin() is None and embed.chat_template_origin() is None
+    config.check_files()
+    # the same in JSON, relative paths read from the file's folder
+    os.symlink(model_path, tmp_path / "m.gguf")
+    json_path = _file(tmp_path, [{"names": ["a"], "path": "m.gguf"}], "models.json")
+    assert ServerConfig(models_file=json_path).models[0].path == str(tmp_path / "m.gguf")
+
+
+@pytest.mark.parametrize("models,says", [
+    ([], "a non-empty list"),
+    ([{"names": ["a"]}], "models[0] in .*: path must be"),
+    ([{"names": ["a"], "path": "M", "kind": "rerank"}], "models[0] in .*: kind must be one of generate, embed"),
+    ([{"names": ["a"], "path": "M", "pooling": "mean"}], "pooling applies to kind = \"embed\" only"),
+    ([{"names": ["a"], "path": "M", "max_slots": "4"}], "max_slots must be int"),
+    ([{"names": ["a"], "path": "M", "max_slot": 4}], "unknown key 'max_slot'"),
+    ([{"names": [], "path": "M"}], "names must be a non-empty list"),
+    ([{"names": ["a"], "path": "M"}, {"names": ["b", "a"], "path": "M"}], "model name 'a' is declared twice"),
+    ([{"names": ["a"], "path": "M", "max_slots": 300}], "models[0] in .*: max_slots must be <= 256"),
+])
+def test_a_bad_models_file_is_one_line_naming_the_model_and_key(tmp_path, model_path, models, says):
+    from server.config import ServerConfig
+
+    models = [{k: (model_path if v == "M" else v) for k, v in m.items()} for m in models]
+    with pytest.raises(ConfigError, match=says.replace("[", r"\[").replace("]", r"\]").replace("(", r"\(")) as e:
+        config = ServerConfig(models_file=_file(tmp_path, models))
+        config.check_files()
+    assert "\n" not in str(e.value)
+
+
+def test_the_models_file_excludes_the_one_model_flags(tmp_path, model_path):
+    from server.config import ServerConfig
+
+    path = _file(tmp_path, [{"names": ["a"], "path": model_path}])
+    for flag in ({"model_path": model_path}, {"model_id": "x"}, {"chat_template": "t.jinja"}):
+        with pytest.raises(ConfigError, match="--models declares every model"):
+            ServerConfig(models_file=path, **flag)
+
+
+def test_model_given_twice_serves_two_models_named_by_their_files(model_path, gemma_model_path):
+    """``--model A --model B``: each model under its GGUF's name, ``local-model`` the first's too;
+    the environment carries both (``os.pathsep``); the same file twice has one name twice."""
+    from server.config import from_args
+
+    config = from_args(["--model", model_path, "--model", gemma_model_path], environ={})
+    assert [m.names for m in config.models] == [("Smollm2-135M-8k-Lc100K-Mix1-Ep2", "local-model"), ("Gemma-3-270m",)]
+    assert from_args([], environ=config.to_env()).models == config.models
+    with pytest.raises(ConfigError, match="--model-id and --chat-template apply to one model"):
+        from_args(["--model", model_path, "--model", gemma_model_path, "--model-id", "x"], environ={}).models
+    with pytest.raises(ConfigError, match="declared twice"):
+        from_args(["--model", model_path, "--model", model_path], environ={}).models
+
+
+def test_a_set_of_models_over_the_memory_limit_does_not_start(tmp_path, model_path, gemma_model_path):
+    """The estimate (weights, KV memory, compute, processes) of every model against
+    ``--memory-limit``: one line naming each model's share; a limit with room passes."""
+    from server.config import ServerConfig
+    from server.memory import parse_bytes
+
+    path = _file(tmp_path, [{"names": ["a"], "path": model_path}, {"names": ["b"], "path": gemma_model_path}])
+    with pytest.raises(ConfigError) as e:
+        ServerConfig(models_file=path, memory_limit="1GB").check_memory()
+    message = str(e.value)
+    assert "more than --memory-limit (1,000 MB)" in message and "a: " in message and "b: " in message, message
+    assert "\n" not in message
+    ServerConfig(models_file=path, memory_limit="64GiB").check_memory()
+    assert parse_bytes("1.5 GB", "x") == 1_500_000_000 and parse_bytes("512MiB", "x") == 512 << 20
+    for bad in ("", "lots", "-1GB", "0"):
+        with pytest.raises(ConfigError, match="--memory-limit must be a size"):
+            ServerConfig(memory_limit=bad or " ")
+
+
+def test_the_estimate_grows_with_what_the_engine_may_hold(model_path):
+    """More KV cells (slots' budget, prefix cache) and more front ends: more memory; an embedding
+    engine holds one batch of cells and no logits."""
+    from server.config import ServerConfig
+    from server.memory import estimate
+
+    small = estimate(ServerConfig(model_path=model_path, kv_cache_tokens=8192, prefix_cache_tokens=0).engine_config(), 1)
+    big = estimate(ServerConfig(model_path=model_path).engine_config(), 3)
+    assert big.kv > small.kv and big.front_ends == 3 * small.front_ends and big.weights == small.weights
+    # SmolLM2-135M: 30 layers x 3 KV heads x (64 + 64) x 2 bytes = 23,040 bytes a cell
+    assert small.kv == (8192 + 512) * 23040
