@@ -9,7 +9,7 @@ worker restarts.
   prompts of about P tokens, G tokens each with ``ignore_eos``) on two servers, one with metrics
   (the default) and one with ``--no-metrics``, alternating runs, ``--repeat`` each; the ratio of
   the medians (on / off).
-* engine step: the mean time of :func:`engine.metrics.observe_step` in multiprocess mode (a
+* engine step: the mean time of a step observer (:func:`engine.metrics.step_observer`) in multiprocess mode (a
   child process, a fresh directory), against the mean engine step measured in the metered runs
   (their wall time over ``inference_batch_size_count``).
 * scrape: a server with ``--scrape-workers`` workers, each having served requests; the median and
@@ -53,10 +53,10 @@ def sample(url: str, name: str) -> float:
 
 
 def observe_step_us(calls: int = 100_000) -> float:
-    """Mean microseconds of one ``observe_step`` in multiprocess mode, in a child process."""
+    """Mean microseconds of one step observation in multiprocess mode, in a child process."""
     import tempfile
 
-    code = ("import time; from engine.metrics import observe_step\n"
+    code = ("import time; from engine.metrics import step_observer; observe_step = step_observer('m')\n"
             f"t = time.perf_counter()\nfor i in range({calls}): observe_step(1 + i % 16, 16 + i % 64)\n"
             f"print((time.perf_counter() - t) / {calls} * 1e6)")
     with tempfile.TemporaryDirectory() as d:

@@ -100,6 +100,7 @@ class EngineConfig:
         prefix_cache_tokens: most tokens the prefix cache keeps (0: no prefix cache); see
             :attr:`cache_streams` for the KV memory it takes.
         metrics: record the step metrics of :mod:`engine.metrics`.
+        name: the served model's id, their ``model`` label.
         step_log: file the engine appends its step records to (:mod:`engine.steplog`); "" none.
         weights: the weight format computed with, one of :data:`WEIGHTS`
             (``auto``: Q4_1 and Q5_1 files are converted to Q8_0 once; see that module).
@@ -132,6 +133,7 @@ class EngineConfig:
     aging_s: float = 10.0
     prefix_cache_tokens: int = 16384
     metrics: bool = False
+    name: str = ""
     step_log: str = ""
     weights: str = "auto"
     max_request_extras_bytes: int = 32768

@@ -68,8 +68,8 @@ class EngineLoop:
         self.cancelled: list[tuple[int, int]] = []  # (mailbox, lease) cancelled this step, for the step log
         self.observe_step = None
         if config.metrics:  # imported only then: prometheus-client reads its mode at import
-            from engine.metrics import observe_step
-            self.observe_step = observe_step
+            from engine.metrics import step_observer
+            self.observe_step = step_observer(config.name)
 
     # -- loop ---------------------------------------------------------------------------------
     def run(self) -> None:

@@ -11,7 +11,8 @@ model's engine settings, in the terms of docs/operations.md "Memory":
   (the running sequences, the prefix cache, a step's new tokens: the size of the unified cache
   the engine falls back to, :meth:`engine.llama.model.Model.from_config`); an embedding
   model ``n_batch`` (one batch, cleared after it);
-- compute buffers: llama.cpp's logits, twice (:data:`engine.llama.model.LOGITS_BYTES`), and
+- compute buffers: llama.cpp's logits, twice (:data:`engine.llama.model.LOGITS_BYTES`; an
+  embedding engine's whole batch: llama.cpp makes each of its tokens an output), and
   its graph's activations, :data:`ACTIVATION_FLOATS` floats per batch token and embedding unit;
 - the engine process itself (:data:`PROCESS_BYTES`) and each front end's vocabulary
   (:data:`VOCAB_BYTES_PER_TOKEN`, in every gunicorn worker and the gRPC sidecar).
@@ -101,14 +102,16 @@ def estimate(config: "EngineConfig", front_ends: int) -> Estimate:
     n_head_kv = get("attention.head_count_kv", n_head)  # an array (per-layer counts): its length, a bound
     head = n_embd // n_head
     cell = get("block_count") * n_head_kv * (get("attention.key_length", head) + get("attention.value_length", head)) * 2
+    n_vocab = int(meta.get("tokenizer.ggml.tokens", 0))
     if config.kind == "embed":
         cells = -(-config.n_batch // 256) * 256
-        logits = 0
+        # llama.cpp makes every token of an embedding batch an output: a causal LM's logits of
+        # the whole batch, in its output and its compute buffer
+        logits = 2 * 4 * n_vocab * config.n_batch
     else:
         cells = config.kv_cache_tokens + config.prefix_cache_tokens + config.n_batch
         from engine.llama.model import LOGITS_BYTES  # noqa: PLC0415 - llama.cpp only when estimating
         logits = 2 * LOGITS_BYTES
-    n_vocab = int(meta.get("tokenizer.ggml.tokens", 0))
     return Estimate(weights=_weights_bytes(path, config.weights, meta.get("general.file_type")),
                     kv=cells * cell, compute=logits + ACTIVATION_FLOATS * 4 * n_embd * config.n_batch,
                     process=PROCESS_BYTES, front_ends=front_ends * VOCAB_BYTES_PER_TOKEN * n_vocab)

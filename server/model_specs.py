@@ -115,7 +115,8 @@ class ModelSpec:
             settings.update(EMBED_DEFAULTS)
         settings.update(self.engine)
         try:
-            return EngineConfig(model_path=self.path, kind=self.kind, pooling=self.pooling, **settings, **extra)
+            return EngineConfig(model_path=self.path, name=self.id, kind=self.kind, pooling=self.pooling, **settings,
+                                **extra)
         except ConfigError as e:
             raise ConfigError(f"{self.where}: {e}") from None
 

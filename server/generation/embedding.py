@@ -41,7 +41,8 @@ class Embedder:
 
     Args:
         engine: its engine's client. tokenizer: its vocabulary. dimensions: its vectors'
-        length (``llama_model_n_embd``). limiter, accounting: as :class:`Generator`'s.
+        length as its GGUF says (``embedding_length``), until the engine says it
+        (``EngineClient.n_embd``). limiter, accounting: as :class:`Generator`'s.
     """
 
     def __init__(self, engine: EngineClient, tokenizer: Tokenizer, dimensions: int,
@@ -59,14 +60,15 @@ class Embedder:
                 without ``truncate_prompt_tokens`` (``input[i]``). As ``Submission.start`` and
                 ``Stream.embedding`` otherwise (RateLimited, Saturated, EngineUnavailable...).
         """
-        if req.dimensions is not None and req.dimensions != self.dimensions:
-            raise InvalidRequest(f"dimensions: this model's vectors have {self.dimensions} dimensions and it cannot "
+        dims = self.engine.n_embd or self.dimensions  # the engine's, once it loaded (llama_model_n_embd_out)
+        if req.dimensions is not None and req.dimensions != dims:
+            raise InvalidRequest(f"dimensions: this model's vectors have {dims} dimensions and it cannot "
                                  "shorten them", "dimensions")
         ids = [self._ids(x, req.truncate, self._param(req, i)) for i, x in enumerate(req.inputs)]
         sub = Submission(self.engine, tenant, self.limiter, self.accounting)
         sub.start(ids, 1, SamplingParams(max_new_tokens=0), RequestKind.EMBED, FieldNames(prompt="input"),
                   req.priority, deadline_ms, watch_socket, window=self.engine.max_slots)
-        vectors = np.empty((len(ids), self.dimensions), np.float32)
+        vectors = np.empty((len(ids), dims), np.float32)
         try:
             for i in range(len(ids)):
                 vectors[i] = sub.streams[i].embedding()
@@ -92,13 +94,13 @@ class Embedder:
                 raise
 
     def _ids(self, value: str | tuple[int, ...], truncate: int | None, param: str) -> list[int]:
-        """One input's tokens, checked against the vocabulary and the context (the engine holds
-        inputs of at most ``max_seq_len - 1`` tokens), truncated from the start if asked."""
+        """One input's tokens, checked against the vocabulary and the context (an input may fill
+        the model's ``max_seq_len``), truncated from the start if asked."""
+        longest = self.engine.max_seq_len
         if isinstance(value, str):
-            longest = self.engine.max_seq_len - 1
-            if truncate is None and len(value) // self.tokenizer.max_piece_bytes > longest:  # before tokenizing
-                raise PromptTooLong(len(value) // self.tokenizer.max_piece_bytes, self.engine.max_seq_len,
-                                    at_least=True, param=param)
+            at_least = len(value) // self.tokenizer.max_piece_bytes
+            if truncate is None and at_least > longest:  # refused before tokenizing
+                raise PromptTooLong(at_least, longest, at_least=True, param=param, room=0)
             ids = self.tokenizer.encode(value, special=True, add_special=True)
         else:
             ids = list(value)
@@ -107,13 +109,12 @@ class Embedder:
                 raise InvalidRequest(f"{param} holds token id {outside}, outside this model's vocabulary "
                                      f"(0..{self.tokenizer.n_vocab - 1})", param)
         if truncate is not None:
-            keep = self.engine.max_seq_len - 1 if truncate == -1 else truncate
-            if keep > self.engine.max_seq_len - 1:
-                raise InvalidRequest(f"truncate_prompt_tokens must be at most {self.engine.max_seq_len - 1} "
-                                     "(the model's context less one), or -1", "truncate_prompt_tokens")
-            ids = ids[-keep:]
-        if len(ids) > self.engine.max_seq_len - 1:
-            raise PromptTooLong(len(ids), self.engine.max_seq_len, param=param)
+            if truncate > longest:
+                raise InvalidRequest(f"truncate_prompt_tokens must be at most {longest} (the model's context), or -1",
+                                     "truncate_prompt_tokens")
+            ids = ids[-(longest if truncate == -1 else truncate):]
+        if len(ids) > longest:
+            raise PromptTooLong(len(ids), longest, param=param, room=0)
         return ids
 
     @staticmethod

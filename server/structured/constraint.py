@@ -10,6 +10,8 @@ from dataclasses import dataclass
 
 import llguidance
 
+from engine.errors import InvalidRequest
+
 #: The kinds of constraint: a JSON schema (``value``: the schema, already read by
 #: ``server.structured.schema``: :func:`~server.structured.schema.closed_objects` and
 #: :func:`~server.structured.schema.guided`), any JSON object (the same, of ``{"type":
@@ -41,11 +43,19 @@ class OutputConstraint:
         return self.value if self.kind in (JSON_SCHEMA, JSON_OBJECT) else None
 
     def grammar(self) -> str:
-        """The llguidance grammar (its JSON form, or Lark) of this constraint alone."""
-        if self.kind in (JSON_SCHEMA, JSON_OBJECT):
-            return llguidance.LLMatcher.grammar_from_json_schema(self.value)  # options already resolved
-        if self.kind == REGEX:
-            return llguidance.LLMatcher.grammar_from_regex(self.value)
-        if self.kind == CHOICE:
-            return llguidance.grammar_from("choice", list(self.value))
-        return llguidance.grammar_from("grammar", self.value)  # Lark as it is, GBNF converted
+        """The llguidance grammar (its JSON form, or Lark) of this constraint alone.
+
+        Raises:
+            InvalidRequest: naming :attr:`param`, for what llguidance cannot even write down (a
+                schema holding an integer beyond 64 bits, which JSON allows).
+        """
+        try:
+            if self.kind in (JSON_SCHEMA, JSON_OBJECT):
+                return llguidance.LLMatcher.grammar_from_json_schema(self.value)  # options already resolved
+            if self.kind == REGEX:
+                return llguidance.LLMatcher.grammar_from_regex(self.value)
+            if self.kind == CHOICE:
+                return llguidance.grammar_from("choice", list(self.value))
+            return llguidance.grammar_from("grammar", self.value)  # Lark as it is, GBNF converted
+        except ValueError as e:
+            raise InvalidRequest(f"{self.param} cannot be enforced: {e}", self.param) from None

@@ -59,6 +59,11 @@ REFUSED = [
     ({"structured_outputs": {"regex": "[a-"}}, "structured_outputs.regex", "unclosed character class"),
     ({"structured_outputs": {"grammar": "start: undefined_rule"}}, "structured_outputs.grammar", "undefined_rule"),
     ({"structured_outputs": {"grammar": "root ::= ("}}, "structured_outputs.grammar", ""),
+    # numbers JSON allows and llguidance cannot hold (beyond 64 bits): refused, never a 500
+    ({"response_format": schema_format({"type": "integer", "maximum": -57175174149993036607779535485153574912})},
+     "response_format.json_schema.schema", "cannot be enforced"),
+    ({"response_format": schema_format({"type": "object", "x": [10 ** 30]})}, "response_format.json_schema.schema",
+     "cannot be enforced"),
 ]
 
 

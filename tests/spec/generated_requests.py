@@ -32,6 +32,8 @@ from tests.support.openai_document import DOC as OPENAI_DOC
 from tests.support.servers import running_server
 
 DOC = load()  # this server's document, as tests/spec/test_openapi.py checks it
+#: Served by an embedding model, which the servers below but ``embed_server`` do not have.
+EMBEDDINGS = "/v1/embeddings"
 
 
 # -- this server's own document (tests/spec/test_openapi.py) -------------------------------------------------------
@@ -48,7 +50,8 @@ def _pinned_document() -> dict:
     then little else would be generated). It is the document the server serves (test 1):
     ``schemathesis.pytest.from_fixture``, which could load it from the server, fails under pytest 9."""
     doc = copy.deepcopy(DOC)
-    for name in ("CreateChatCompletionRequest", "CreateCompletionRequest", "CreateResponseRequest"):
+    for name in ("CreateChatCompletionRequest", "CreateCompletionRequest", "CreateResponseRequest",
+                 "CreateEmbeddingRequest", "InferRequest"):
         doc["components"]["schemas"][name]["properties"]["model"] = {"enum": [MODEL, None]}
     _pin_model_ids(doc)
     return doc
@@ -109,10 +112,12 @@ def _schema(doc: dict, mode: schemathesis.GenerationMode):
 # Positive: requests the document allows, generating little, streamed and not. Negative: requests
 # it forbids, from the document as it is (so a forbidden value the server takes anyway is a failure).
 # The Admin API's routes run against a server with an admin key (below), the others against one without.
-POSITIVE = _schema(_cheap_document(stream=False), schemathesis.GenerationMode.POSITIVE).exclude(tag="Admin")
+POSITIVE = _schema(_cheap_document(stream=False), schemathesis.GenerationMode.POSITIVE).exclude(
+    tag="Admin").exclude(path=EMBEDDINGS)
 STREAMING = _schema(_cheap_document(stream=True), schemathesis.GenerationMode.POSITIVE).include(
     path=[CHAT, COMPLETIONS, "/v1/responses"])
-NEGATIVE = _schema(_pinned_document(), schemathesis.GenerationMode.NEGATIVE).include(method="POST").exclude(tag="Admin")
+NEGATIVE = _schema(_pinned_document(), schemathesis.GenerationMode.NEGATIVE).include(method="POST").exclude(
+    tag="Admin").exclude(path=EMBEDDINGS)
 OWN_ADMIN = _schema(_pinned_document(), schemathesis.GenerationMode.POSITIVE).include(tag="Admin")
 OWN_ADMIN.config.generation.update(max_examples=2)  # the coverage phase's cases, and two random ones
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_headers_conformance,
@@ -201,7 +206,8 @@ def test_schemathesis_openai_document(case, small_server):
 # -- OpenAI's Admin API document (server/control/, server/http/admin.py) ---------------------------------------
 ADMIN_DOC = json.loads((pathlib.Path(__file__).parent / "openai" / "openapi-admin-subset.json").read_text())
 ADMIN_KEY = "generated-requests-admin-key-0"
-#: What the document has and this server does not serve: embeddings come with an embedding model.
+#: What the document has that the admin server does not serve: embeddings (an embedding model's,
+#: below) and their usage (usage is recorded under completions, docs/tenants.md).
 NOT_SERVED = ("/embeddings", "/organization/usage/embeddings")
 _pin_model_ids(ADMIN_DOC)
 ADMIN = schemathesis.openapi.from_dict({**ADMIN_DOC, "paths": {p: v for p, v in ADMIN_DOC["paths"].items()
@@ -247,3 +253,51 @@ def test_schemathesis_openai_admin_document(case, admin_server):
     """Every answer is no server error and, where the document lists its status, valid against it
     (a deleted key's later 404, or a 400 for a field this server refuses, it does not list)."""
     _admin_call(case, admin_server, [not_a_server_error, response_schema_conformance])
+
+
+# -- embeddings: both documents against a server whose model embeds -------------------------------------------------
+@pytest.fixture(scope="module")
+def embed_server(tmp_path_factory, model_path):
+    """The bundled model as an embedding model (mean pooling), served under the pinned name."""
+    path = tmp_path_factory.mktemp("embed") / "models.toml"
+    path.write_text(f'[[models]]\nnames = ["{MODEL}"]\npath = "{model_path}"\nkind = "embed"\npooling = "mean"\n'
+                    'max_slots = 4\nmax_queued = 8\nmax_seq_len = 1024\nn_batch = 1024\n')
+    with running_server("--models", str(path), "--workers", "1", "--threads", "8") as server:
+        yield server
+
+
+def _openai_embeddings_document() -> dict:
+    """OpenAI's ``/embeddings`` with ``model`` pinned; its ``Embedding.embedding`` is a number array,
+    but with ``encoding_format: "base64"`` OpenAI (and this server) answer the vector's bytes as a
+    base64 string, which its SDK decodes."""
+    doc = copy.deepcopy(ADMIN_DOC)
+    schemas = doc["components"]["schemas"]
+    schemas["CreateEmbeddingRequest"]["properties"]["model"] = {"type": "string", "enum": [MODEL]}
+    vector = schemas["Embedding"]["properties"]["embedding"]
+    schemas["Embedding"]["properties"]["embedding"] = {"anyOf": [vector, {"type": "string"}]}
+    return {**doc, "paths": {"/embeddings": doc["paths"]["/embeddings"]}}
+
+
+OWN_EMBEDDINGS = _schema(_pinned_document(), schemathesis.GenerationMode.POSITIVE).include(path=EMBEDDINGS)
+OWN_EMBEDDINGS_NEGATIVE = _schema(_pinned_document(), schemathesis.GenerationMode.NEGATIVE).include(path=EMBEDDINGS)
+OPENAI_EMBEDDINGS = schemathesis.openapi.from_dict(_openai_embeddings_document())
+OPENAI_EMBEDDINGS.config.generation.update(modes=[schemathesis.GenerationMode.POSITIVE], max_examples=10)
+
+
+@OWN_EMBEDDINGS.parametrize()
+@SETTINGS
+def test_schemathesis_own_embeddings(case, embed_server):
+    _call(case, embed_server)
+
+
+@OWN_EMBEDDINGS_NEGATIVE.parametrize()
+@SETTINGS
+def test_schemathesis_own_embeddings_negative(case, embed_server):
+    _call(case, embed_server)
+
+
+@OPENAI_EMBEDDINGS.parametrize()
+@SETTINGS
+def test_schemathesis_openai_embeddings(case, embed_server):
+    case.call_and_validate(base_url=embed_server.url + "/v1", checks=[not_a_server_error, response_schema_conformance],
+                           timeout=60)
