@@ -10,20 +10,22 @@ path of its kind (a :class:`~server.generation.pipeline.Generator` or an
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import NamedTuple
 
 from engine.client import EngineClient
 from engine.errors import InvalidRequest
 from engine.llama.tokenizer import Tokenizer
 from server.api.errors import ModelNotFound
+from server.config import ServerConfig
+from server.control.accounting import Accounting, Prices
+from server.control.state import ControlPlane
+from server.generation.embedding import Embedder
+from server.generation.pipeline import Generator
+from server.gguf import metadata
 from server.model_specs import EMBED, GENERATE, ModelSpec
+from server.tenancy.ratelimit import RateLimiter
 from server.tenancy.tenants import DEFAULT_TENANT, Tenant
-
-if TYPE_CHECKING:
-    from server.config import ServerConfig
-    from server.control.state import ControlPlane
-    from server.generation.embedding import Embedder
-    from server.generation.pipeline import Generator
+from server.text.chat_template import ChatTemplate
 
 #: What a route needs of its model: text generation (completions, scoring, ``/infer``), a chat
 #: (a generation model with a chat template), embeddings, or any model (the tokenizer routes).
@@ -43,8 +45,8 @@ class ServedModel:
     spec: ModelSpec
     engine: EngineClient
     tokenizer: Tokenizer
-    generator: "Generator | None" = None
-    embedder: "Embedder | None" = None
+    generator: Generator | None = None
+    embedder: Embedder | None = None
 
     @property
     def accounting(self):
@@ -55,6 +57,15 @@ class ServedModel:
     def chat(self) -> bool:
         """It serves chat: a generation model with a chat template."""
         return self.generator is not None and self.generator.template is not None
+
+
+class Picked(NamedTuple):
+    """The model a request is for: ``name`` as the request sent it (what the answer echoes),
+    ``model``, and the ``tenant`` with its limits for that model (``Tenant.for_model``)."""
+
+    name: str
+    model: ServedModel
+    tenant: Tenant
 
 
 class ModelRouter:
@@ -69,7 +80,7 @@ class ModelRouter:
         self.by_name = {name: m for m in models for name in m.spec.names}
 
     @classmethod
-    def single(cls, spec: ModelSpec, generator: "Generator") -> "ModelRouter":
+    def single(cls, spec: ModelSpec, generator: Generator) -> "ModelRouter":
         """One generation model served by ``generator`` (an app over one engine: tests)."""
         return cls([ServedModel(spec, generator.engine, generator.tokenizer, generator=generator)])
 
@@ -85,10 +96,10 @@ class ModelRouter:
         """``(name, model)`` for every name of every model ``tenant`` may use."""
         return [(name, m) for m in self.models if tenant.may_use(m.spec.names) for name in m.spec.names]
 
-    def pick(self, body: dict, tenant: Tenant = DEFAULT_TENANT, needs: str = GENERATION) -> tuple[str, ServedModel]:
-        """The model ``body["model"]`` names, as ``(the name sent, model)``; without ``model``,
-        the first model that serves what the route ``needs`` (the default model for the
-        generation routes).
+    def pick(self, body: dict, tenant: Tenant = DEFAULT_TENANT, needs: str = GENERATION) -> Picked:
+        """The model ``body["model"]`` names (:class:`Picked`); without ``model``, the first
+        model that serves what the route ``needs`` (the default model for the generation
+        routes).
 
         Raises:
             InvalidRequest: ``model`` not a string; a model that does not serve what the route
@@ -103,7 +114,7 @@ class ModelRouter:
             model = next((m for m in self.models if _serves(m, needs) and tenant.may_use(m.spec.names)), None)
             if model is None:
                 raise InvalidRequest(f"model is required: no model here serves {needs} by default", "model")
-            return model.spec.id, model
+            return Picked(model.spec.id, model, tenant.for_model(model.spec.id))
         if not isinstance(name, str):
             raise InvalidRequest("model must be a string", "model")
         model = self.by_name.get(name)
@@ -117,22 +128,15 @@ class ModelRouter:
             what = "embeds" if model.spec.kind == EMBED else "generates text"
             raise InvalidRequest(f"model {name!r} {what} and cannot serve {needs}; models that can: "
                                  f"{', '.join(able) or 'none'}", "model")
-        return name, model
+        return Picked(name, model, tenant.for_model(model.spec.id))
 
     @classmethod
-    def attach(cls, config: "ServerConfig", transports: list[str], control: "ControlPlane | None") -> "ModelRouter":
+    def attach(cls, config: ServerConfig, transports: list[str], control: ControlPlane | None) -> "ModelRouter":
         """A front-end process's models: each declared model (``config.models``) over its
         engine's shared memory (``transports``, in the same order: the master's
         ``INFERENCE_SHM``), with its tokenizer (the GGUF loaded ``vocab_only``), chat template,
         and the accounting of its spend and usage under ``control`` (None: none kept). The rate
         limiter's node-shared buckets are the first engine's."""
-        from server.control.accounting import Accounting, Prices
-        from server.generation.embedding import Embedder
-        from server.generation.pipeline import Generator
-        from server.gguf import metadata
-        from server.tenancy.ratelimit import RateLimiter
-        from server.text.chat_template import ChatTemplate
-
         if len(transports) != len(config.models):
             raise RuntimeError(f"{len(config.models)} models but {len(transports)} engine transports")
         prices = Prices.load(config.prices_file)

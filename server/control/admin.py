@@ -100,12 +100,16 @@ class Admin:
     once, in the others within ``POLL_S``; each returns the OpenAI object and the
     ``(action, target)`` the audit log line names."""
 
-    def __init__(self, control: ControlPlane, price: Price, model_names: tuple[str, ...] = (), clock=time.time):
+    def __init__(self, control: ControlPlane, price: Price, model_names: tuple[str, ...] = (),
+                 model_of: dict[str, str] | None = None, clock=time.time):
         #: the served model's price: a spend limit fires only with one
         self.control, self.price, self.clock = control, price, clock
-        #: every name a model is served under: ``rl-<name>`` names its rate limit; model
-        #: permissions name served models only
+        #: every name a model is served under: model permissions name served models only
         self.model_names = model_names or (control.model,)
+        #: each name's model id (default: the name itself): a project has one rate limit per
+        #: model, ``rl-<id>``, which ``rl-<any of its names>`` names too
+        self.model_of = model_of or {name: name for name in self.model_names}
+        self.model_ids = tuple(dict.fromkeys(self.model_of.values()))
 
     @property
     def state(self) -> ControlState:
@@ -393,11 +397,12 @@ class Admin:
         return self._created_key(key, value), ("api_key.rotate", api_key_id)
 
     # rate limits
-    def rate_limit_object(self, project_id: str) -> dict:
-        model = self.state.model
+    def rate_limit_object(self, project_id: str, model: str) -> dict:
+        """The rate limit of ``model`` (a model's id) for the project; a file tenant's are its
+        file's per-second buckets as per-minute figures, the same for every model (0: none)."""
         doc = self.state.doc("rate_limit", f"{project_id}/{model}") or {}
         file_tenant = self.state.file.by_id.get(project_id)
-        if file_tenant is not None:  # the file's per-second buckets as per-minute figures (0: none)
+        if file_tenant is not None:
             doc = {"max_requests_per_1_minute": round(file_tenant.requests_per_second.rate * 60)
                    if file_tenant.requests_per_second else 0,
                    "max_tokens_per_1_minute": round(file_tenant.tokens_per_second.rate * 60)
@@ -409,26 +414,27 @@ class Admin:
 
     def list_rate_limits(self, project_id: str, after: str | None, limit: int) -> dict:
         self.project(project_id)
-        return _page([self.rate_limit_object(project_id)], after, limit)
+        return _page([self.rate_limit_object(project_id, model) for model in self.model_ids], after, limit)
 
     def update_rate_limit(self, project_id: str, rate_limit_id: str, body: dict) -> tuple[dict, tuple[str, str]]:
         """Per-minute and per-day limits of the model (0: none), in force without a reload."""
         self.project(project_id, writable=True)
-        if rate_limit_id not in {f"rl-{name}" for name in self.model_names}:
-            raise NotFound(f"No rate limit found with id {shown(rate_limit_id)} (this server serves "
-                           f"{self.state.model}: rl-{self.state.model})", "rate_limit_id")
+        model = self.model_of.get(rate_limit_id.removeprefix("rl-")) if rate_limit_id.startswith("rl-") else None
+        if model is None:
+            raise NotFound(f"No rate limit found with id {shown(rate_limit_id)} (this server's: "
+                           f"{', '.join(f'rl-{m}' for m in self.model_ids)})", "rate_limit_id")
         names = ("max_requests_per_1_minute", "max_tokens_per_1_minute", "max_requests_per_1_day")
         _fields(body, set(names) | {"max_images_per_1_minute", "max_audio_megabytes_per_1_minute",
                                     "batch_1_day_max_input_tokens"})
         _unsupported(body, "max_images_per_1_minute", "max_audio_megabytes_per_1_minute",
                      "batch_1_day_max_input_tokens")
-        name = f"rate_limit/{project_id}/{self.state.model}"
-        doc = dict(self.state.docs.get(name) or {"project_id": project_id, "model": self.state.model})
+        name = f"rate_limit/{project_id}/{model}"
+        doc = dict(self.state.docs.get(name) or {"project_id": project_id, "model": model})
         for n in names:
             if n in body:
                 doc[n] = _optional_int(body, n, 0, 10 ** 12) or 0
         self.control.write({name: doc})
-        return self.rate_limit_object(project_id), ("rate_limit.update", project_id)
+        return self.rate_limit_object(project_id, model), ("rate_limit.update", project_id)
 
     # spend limits
     def spend_object(self, project_id: str) -> dict:

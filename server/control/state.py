@@ -87,15 +87,20 @@ class ControlState:
     @classmethod
     def build(cls, version: int, docs: dict, file: Tenants, model: str) -> "ControlState":
         projects, tenants, keys = {}, {}, {}
+        per_model: dict[str, dict] = {}  # project id -> {model id: its rate limits as Tenant fields}
+        for name, doc in docs.items():
+            if name.startswith("rate_limit/"):
+                per_model.setdefault(doc["project_id"], {})[doc["model"]] = rates(doc)
         for name, doc in docs.items():
             if name.startswith("project/") and doc["id"] not in file.by_id:
                 projects[doc["id"]] = doc
                 if doc.get("archived_at") is None:
-                    limit = docs.get(f"rate_limit/{doc['id']}/{model}")
-                    tenants[doc["id"]] = Tenant(doc["id"], tenant_index(doc["id"]), Priority[doc["priority"].upper()],
-                                                doc["weight"], max_concurrent=doc.get("max_concurrent"),
-                                                models=model_access(docs.get(f"model_permissions/{doc['id']}")),
-                                                **rates(limit))
+                    pid = doc["id"]
+                    tenants[pid] = Tenant(pid, tenant_index(pid), Priority[doc["priority"].upper()],
+                                          doc["weight"], max_concurrent=doc.get("max_concurrent"),
+                                          models=model_access(docs.get(f"model_permissions/{pid}")),
+                                          model_rates=per_model.get(pid, {}),
+                                          **rates(docs.get(f"rate_limit/{pid}/{model}")))
         for tid, tenant in file.by_id.items():
             projects[tid] = {"id": tid, "name": tid, "created_at": 0, "archived_at": None, "source": "file",
                              "priority": tenant.priority.name.lower(), "weight": tenant.weight,

@@ -71,9 +71,12 @@ class Embedder:
         vectors = np.empty((len(ids), dims), np.float32)
         try:
             for i in range(len(ids)):
-                vectors[i] = sub.streams[i].embedding()
-                sub.streams[i].close()
+                vectors[i] = sub.streams[i].embedding()  # which releases its mailbox
                 self._submit_more(sub, i + 1)
+        except BaseException:
+            if sub.reservation is not None:  # nothing answered, nothing spent
+                sub.reservation.release()
+            raise
         finally:
             sub.close()
         tokens = sum(len(x) for x in ids)

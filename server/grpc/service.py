@@ -146,7 +146,7 @@ class InferenceService(inference_pb2_grpc.InferenceServiceServicer):
     @_observed
     def Embed(self, request: pb.EmbedRequest, context, record: RequestRecord) -> pb.EmbedResponse:
         tenant = record.tenant = self._tenant(context)
-        model, served = self.models.pick(model_field(request), tenant, EMBEDDINGS)
+        model, served, tenant = self.models.pick(model_field(request), tenant, EMBEDDINGS)
         ereq = embed_request(request)
         result = served.embedder.embed(ereq, tenant, deadline_ms=_call_deadline_ms(context, None))
         return pb.EmbedResponse(model=model, data=[pb.Embedding(index=i, embedding=v)
@@ -165,7 +165,7 @@ class InferenceService(inference_pb2_grpc.InferenceServiceServicer):
 
     def _infer(self, request: pb.InferRequest, context, record: RequestRecord) -> tuple[str, Generation]:
         tenant = record.tenant = self._tenant(context)
-        _, served = self.models.pick(model_field(request), tenant, GENERATION)
+        _, served, tenant = self.models.pick(model_field(request), tenant, GENERATION)
         tenant_id, greq, payload = infer_request(request, tenant, self.tenants)
         greq = dataclasses.replace(greq, deadline_ms=_call_deadline_ms(context, greq.deadline_ms))
         gen = served.generator.infer(payload, greq, tenant=tenant)
@@ -175,7 +175,7 @@ class InferenceService(inference_pb2_grpc.InferenceServiceServicer):
 
     def _chat(self, request: pb.ChatRequest, context, record: RequestRecord) -> tuple[str, Generation]:
         tenant = record.tenant = self._tenant(context)
-        model, served = self.models.pick(model_field(request), tenant, CHAT)
+        model, served, tenant = self.models.pick(model_field(request), tenant, CHAT)
         served.generator.chat_template("messages")  # a model without one: that, before any field
         greq, messages, render = chat_request(request, self.config.max_messages)
         greq = dataclasses.replace(greq, deadline_ms=_call_deadline_ms(context, greq.deadline_ms))

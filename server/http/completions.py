@@ -36,12 +36,12 @@ class _Completions:
 
     def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
         body = read_json(req, self.config.max_body_bytes)
-        model, served = self.models.pick(body, req.context.tenant, CHAT if self.chat else GENERATION)
+        model, served, tenant = self.models.pick(body, req.context.tenant, CHAT if self.chat else GENERATION)
         generator, tok = served.generator, served.tokenizer
         if self.chat:
             generator.chat_template("messages")  # a model without one: that, before any field
         greq = parse_generation(body, chat=self.chat)
-        gen = self.start(generator, body, greq, tenant=req.context.tenant,
+        gen = self.start(generator, body, greq, tenant=tenant,
                          watch_socket=req.env.get("gunicorn.socket"))
         req.context.record.attach(gen, body.get("messages" if self.chat else "prompt"))
         meta = {"id": f"{self.id_prefix}-{secrets.token_hex(12)}", "created": int(time.time()), "model": model}

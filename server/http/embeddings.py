@@ -27,9 +27,9 @@ class Embeddings:
 
     def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
         body = read_json(req, self.config.max_body_bytes)
-        model, served = self.models.pick(body, req.context.tenant, EMBEDDINGS)
+        model, served, tenant = self.models.pick(body, req.context.tenant, EMBEDDINGS)
         request = parse_embedding(body)
-        result = served.embedder.embed(request, req.context.tenant, watch_socket=req.env.get("gunicorn.socket"))
+        result = served.embedder.embed(request, tenant, watch_socket=req.env.get("gunicorn.socket"))
         vectors = result.vectors.astype("<f4", copy=False)
         data = [{"object": "embedding", "index": i,
                  "embedding": base64.b64encode(v.tobytes()).decode("ascii") if request.encoding_format == "base64"

@@ -24,9 +24,9 @@ class Infer:
     def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
         started = req.context.record.started
         body = read_json(req, self.config.max_body_bytes)
-        _, served = self.models.pick(body, req.context.tenant, GENERATION)
-        tenant_id, greq, payload = parse_infer(body, req.context.tenant, self.tenants)
-        gen = served.generator.infer(payload, greq, tenant=req.context.tenant,
+        _, served, tenant = self.models.pick(body, req.context.tenant, GENERATION)
+        tenant_id, greq, payload = parse_infer(body, tenant, self.tenants)
+        gen = served.generator.infer(payload, greq, tenant=tenant,
                                    watch_socket=req.env.get("gunicorn.socket"))
         req.context.record.attach(gen, body["payload"])
         (choice,) = gen.collect()

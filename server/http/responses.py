@@ -52,7 +52,7 @@ class Responses:
     def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
         body = read_json(req, self.config.max_body_bytes)
         tenant = req.context.tenant
-        model, served = self.models.pick(body, tenant, CHAT)
+        model, served, tenant = self.models.pick(body, tenant, CHAT)
         served.generator.chat_template("input")  # a model without one: that, before any field
         rr = parse(body, lambda rid: previous(self.store, tenant.id, rid), self.config.max_messages)
         gen = served.generator.chat(rr.messages, rr.generation, prompt_param="input", render=dict(RENDER), tenant=tenant,

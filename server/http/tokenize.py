@@ -28,7 +28,7 @@ class Tokenize:
 
     def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
         body = read_json(req, self.config.max_body_bytes)
-        _, served = self.models.pick(body, req.context.tenant, CHAT if "messages" in body else ANY)
+        served = self.models.pick(body, req.context.tenant, CHAT if "messages" in body else ANY).model
         r = parse_tokenize(body, self.config.max_messages)
         tok, max_seq_len = served.tokenizer, served.engine.max_seq_len
         if r.prompt is not None:
@@ -52,7 +52,7 @@ class Detokenize:
 
     def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
         body = read_json(req, self.config.max_body_bytes)
-        tok = self.models.pick(body, req.context.tenant, ANY)[1].tokenizer
+        tok = self.models.pick(body, req.context.tenant, ANY).model.tokenizer
         resp.media = {"prompt": tok.decode(parse_detokenize(body, tok.n_vocab), special=True)}
 
 
@@ -77,6 +77,6 @@ class TokenizerInfo:
     def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
         """``?model=NAME`` picks the model (the default one without it)."""
         body = {"model": req.get_param("model")} if req.get_param("model") is not None else {}
-        resp.media = self.info[self.models.pick(body, req.context.tenant, ANY)[1].spec.id]
+        resp.media = self.info[self.models.pick(body, req.context.tenant, ANY).model.spec.id]
 
     on_head = on_get

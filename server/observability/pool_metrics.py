@@ -83,19 +83,15 @@ class PoolCollector:
     Args:
         engines: the engine of each name clients send as ``model`` (every alias of a model, so the
             info gauge lists every name the EPP may be asked for; aliases share their client).
-            Empty: ``default`` alone, and only the per-replica series.
         kv_cache_tokens: each engine's KV cell budget (``--kv-cache-tokens``), by name or one for
             all (under any of a model's names); the control block does not carry it. None, or
             none of an engine's names: no KV utilization for that engine (an embedding engine
             keeps no KV cache).
-        default: the engine of a server that passed no ``engines`` (its per-replica series).
     """
 
-    def __init__(self, engines: Mapping[str, EngineClient], kv_cache_tokens: int | Mapping[str, int] | None = None,
-                 default: EngineClient | None = None):
+    def __init__(self, engines: Mapping[str, EngineClient], kv_cache_tokens: int | Mapping[str, int] | None = None):
         self.engines = dict(engines)
         self.kv_cache_tokens = kv_cache_tokens
-        self.default = default
 
     def _budget(self, name: str | None) -> int | None:
         if isinstance(self.kv_cache_tokens, Mapping):
@@ -113,8 +109,6 @@ class PoolCollector:
             if id(engine) not in by_engine:
                 by_engine[id(engine)] = EngineLoad.of(engine, budgets[id(engine)])
             named[name] = by_engine[id(engine)]
-        if not self.engines and self.default is not None:
-            by_engine[id(self.default)] = EngineLoad.of(self.default, self._budget(None))
         return named, list(by_engine.values())
 
     def collect(self):

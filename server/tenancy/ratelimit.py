@@ -31,7 +31,7 @@ import redis
 
 from engine.errors import RateLimited
 from server.tenancy.redis_link import Breaker, fast_redis
-from server.tenancy.tenants import Rate, Tenant
+from server.tenancy.tenants import Rate, Tenant, tenant_index
 
 log = logging.getLogger("ratelimit")
 _INT63 = (1 << 63) - 1
@@ -165,12 +165,14 @@ class RateLimiter:
         kinds = list(limits)
         args = [x for k in kinds for x in (limits[k].rate, limits[k].burst, costs.get(k, 0))]
         tag = "{" + quote(tenant.id, safe="") + "}"  # braces escaped: one tag per tenant, never shared
-        out = self._script(keys=[f"ratelimit:{tag}:{k}" for k in kinds], args=args + [int(check)])
+        scope = f"{quote(tenant.scope, safe='')}:" if tenant.scope else ""  # a project's buckets per model
+        out = self._script(keys=[f"ratelimit:{tag}:{scope}{k}" for k in kinds], args=args + [int(check)])
         return _decide(limits, {k: float(v) for k, v in zip(kinds, out[1:])}, bool(int(out[0])))
 
     def _local(self, tenant: Tenant, limits, costs, check: bool) -> Decision:
         kinds = list(limits)
-        keys = {k: ((tenant.index << 2) | i) & _INT63 or 1 for i, k in enumerate(KINDS)}
+        index = tenant_index(f"{tenant.id}/{tenant.scope}") if tenant.scope else tenant.index
+        keys = {k: ((index << 2) | i) & _INT63 or 1 for i, k in enumerate(KINDS)}
         allowed, levels = self.local.take([(keys[k], limits[k].rate, limits[k].burst, costs.get(k, 0)) for k in kinds],
                                           check, self.clock())
         return _decide(limits, dict(zip(kinds, levels)), allowed)

@@ -22,7 +22,8 @@ import json
 import logging
 import math
 import tomllib
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from engine.config import ConfigError
@@ -37,6 +38,10 @@ class Rate:
 
     rate: float
     burst: float
+
+
+#: The rate fields of a :class:`Tenant`, none set: no limit.
+NO_RATES = {"requests_per_second": None, "tokens_per_second": None, "requests_per_day": None}
 
 
 @dataclass(frozen=True)
@@ -77,6 +82,14 @@ class Tenant:
     #: The models it may use (None: every model): the tenant file's ``models``, or the project's
     #: model permissions in the control plane. Asked through :meth:`may_use`.
     models: ModelAccess | None = None
+    #: A project's rate limits per model (model id -> its ``requests_per_second``,
+    #: ``tokens_per_second`` and ``requests_per_day``; a model without any: no limit), as
+    #: OpenAI's are per model; None: one set of limits for every model (the tenant file's).
+    #: Applied by :meth:`for_model`.
+    model_rates: Mapping[str, dict] | None = field(default=None, compare=False, hash=False)
+    #: The model whose limits these are (:meth:`for_model`; ""; the tenant's own): its rate
+    #: limiter's buckets are that model's.
+    scope: str = ""
 
     def may_use(self, model_names: tuple[str, ...]) -> bool:
         """Whether this tenant may use the model a request names: ``model_names`` is every name
@@ -91,6 +104,14 @@ class Tenant:
         if isinstance(model_names, str):  # one name: a model's other names would be missed
             raise TypeError("may_use takes every name of the model (a tuple), not one name")
         return self.models is None or self.models.permits(model_names)
+
+    def for_model(self, model: str) -> "Tenant":
+        """This tenant with the rate limits it has for ``model`` (a model's id) and buckets of
+        that model's own: a project's (:attr:`model_rates`); the tenant file's are the same for
+        every model, and this is that tenant."""
+        if self.model_rates is None:
+            return self
+        return dataclasses.replace(self, scope=model, **{**NO_RATES, **self.model_rates.get(model, {})})
 
     def priority_for(self, asked: Priority) -> Priority:
         """The class a request runs at: the one it asked for, capped at the tenant's."""

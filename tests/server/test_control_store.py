@@ -178,3 +178,45 @@ def test_model_permissions_stored_and_in_force(store, tmp_path):
     admin.archive_project(project)
     admin.delete_project(project)
     assert not [n for n in store.documents()[1] if n.startswith("model_permissions/")]
+
+
+def test_rate_limits_are_per_model(store):
+    """A project has one rate limit per model (``rl-<id>``, also named by any alias): each in
+    force for requests to that model only (``Tenant.for_model``), in buckets of its own, so a
+    project at its limit on one model still reaches another."""
+    from engine.errors import RateLimited
+    from server.control.accounting import Price
+    from server.control.admin import Admin
+    from server.control.state import ControlPlane
+    from server.tenancy.ratelimit import RateLimiter
+    from server.tenancy.tenants import Tenants
+    from shm import Transport
+    from shm.layout import Layout
+
+    names = ("chat", "local-model", "embed")
+    admin = Admin(ControlPlane(store, Tenants([]), "chat"), Price(), names,
+                  {"chat": "chat", "local-model": "chat", "embed": "embed"})
+    project = admin.create_project({"name": "p"})[0]["id"]
+    value = admin.create_account(project, {"name": "bot"})[0]["api_key"]["value"]
+    listed = admin.list_rate_limits(project, None, 20)["data"]
+    assert [(r["id"], r["model"], r["max_requests_per_1_minute"]) for r in listed] == [("rl-chat", "chat", 0),
+                                                                                      ("rl-embed", "embed", 0)]
+    out, _ = admin.update_rate_limit(project, "rl-local-model", {"max_requests_per_1_minute": 2})  # an alias
+    assert out["id"] == "rl-chat" and out["max_requests_per_1_minute"] == 2
+    tenant = admin.state.authenticate(value)
+    chat, embed = tenant.for_model("chat"), tenant.for_model("embed")
+    assert chat.requests_per_second.burst == 2 and embed.requests_per_second is None and chat.scope == "chat"
+    admin.update_rate_limit(project, "rl-embed", {"max_requests_per_1_minute": 1})
+    chat, embed = (admin.state.authenticate(value).for_model(m) for m in ("chat", "embed"))
+    transport = Transport.create(Layout(1, 1, 8, 4))
+    try:
+        limiter = RateLimiter(transport.buckets)
+        limiter.admit(embed, 1)
+        with pytest.raises(RateLimited):
+            limiter.admit(embed, 1)  # embed's one request a minute is spent
+        limiter.admit(chat, 1)
+        limiter.admit(chat, 1)  # chat's own buckets: two more
+        with pytest.raises(RateLimited):
+            limiter.admit(chat, 1)
+    finally:
+        transport.close()

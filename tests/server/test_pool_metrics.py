@@ -82,13 +82,13 @@ def test_per_model_series_and_the_replica_over_distinct_engines():
     assert abs(stamp - time.time()) < 60  # the scrape's time: the picker keeps the latest series
 
 
-def test_without_a_mapping_only_the_replica_series_of_the_one_engine():
+def test_one_engine_under_one_name_gives_the_replica_the_same_values():
     engine = FakeEngine([3, -1], waiting=2, kv_cells=100)
-    found = collected(PoolCollector({}, None, default=engine))
-    assert {n for n, _ in found} == {REPLICA_WAITING, REPLICA_RUNNING}
-    assert value(found, REPLICA_WAITING) == 2 and value(found, REPLICA_RUNNING) == 1
-    found = collected(PoolCollector({}, 400, default=engine))
-    assert value(found, REPLICA_KV) == 0.25
+    found = collected(PoolCollector({"m": engine}, None))
+    assert value(found, REPLICA_WAITING) == value(found, MODEL_WAITING, model="m") == 2
+    assert value(found, REPLICA_RUNNING) == 1 and REPLICA_KV not in {n for n, _ in found}
+    found = collected(PoolCollector({"m": engine}, 400))
+    assert value(found, REPLICA_KV) == value(found, MODEL_KV, model="m") == 0.25
 
 
 def test_every_family_is_documented():
