@@ -309,7 +309,8 @@ def _measure(server, requests, a, figure: str) -> tuple[float, int, int]:
     """``(figure, failed requests, engine restarts so far)`` of one closed-loop run."""
     samples, wall, busy = drive(server.port, requests, a.clients)
     server.wait_idle(60)
-    restarted = server.engine.t.control.engine_pid != server.first_pid or "engine died" in open(server.log).read()
+    restarted = (server.engine.t.control.engine_pid != server.first_pid
+                 or "died; failed its in-flight requests" in open(server.log).read())
     return summarize(samples, wall, busy)[figure], sum(s.error is not None for s in samples), int(restarted)
 
 

@@ -105,7 +105,8 @@ class EngineClient:
     def submit(self, request: EngineRequest | Seq[int], params: SamplingParams | None = None, *,
                priority: Priority = Priority.NORMAL, deadline_ms: float | None = None, tenant: int = 0,
                weight: float = 1.0, max_concurrent: int | None = None, watch_socket: socket.socket | None = None,
-               kind: RequestKind = RequestKind.GENERATE, grammar_param: str | None = None) -> Stream:
+               kind: RequestKind = RequestKind.GENERATE, grammar_param: str | None = None,
+               admitted: bool = False) -> Stream:
         """Queue one sequence.
 
         Args:
@@ -121,6 +122,9 @@ class EngineClient:
             watch_socket: the client's connection; if it closes, the sequence is cancelled.
             grammar_param: the request field the grammar came from, named by the stream's
                 ``ConstraintFailed``.
+            admitted: a later sequence of a request already under way (an embedding request's
+                inputs beyond its first window): served while the server drains, as its first
+                ones are.
         Raises:
             InvalidRequest / PromptTooLong: token ids whose request does not fit (:meth:`prepare`).
             InvalidRequest: ``deadline_ms`` not a positive, finite number.
@@ -135,7 +139,7 @@ class EngineClient:
         if watch_socket is not None and hung_up(watch_socket):
             # A request read from a pipeline after its client left must not be decoded.
             raise ClientDisconnected("client closed the connection before its request was queued")
-        if self.draining():
+        if self.draining() and not admitted:
             raise ShuttingDown("the server is shutting down: retry on another replica")
         if not self.ready():
             raise EngineUnavailable("engine is not ready")

@@ -75,6 +75,7 @@ class EngineSupervisor:
                  stall_s: float = 30.0, owns_transport: bool = False,
                  on_exit: Callable[[int, bool], None] | None = None):
         self.config = config
+        self._of = f" of {config.name}" if config.name else ""  # which model's, in its log lines
         self.on_exit = on_exit
         self.t = transport
         self.owns_transport = owns_transport
@@ -165,13 +166,13 @@ class EngineSupervisor:
             if self.on_exit is not None:
                 self.on_exit(self.proc.pid, crashed)
             if stopped:  # it was told to stop (SIGTERM to our process group)
-                log.info("engine stopped")
+                log.info("engine%s stopped", self._of)
                 return
             if self.failed:  # it said why in its log; the same model will not load next time
                 return
             failures += 1
             delay = min(self.max_restart_delay_s, self.restart_delay_s * 2 ** (failures - 1))
-            log.error("engine died; failed its in-flight requests; restarting in %.1f s", delay)
+            log.error("engine%s died; failed its in-flight requests; restarting in %.1f s", self._of, delay)
             if self._stopping.wait(delay):
                 return
             self._spawn()
@@ -181,7 +182,7 @@ class EngineSupervisor:
         decode, a SIGSTOP): kill it, so its requests fail and a new engine takes over."""
         silent = self.t.control.seconds_since_progress()
         if silent > self.stall_s:
-            log.error("engine made no progress for %.0f s; killing it", silent)
+            log.error("engine%s made no progress for %.0f s; killing it", self._of, silent)
             self.t.control.set_state(EngineState.DEAD)  # not ready from now: its streams may see it gone first
             self.proc.kill()
 

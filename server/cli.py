@@ -24,6 +24,8 @@ def main(argv=None) -> int:
     except ConfigError as e:
         print(f"inference-server: {e}", file=sys.stderr)
         return 2
+    for name in ("MODEL_PATH", "MODEL_ID", "CHAT_TEMPLATE", "MODELS_FILE"):  # one way of declaring models
+        os.environ.pop(name, None)
     os.environ.update(config.to_env())
     if not config.models_file:  # the models as resolved (the bundled one by default), for every process
         os.environ["MODEL_PATH"] = os.pathsep.join(spec.path for spec in config.models)

@@ -110,7 +110,7 @@ class ServerConfig:
     workers: int = _option("--workers", "WORKERS", "gunicorn worker processes", 2)
     threads: int = _option("--threads", "THREADS",
                            "threads per gunicorn worker: requests it handles at once (0: one per slot and queue "
-                           "place, plus 8)", 0)
+                           "place of every model, plus 8)", 0)
     max_body_bytes: int = _option("--max-body-bytes", "MAX_BODY_BYTES", "largest request body accepted", 1 << 20)
     max_discard_bytes: int = _option("--max-discard-bytes", "MAX_DISCARD_BYTES",
                                      "most bytes of a refused (413) body read and dropped before the close, so "
@@ -146,7 +146,7 @@ class ServerConfig:
                                           "seconds a stored response is kept after its last use", 86400.0)
     grpc_port: int = _option("--grpc-port", "GRPC_PORT", "gRPC port of the sidecar (0: no gRPC)", 50051)
     grpc_threads: int = _option("--grpc-threads", "GRPC_THREADS",
-                                "gRPC handler threads (0: one per slot and queue place, plus 8)", 0)
+                                "gRPC handler threads (0: one per slot and queue place of every model, plus 8)", 0)
     metrics: bool = _option("--no-metrics", "METRICS",
                             "Prometheus metrics from every process at GET /metrics (the flag or 0: none)", True,
                             shown="1")
@@ -199,7 +199,8 @@ class ServerConfig:
         if self.redis_url:
             check_redis_url(self.redis_url)
         # the engine's share, validated without reading any file (check_files reads them)
-        ModelSpec(("",), self.model_paths()[0] if not self.models_file else "").engine_config(self._engine_share())
+        ModelSpec(("",), self.model_paths()[0] if not self.models_file else "", where="").engine_config(
+            self._engine_share())
 
     def address(self, port: int) -> str:
         """``host:port`` as gunicorn's ``bind`` and gRPC's ``add_insecure_port`` take it: an
@@ -230,18 +231,24 @@ class ServerConfig:
         return [p for p in (self.model_path or "").split(os.pathsep) if p] or [default_model_path()]
 
     @property
+    def capacity(self) -> int:
+        """Sequences the engines can hold together: every model's slots and queue places."""
+        return sum(self.engine_config(spec).n_mailboxes for spec in self.models)
+
+    @property
     def front_end_threads(self) -> int:
-        """``--threads``, or by default one per request the engine can hold (slots + queue
-        places) plus 8: each worker alone can hold every request the engine admits and still
-        has threads to refuse the rest at once (503) instead of leaving them unseen in its
-        queue. The accept backlog is not a queue anyone can see or bound."""
-        return self.threads or self.max_slots + self.max_queued + 8
+        """``--threads``, or by default one per request the engines can hold (every model's
+        slots + queue places) plus 8: each worker alone can hold every request the engines
+        admit and still has threads to refuse the rest at once (503) and answer its probes,
+        instead of leaving them unseen in its queue. The accept backlog is not a queue anyone
+        can see or bound."""
+        return self.threads or self.capacity + 8
 
     @property
     def grpc_handler_threads(self) -> int:
-        """``--grpc-threads``, or by default one per request the engine can hold
-        (slots + queue places) plus 8 for health checks and refusals."""
-        return self.grpc_threads or self.max_slots + self.max_queued + 8
+        """``--grpc-threads``, or by default one per request the engines can hold
+        (every model's slots + queue places) plus 8 for health checks and refusals."""
+        return self.grpc_threads or self.capacity + 8
 
     @property
     def cors_origins(self) -> tuple[str, ...] | str | None:
@@ -281,8 +288,7 @@ class ServerConfig:
         from server.control.state import ADMIN_KEYS_ENV, load_admin_keys
 
         for spec in self.models:
-            spec.check()
-            self.engine_config(spec)
+            spec.check(self.engine_config(spec))
         Tenants.load(self.tenants_file or None).check_models(self.model_ids)
         load_admin_keys(self.admin_keys_file, os.environ.get(ADMIN_KEYS_ENV, ""))
         Prices.load(self.prices_file).check(self.model_ids, self.prices_file)
@@ -407,6 +413,9 @@ def from_args(argv=None, environ=os.environ) -> ServerConfig:
         ConfigError: an invalid value.
     """
     args = parser().parse_args(argv)
+    if args.models_file is not None or args.model_path is not None:  # a flag wins over the other way's variables
+        ways = ("MODEL_PATH", "MODEL_ID", "CHAT_TEMPLATE") if args.models_file is not None else ("MODELS_FILE",)
+        environ = {k: v for k, v in environ.items() if k not in ways}
     base = {f.name: getattr(ServerConfig.from_env(environ), f.name) for f in fields(ServerConfig)}
     for o in OPTIONS:
         raw = getattr(args, o.name)

@@ -48,12 +48,12 @@ RESPONSES_DIR_PREFIX = "inference-responses-"
 
 try:
     _config = ServerConfig.from_env()
+    threads = _config.front_end_threads  # every model's slots and queue places: the models are read
 except ConfigError as e:  # gunicorn would print a traceback; one line is enough
     raise SystemExit(f"inference-server: {e}") from None
 
 bind = [_config.address(_config.port)] + ([_config.address(_config.metrics_port)] if _config.metrics_port else [])
 workers = _config.workers
-threads = _config.front_end_threads
 # gthread, where no thread waits for a slow client's request head, and a refused body is read
 # before the close (server.http.worker).
 worker_class = "server.http.worker.Worker"
@@ -82,7 +82,10 @@ def on_starting(server) -> None:
         _state["tenants"] = Tenants.load(_config.tenants_file or None)
         # which projects and keys are in force, and from where (this also creates the node's
         # SQLite file before any worker opens it)
-        server.log.info("tenants: %s", ControlPlane.of(_config, _state["tenants"]).describe())
+        control = ControlPlane.of(_config, _state["tenants"])
+        server.log.info("tenants: %s", control.describe())
+        for line in control.unserved_models(_config.model_ids):
+            server.log.warning("tenants: %s", line)
         if _config.grpc_port:
             check_grpc_port(_config.host, _config.grpc_port)
     except ConfigError as e:

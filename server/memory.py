@@ -155,5 +155,6 @@ def check(estimates: dict[str, Estimate], limit: int | None) -> None:
         parts = "; ".join(f"{name}: {e.describe()}" for name, e in estimates.items())
         where = "--memory-limit" if limit is not None else "the memory available now"
         raise ConfigError(f"the models need about {total / 1e6:,.0f} MB, more than {where} ({budget / 1e6:,.0f} MB): "
-                          f"{parts}; serve fewer models, or give them fewer max_slots, kv_cache_tokens or "
-                          "prefix_cache_tokens (docs/models.md)")
+                          f"{parts}; serve fewer models, or give them less to hold: a generation model fewer "
+                          "kv_cache_tokens or prefix_cache_tokens, an embedding model a smaller n_batch "
+                          "(docs/models.md)")

@@ -31,13 +31,16 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from engine.config import EMBED_DEFAULTS, ConfigError, EngineConfig, check_model_file
-from server.gguf import metadata_strings
+from server.gguf import metadata, metadata_strings
 
 #: What a model serves: text generation (chat, completions, scoring, ``/infer``) or embeddings.
 GENERATE, EMBED = "generate", "embed"
 KINDS = (GENERATE, EMBED)
 #: Pooling of an embedding model's token vectors ("": the GGUF's ``<arch>.pooling_type``).
 POOLINGS = ("", "mean", "cls", "last")
+#: The GGUF's ``<arch>.pooling_type`` values an embedding can use (llama.h's
+#: ``LLAMA_POOLING_TYPE_MEAN``, ``CLS``, ``LAST``; ``NONE`` and ``RANK`` give no one vector).
+GGUF_POOLINGS = (1, 2, 3)
 #: The name served beside the first model's own by default: the only one before names were drawn
 #: from the model file, so clients written then keep working.
 ALIAS = "local-model"
@@ -87,7 +90,8 @@ class ModelSpec:
         kind: :data:`GENERATE` or :data:`EMBED`.
         pooling: an embedding model's pooling, one of :data:`POOLINGS`.
         engine: the engine settings this model sets itself, ``(EngineConfig field, value)``.
-        where: how the declaration is named in errors (``--model``, ``models[1] in FILE``).
+        where: how the declaration is named in errors (``--model``, ``models[1] in FILE``; "":
+            the server's own flags).
     """
 
     names: tuple[str, ...]
@@ -118,7 +122,7 @@ class ModelSpec:
             return EngineConfig(model_path=self.path, name=self.id, kind=self.kind, pooling=self.pooling, **settings,
                                 **extra)
         except ConfigError as e:
-            raise ConfigError(f"{self.where}: {e}") from None
+            raise ConfigError(f"{self.where}: {e}" if self.where else str(e)) from None
 
     def chat_template_source(self) -> str | None:
         """The ``chat_template`` file's text (None: the GGUF's template, if it has one).
@@ -156,12 +160,27 @@ class ModelSpec:
                          f"{self._template_flag()} FILE)")
         return f"the model's {TEMPLATE_KEY}"
 
-    def check(self) -> None:
-        """Raise ConfigError (one line) unless the GGUF is readable and its metadata whole, and
-        the chat template compiles."""
+    def check(self, engine: EngineConfig) -> None:
+        """Raise ConfigError (one line) unless the GGUF is readable and its metadata whole, the
+        chat template compiles and, for an embedding model, the GGUF or ``pooling`` gives a
+        pooling and ``engine``'s ``max_seq_len`` holds a vector (what the engine would
+        otherwise refuse only once started)."""
         check_model_file(self.path)
         model_metadata(self.path)
         self.chat_template_origin()
+        if self.kind != EMBED:
+            return
+        arch = metadata(self.path, ("general.architecture",)).get("general.architecture", "")
+        meta = metadata(self.path, (f"{arch}.pooling_type", f"{arch}.embedding_length"))
+        declared = meta.get(f"{arch}.pooling_type", 0)
+        if not self.pooling and declared not in GGUF_POOLINGS:
+            raise ConfigError(f"{self.where}: {self.path} declares no pooling an embedding can use ({arch}.pooling_type "
+                              f"{declared}): set pooling = \"mean\", \"cls\" or \"last\"")
+        dims = int(meta.get(f"{arch}.embedding_length", 0))
+        if dims > engine.max_seq_len:
+            raise ConfigError(f"{self.where}: the model's vectors have {dims} dimensions, more than its max_seq_len "
+                              f"({engine.max_seq_len}), which bounds a vector in shared memory: set max_seq_len (and "
+                              f"n_batch) to at least {dims}")
 
     def _template_flag(self) -> str:
         return "--chat-template" if self.where == "--model" else f"{self.where}: chat_template"

@@ -69,6 +69,11 @@ class EmbeddingModel(Context):
             params.embeddings = True
             params.pooling_type = POOLING_TYPES[pooling]
             params.kv_unified = True  # one cache for every sequence: a step's inputs are one micro-batch
+            # Not flash attention: llama.cpp's CPU kernel for it, over one cache that several
+            # sequences share, gives a short input batched with others of 64 tokens or more
+            # another vector (cosine 0.25 for two tokens beside 62; bench/README.md,
+            # "Embeddings"); the plain attention gives the same vector alone or batched.
+            params.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
             params.n_ctx = -(-n_ubatch // CTX_PAD) * CTX_PAD
             params.n_seq_max = max_slots
             self.ctx = self._context(params)

@@ -50,7 +50,10 @@ def _inputs(value) -> tuple[str | tuple[int, ...], ...]:
                              "arrays of token ids, and not empty", "input")
     if len(value) > MAX_INPUTS:
         raise InvalidRequest(f"input holds {len(value)} inputs; at most {MAX_INPUTS}", "input")
-    if all(_is_id(v) for v in value):
+    if all(_is_int(v) for v in value):  # one input of token ids
+        bad = next((i for i, v in enumerate(value) if v < 0), None)
+        if bad is not None:
+            raise InvalidRequest(f"input[{bad}] must be a token id (a non-negative integer), got {value[bad]}", "input")
         return (tuple(value),)
     texts = isinstance(value[0], str)  # OpenAI's forms: strings, or arrays of token ids, not both
     out = []
@@ -72,5 +75,9 @@ def _text(text: str, param: str) -> str:
     return text
 
 
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def _is_id(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+    return _is_int(value) and value >= 0

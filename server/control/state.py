@@ -181,6 +181,23 @@ class ControlPlane:
                  "requests need no key" if self.open else "every request needs a key"]
         return "; ".join(parts)
 
+    def unserved_models(self, served: tuple[str, ...]) -> list[str]:
+        """Lines for the start-up log, one per project whose model permissions or rate limits
+        name a model not served now (renamed, or no longer declared): a deny list or a rate
+        limit of that name no longer holds anything back, an allow list of only such names
+        leaves the project no model."""
+        lines = []
+        for name, doc in sorted(self.state.docs.items()):
+            if name.startswith("model_permissions/"):
+                gone = [m for m in doc["model_ids"] if m not in served]
+                if gone:
+                    lines.append(f"project {name.split('/', 1)[1]}: its model permissions ({doc['mode']}) name "
+                                 f"{', '.join(gone)}, which no model is served as now")
+            elif name.startswith("rate_limit/") and doc["model"] not in served:
+                lines.append(f"project {doc['project_id']}: its rate limit rl-{doc['model']} is of a model not "
+                             "served now, and holds nothing back")
+        return lines
+
     @property
     def file(self) -> Tenants:
         return self.state.file

@@ -15,16 +15,23 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from engine.client import EngineClient
-from engine.errors import InvalidRequest, PromptTooLong, Saturated
+from engine.errors import ClientDisconnected, InvalidRequest, PromptTooLong, RateLimited, Saturated
 from engine.llama.tokenizer import Tokenizer
 from engine.request import FieldNames, RequestKind, SamplingParams
-from server.generation.request import EmbeddingRequest
+from server.generation.generation import GenerationStats
+from server.generation.request import EmbeddingRequest, Usage
 from server.generation.submission import Submission
 from server.tenancy.ratelimit import RateLimiter
 from server.tenancy.tenants import DEFAULT_TENANT, Tenant
 
 if TYPE_CHECKING:  # injected by the front ends; the control plane imports the request schema
     from server.control.accounting import Accounting
+
+
+def window(engine: EngineClient, tenant: Tenant) -> int:
+    """Inputs of one request in flight at once: the engine's batch of sequences, within the
+    tenant's ``max_concurrent`` (its sequences in flight on this node)."""
+    return min(engine.max_slots, tenant.max_concurrent or engine.max_slots)
 
 
 @dataclass(frozen=True)
@@ -50,15 +57,16 @@ class Embedder:
         self.engine, self.tokenizer, self.dimensions = engine, tokenizer, dimensions
         self.limiter, self.accounting = limiter, accounting
 
-    def embed(self, req: EmbeddingRequest, tenant: Tenant = DEFAULT_TENANT, deadline_ms: float | None = None,
-              watch_socket: socket.socket | None = None) -> Embeddings:
-        """Every input's vector, in order.
+    def start(self, req: EmbeddingRequest, tenant: Tenant = DEFAULT_TENANT, deadline_ms: float | None = None,
+              watch_socket: socket.socket | None = None) -> "EmbeddingRun":
+        """Check every input, admit the request, and submit its first inputs
+        (:class:`EmbeddingRun`; its :meth:`~EmbeddingRun.result` reads them and submits the rest).
 
         Raises:
             InvalidRequest: ``dimensions`` other than the model's; a token id outside the
                 vocabulary (``input[i]``). PromptTooLong: an input over the model's context
-                without ``truncate_prompt_tokens`` (``input[i]``). As ``Submission.start`` and
-                ``Stream.embedding`` otherwise (RateLimited, Saturated, EngineUnavailable...).
+                without ``truncate_prompt_tokens`` (``input[i]``). As ``Submission.start``
+                otherwise (RateLimited, Saturated, EngineUnavailable...).
         """
         dims = self.engine.n_embd or self.dimensions  # the engine's, once it loaded (llama_model_n_embd_out)
         if req.dimensions is not None and req.dimensions != dims:
@@ -66,35 +74,10 @@ class Embedder:
                                  "shorten them", "dimensions")
         ids = [self._ids(x, req.truncate, self._param(req, i)) for i, x in enumerate(req.inputs)]
         sub = Submission(self.engine, tenant, self.limiter, self.accounting)
+        inputs_at_once = window(self.engine, tenant)
         sub.start(ids, 1, SamplingParams(max_new_tokens=0), RequestKind.EMBED, FieldNames(prompt="input"),
-                  req.priority, deadline_ms, watch_socket, window=self.engine.max_slots)
-        vectors = np.empty((len(ids), dims), np.float32)
-        try:
-            for i in range(len(ids)):
-                vectors[i] = sub.streams[i].embedding()  # which releases its mailbox
-                self._submit_more(sub, i + 1)
-        except BaseException:
-            if sub.reservation is not None:  # nothing answered, nothing spent
-                sub.reservation.release()
-            raise
-        finally:
-            sub.close()
-        tokens = sum(len(x) for x in ids)
-        if sub.reservation is not None:
-            sub.reservation.settle(tokens, 0, 0)
-        return Embeddings(vectors, tokens)
-
-    @staticmethod
-    def _submit_more(sub: Submission, read: int) -> None:
-        """Submit pending inputs while mailboxes are free: one for each read; when every mailbox
-        is taken (other requests'), later, as long as one of ours is still in flight."""
-        while sub.pending and len(sub.streams) - read < sub.engine.max_slots:
-            try:
-                sub.submit_next()
-            except Saturated:
-                if len(sub.streams) > read:  # ours free one soon: submit then
-                    return
-                raise
+                  req.priority, deadline_ms, watch_socket, window=inputs_at_once)
+        return EmbeddingRun(sub, sum(len(x) for x in ids), dims, inputs_at_once)
 
     def _ids(self, value: str | tuple[int, ...], truncate: int | None, param: str) -> list[int]:
         """One input's tokens, checked against the vocabulary and the context (an input may fill
@@ -123,3 +106,79 @@ class Embedder:
     @staticmethod
     def _param(req: EmbeddingRequest, i: int) -> str:
         return "input" if len(req.inputs) == 1 else f"input[{i}]"
+
+
+class EmbeddingRun:
+    """One request's inputs on their way through the engine: the first window submitted by
+    :meth:`Embedder.start`, the rest as those finish (:meth:`result`). :meth:`cancel` (a gRPC
+    call that ended, from another thread) cancels what runs and submits nothing more.
+
+    Args:
+        sub: the admitted submission (its ``pending`` inputs not submitted yet). tokens: the
+            inputs' tokens together. dims: the vectors' length. window: inputs in flight at most.
+    """
+
+    def __init__(self, sub: Submission, tokens: int, dims: int, window: int):
+        self.sub, self.tokens, self.dims, self.window = sub, tokens, dims, window
+        self.cancelled = False
+        self.finished = False
+
+    @property
+    def streams(self):
+        return self.sub.streams
+
+    def result(self) -> Embeddings:
+        """Every input's vector, in order; the spend settled to the tokens embedded, or given
+        back when the request fails.
+
+        Raises:
+            ClientDisconnected: cancelled (:meth:`cancel`, the client's socket). As
+            ``Stream.embedding`` and ``EngineClient.submit`` otherwise.
+        """
+        sub = self.sub
+        n = len(sub.streams) + len(sub.pending)
+        vectors = np.empty((n, self.dims), np.float32)
+        try:
+            for i in range(n):
+                vectors[i] = sub.streams[i].embedding()  # which releases its mailbox
+                self._submit_more(i + 1)
+        except BaseException:
+            if sub.reservation is not None:  # nothing answered, nothing spent
+                sub.reservation.release()
+            raise
+        finally:
+            sub.close()
+        if sub.reservation is not None:
+            sub.reservation.settle(self.tokens, 0, 0)
+        self.finished = True
+        return Embeddings(vectors, self.tokens)
+
+    def cancel(self) -> None:
+        """Stop: cancel every unfinished input, submit no more (a gRPC call's end; idempotent)."""
+        self.cancelled = True
+        for stream in list(self.sub.streams):
+            stream.cancel()
+
+    def _submit_more(self, read: int) -> None:
+        """Submit pending inputs while this request has fewer than its window in flight; when
+        every mailbox is taken (other requests'), or the tenant is at its ``max_concurrent``,
+        later, as long as one of ours is still in flight."""
+        sub = self.sub
+        while sub.pending and len(sub.streams) - read < self.window:
+            if self.cancelled:
+                raise ClientDisconnected("the embedding request was cancelled")
+            try:
+                sub.submit_next()
+            except (Saturated, RateLimited) as e:
+                if isinstance(e, RateLimited) and e.kind != "concurrency":
+                    raise
+                if len(sub.streams) > read:  # ours free one soon: submit then
+                    return
+                raise
+
+    def stats(self) -> GenerationStats:
+        """How it went, for the request's log line and metrics (``server/observability/telemetry.py``):
+        its input tokens, and ``stop`` once every vector was read."""
+        return GenerationStats(usage=Usage(prompt_tokens=self.tokens), timings=None,
+                               finish_reasons=("stop" if self.finished else None,), tool_calls=(0,),
+                               first_token_at=None, token_gaps=(), error=None)

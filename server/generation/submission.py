@@ -94,7 +94,8 @@ class Submission:
                     n * sum(r.sampling.max_new_tokens for r in prepared) if submits else 0)
             if submits:
                 self.pending = prepared[window:] if window is not None else []
-                self._later = (priority, deadline_ms, watch_socket, fields.grammar)
+                deadline = None if deadline_ms is None else time.monotonic() + deadline_ms / 1000
+                self._later = (priority, deadline, watch_socket, fields.grammar)
                 self.submit(prepared[:window] if window is not None else prepared, n, priority, deadline_ms,
                             watch_socket, fields.grammar)
         except BaseException:
@@ -117,7 +118,7 @@ class Submission:
             self._admitted = cost
 
     def submit(self, prepared: list[EngineRequest], n: int, priority: Priority, deadline_ms: float | None,
-               watch_socket: socket.socket | None, grammar_param: str | None) -> None:
+               watch_socket: socket.socket | None, grammar_param: str | None, admitted: bool = False) -> None:
         """``n`` sequences of each prepared request into :attr:`streams`; the tenant's priority
         caps the request's, its index and weight go to the engine's fair share
         (:meth:`Tenant.share`). Raises as ``EngineClient.submit``."""
@@ -129,12 +130,16 @@ class Submission:
                     request = dataclasses.replace(prompt, sampling=dataclasses.replace(
                         prompt.sampling, seed=reduce_seed(seed + j)))
                 self.streams.append(self.engine.submit(request, deadline_ms=deadline_ms, watch_socket=watch_socket,
-                                                       grammar_param=grammar_param, **share._asdict()))
+                                                       grammar_param=grammar_param, admitted=admitted,
+                                                       **share._asdict()))
 
     def submit_next(self) -> None:
-        """Submit the first of :attr:`pending` (one sequence). Raises as ``EngineClient.submit``
-        (Saturated: no mailbox free now; it stays pending)."""
-        self.submit(self.pending[:1], 1, *self._later)
+        """Submit the first of :attr:`pending` (one sequence): with what is left of the request's
+        deadline, and while the server drains (the request was admitted before). Raises as
+        ``EngineClient.submit`` (Saturated: no mailbox free now; it stays pending)."""
+        priority, deadline, watch_socket, grammar_param = self._later
+        left_ms = None if deadline is None else max(0.001, (deadline - time.monotonic()) * 1000)
+        self.submit(self.pending[:1], 1, priority, left_ms, watch_socket, grammar_param, admitted=True)
         del self.pending[0]
 
     def charge(self, tokens: int, final: bool = False) -> None:

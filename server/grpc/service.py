@@ -148,7 +148,11 @@ class InferenceService(inference_pb2_grpc.InferenceServiceServicer):
         tenant = record.tenant = self._tenant(context)
         model, served, tenant = self.models.pick(model_field(request), tenant, EMBEDDINGS)
         ereq = embed_request(request)
-        result = served.embedder.embed(ereq, tenant, deadline_ms=_call_deadline_ms(context, None))
+        run = served.embedder.start(ereq, tenant, deadline_ms=_call_deadline_ms(context, None))
+        record.attach(run, list(request.input) or [list(t.ids) for t in request.input_ids])
+        if not context.add_callback(run.cancel):  # a call that ends early cancels its inputs
+            run.cancel()
+        result = run.result()
         return pb.EmbedResponse(model=model, data=[pb.Embedding(index=i, embedding=v)
                                                    for i, v in enumerate(result.vectors.tolist())],
                                 usage=pb.Usage(prompt_tokens=result.prompt_tokens, total_tokens=result.prompt_tokens))

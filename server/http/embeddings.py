@@ -29,7 +29,9 @@ class Embeddings:
         body = read_json(req, self.config.max_body_bytes)
         model, served, tenant = self.models.pick(body, req.context.tenant, EMBEDDINGS)
         request = parse_embedding(body)
-        result = served.embedder.embed(request, tenant, watch_socket=req.env.get("gunicorn.socket"))
+        run = served.embedder.start(request, tenant, watch_socket=req.env.get("gunicorn.socket"))
+        req.context.record.attach(run, body["input"])
+        result = run.result()
         vectors = result.vectors.astype("<f4", copy=False)
         data = [{"object": "embedding", "index": i,
                  "embedding": base64.b64encode(v.tobytes()).decode("ascii") if request.encoding_format == "base64"

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import ujson
 
 from engine.errors import ClientDisconnected, DeadlineExceeded, RateLimited
+from server.generation.embedding import EmbeddingRun
 from server.generation.generation import Generation, GenerationStats
 from server.generation.request import Usage
 from server.tenancy.tenants import DEFAULT_TENANT, Tenant
@@ -46,7 +47,9 @@ class RequestRecord:
     Attributes:
         request_id: echoed as ``X-Request-ID`` (gRPC: ``x-request-id`` metadata).
         route: the route or gRPC method. started: ``time.monotonic()`` at arrival.
-        tenant: who asked (set once authenticated). generation: its sequences, once submitted.
+        tenant: who asked (set once authenticated). generation: its sequences, once submitted
+            (a ``Generation``, or an embedding request's ``EmbeddingRun``: anything whose
+            ``stats()`` is a ``GenerationStats``).
         prompt: the prompt as the client sent it (logged only with ``--log-prompts``).
     """
 
@@ -54,11 +57,11 @@ class RequestRecord:
     route: str
     started: float = field(default_factory=time.monotonic)
     tenant: Tenant = DEFAULT_TENANT
-    generation: Generation | None = None
+    generation: Generation | EmbeddingRun | None = None
     prompt: object = None
     finished: bool = False
 
-    def attach(self, generation: Generation, prompt: object) -> None:
+    def attach(self, generation: Generation | EmbeddingRun, prompt: object) -> None:
         self.generation, self.prompt = generation, prompt
 
 

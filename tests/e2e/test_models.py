@@ -18,7 +18,7 @@ import pytest
 from tests.support.http import get, post
 from tests.support.servers import cmdline, running_server
 
-FULL, LIMITED = "sk-full-0123456789abcdef", "sk-gemma-only-0123456789"
+FULL, LIMITED, NARROW = "sk-full-0123456789abcdef", "sk-gemma-only-0123456789", "sk-narrow-0123456789abc"
 AUTH = {"Authorization": f"Bearer {FULL}"}
 TEXTS = ["The cat sat on the mat.", "A dog ran in the park.", "Stocks fell sharply on Monday.",
          "Photosynthesis turns light into sugar.", "hello", "The quick brown fox jumps over the lazy dog " * 20]
@@ -38,7 +38,8 @@ def three(tmp_path_factory, model_path, gemma_model_path):
         {"names": ["embed"], "path": model_path, "kind": "embed", "pooling": "mean", "max_slots": 8}]))
     (folder / "tenants.toml").write_text(
         f'[[tenants]]\nid = "full"\napi_keys = ["{FULL}"]\n\n'
-        f'[[tenants]]\nid = "limited"\napi_keys = ["{LIMITED}"]\nmodels = ["gemma"]\n')
+        f'[[tenants]]\nid = "limited"\napi_keys = ["{LIMITED}"]\nmodels = ["gemma"]\n\n'
+        f'[[tenants]]\nid = "narrow"\napi_keys = ["{NARROW}"]\nmax_concurrent = 3\n')
     with running_server("--models", str(folder / "models.toml"), "--tenants", str(folder / "tenants.toml"),
                         "--workers", "1", "--threads", "16", grpc=True) as server:
         yield server
@@ -177,12 +178,21 @@ def test_embeddings_refuse_by_name(three):
 
 def test_many_inputs_pass_through_the_engine_in_turn(three):
     """300 inputs, more than the embedding engine's 136 mailboxes (8 slots, 128 queue places): all
-    answered, in order."""
+    answered, in order; a tenant allowed 3 sequences at once gets 10 inputs through, 3 at a
+    time; each request's log line and metrics count its input tokens as a finished request."""
     inputs = [f"sentence number {i} about topic {i % 7}" for i in range(300)]
     vectors, body = _embed(three, inputs)
     assert vectors.shape == (300, 576)
     again, _ = _embed(three, inputs[150:152])
     assert (np.sum(vectors[150:152] * again, axis=1) >= 0.999).all()
+    status, narrow = _json(three, "/v1/embeddings", {"model": "embed", "input": inputs[:10]}, key=NARROW)
+    assert status == 200 and len(narrow["data"]) == 10, narrow
+    metrics = get(three, "/metrics").body.decode()
+    assert 'inference_requests_total{finish_reason="stop",route="/v1/embeddings",status="200",tenant="narrow"} 1.0' \
+        in metrics, [line for line in metrics.splitlines() if "embeddings" in line]
+    lines = [json.loads(line) for line in open(three.log) if line.startswith('{"request_id"')]
+    (line,) = [x for x in lines if x["tenant"] == "narrow"]
+    assert line["finish_reason"] == "stop" and line["prompt_tokens"] == narrow["usage"]["prompt_tokens"], line
 
 
 def test_the_clients_people_use(three):
@@ -254,3 +264,66 @@ def test_killing_one_engine_leaves_the_others_serving(three):
         assert status == 503 and time.monotonic() < end, body
         time.sleep(0.5)
     assert _engine_pid(three, b"gemma", b'"kind": "generate"') != pid
+
+
+def _embed_engine(server):
+    """The embedding engine's client (its segment named in the start-up log)."""
+    from engine.client import EngineClient
+
+    for line in open(server.log):
+        if "engine of embed starting" in line:
+            return EngineClient.attach(line.rsplit("shared memory ", 1)[1].strip())
+    raise AssertionError("no embedding engine in the log")
+
+
+def test_a_cancelled_grpc_embed_call_frees_its_inputs(three):
+    """gRPC ``Embed`` of 400 inputs cancelled after a second: its inputs are cancelled, none left
+    in flight within a few seconds (not computed to the end)."""
+    import grpc
+
+    from proto import inference_pb2 as pb
+    from proto import inference_pb2_grpc
+
+    stub = inference_pb2_grpc.InferenceServiceStub(grpc.insecure_channel(f"127.0.0.1:{three.grpc_port}"))
+    engine = _embed_engine(three)
+    try:
+        call = stub.Embed.future(pb.EmbedRequest(model="embed", input=[f"{TEXTS[5]} {i}" for i in range(400)]),
+                                 metadata=(("authorization", f"Bearer {FULL}"),))
+        end = time.monotonic() + 30
+        while engine.mailboxes_in_use() == 0:
+            assert time.monotonic() < end
+            time.sleep(0.05)
+        call.cancel()
+        end = time.monotonic() + 10
+        while engine.mailboxes_in_use():
+            assert time.monotonic() < end, engine.mailboxes_in_use()
+            time.sleep(0.05)
+    finally:
+        engine.close()
+
+
+def test_a_drain_finishes_an_embedding_request_under_way(three):
+    """SIGTERM while a request of 200 inputs is under way (more than its window of 8): the
+    drain lets it finish, every input answered; a new request gets 503. (Last: the server stops.)"""
+    import threading
+
+    inputs = [f"drained sentence {i}" for i in range(200)]
+    answer = {}
+    worker = threading.Thread(target=lambda: answer.update(reply=_json(three, "/v1/embeddings",
+                                                                       {"model": "embed", "input": inputs})))
+    worker.start()
+    engine = _embed_engine(three)
+    try:
+        end = time.monotonic() + 30
+        while engine.mailboxes_in_use() == 0:
+            assert time.monotonic() < end
+            time.sleep(0.05)
+    finally:
+        engine.close()
+    three.proc.send_signal(signal.SIGTERM)
+    time.sleep(0.5)
+    status, refused = _json(three, "/v1/embeddings", {"model": "embed", "input": "late"})
+    assert status == 503, refused
+    worker.join(120)
+    status, body = answer["reply"]
+    assert status == 200 and len(body["data"]) == 200, body

@@ -145,6 +145,12 @@ def test_unit_vectors_the_same_alone_and_in_a_batch_of_20(smol):
         for i in (0, 7, 12):  # 1, 34 and 41 tokens
             assert cosine(embed_alone(client, core, inputs[i]), batched[i]) >= 0.9999
         assert cosine(batched[1], batched[2]) < 0.999  # different inputs, different vectors
+        # two rare tokens beside 62 others: with llama.cpp's flash attention on a shared cache
+        # the vector moved to a cosine of 0.25 (engine/llama/embedding.py)
+        short = [130, 230]
+        streams = [client.embed(short), client.embed([5] * 62)]
+        core.step()
+        assert cosine(embed_alone(client, core, short), embeddings(streams)[0]) >= 0.9999
         snap = client.snapshot()
         assert client.mailboxes_in_use() == 0 and snap.n_waiting == 0 and snap.step == core.step_no
         assert snap.slot_mailbox == snap.kv_pos_max == [-1] * 24
@@ -278,11 +284,9 @@ def test_mean_pooling_agrees_with_llama_cpp_python(smol, model_path):
 
 
 def test_gemma_3_sliding_window_model_embeds_about_the_same_alone_and_in_a_batch(gemma_model_path):
-    """Gemma 3 270M (interleaved sliding-window layers, 640 dimensions) in the unified cache. Its
-    vectors depend on the batch more than SmolLM2's: CPU flash attention's tiled path for 64 or
-    more query rows sums in another order (engine/llama/backend.py), and Gemma's pooled states
-    are sensitive to it (measured: cosine 0.9975 at worst over 20 inputs; 0.9996 without flash
-    attention, which made SmolLM2's batches 60 % slower)."""
+    """Gemma 3 270M (interleaved sliding-window layers, 640 dimensions) in the unified cache: its
+    vectors the same alone and batched (0.9975 at worst over 20 inputs with flash attention,
+    0.9996 without, which the embedding context uses: engine/llama/embedding.py)."""
     from engine.llama.embedding import EmbeddingModel
 
     config = suite_threads(EngineConfig.embedding(**{**SMOL, "model_path": gemma_model_path, "max_slots": 4}))
@@ -296,7 +300,7 @@ def test_gemma_3_sliding_window_model_embeds_about_the_same_alone_and_in_a_batch
             batched = embeddings(streams)
             assert len({s.timings().step_admitted for s in streams}) == 1
             assert all(abs(float(np.linalg.norm(v)) - 1) < 1e-5 for v in batched)
-            assert cosine(embed_alone(client, core, inputs[3]), batched[3]) >= 0.995
+            assert cosine(embed_alone(client, core, inputs[3]), batched[3]) >= 0.999
     finally:
         model.close()
 

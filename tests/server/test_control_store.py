@@ -220,3 +220,23 @@ def test_rate_limits_are_per_model(store):
             limiter.admit(chat, 1)
     finally:
         transport.close()
+
+
+def test_permissions_and_limits_of_models_no_longer_served_are_named_at_start(store):
+    """A model renamed (or dropped) since a project's model permissions or rate limit named it:
+    the start-up log says so, one line each, since a deny list or a limit of that name now
+    holds nothing back."""
+    from server.control.accounting import Price
+    from server.control.admin import Admin
+    from server.control.state import ControlPlane
+    from server.tenancy.tenants import Tenants
+
+    control = ControlPlane(store, Tenants([]), "gemma")
+    admin = Admin(control, Price(), ("gemma",))
+    project = admin.create_project({"name": "p"})[0]["id"]
+    admin.update_model_permissions(project, {"mode": "deny_list", "model_ids": ["gemma"]})
+    admin.update_rate_limit(project, "rl-gemma", {"max_requests_per_1_minute": 1})
+    assert control.unserved_models(("gemma",)) == []
+    lines = ControlPlane(store, Tenants([]), "gemma3").unserved_models(("gemma3",))
+    assert lines == [f"project {project}: its model permissions (deny_list) name gemma, which no model is served as now",
+                     f"project {project}: its rate limit rl-gemma is of a model not served now, and holds nothing back"]
