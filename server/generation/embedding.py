@@ -127,6 +127,11 @@ class EmbeddingRun:
     def streams(self):
         return self.sub.streams
 
+    @property
+    def rate_buckets(self) -> dict:
+        """The tenant's buckets at admission, for the ``x-ratelimit-*`` headers (as a generation's)."""
+        return self.sub.rate_buckets
+
     def result(self) -> Embeddings:
         """Every input's vector, in order; the spend settled to the tokens embedded, or given
         back when the request fails.

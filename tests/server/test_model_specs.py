@@ -120,3 +120,33 @@ def test_the_estimate_grows_with_what_the_engine_may_hold(model_path):
     assert big.kv > small.kv and big.front_ends == 3 * small.front_ends and big.weights == small.weights
     # SmolLM2-135M: 30 layers x 3 KV heads x (64 + 64) x 2 bytes = 23,040 bytes a cell
     assert small.kv == (8192 + 512) * 23040
+
+
+def test_a_flag_wins_over_the_other_ways_variables(tmp_path, model_path):
+    """``--models`` with ``MODEL_PATH`` (and ``MODEL_ID``) in the environment, as the shipped
+    ConfigMap sets them: the flag wins, as flags win everywhere; ``--model`` wins over
+    ``MODELS_FILE`` the same way. Server-wide settings are named as flags, not as a model."""
+    from server.config import from_args
+
+    path = _file(tmp_path, [{"names": ["a"], "path": model_path}])
+    config = from_args(["--models", path], environ={"MODEL_PATH": "/nowhere.gguf", "MODEL_ID": "x"})
+    assert config.model_ids == ("a",)
+    config = from_args(["--model", model_path, "--model-id", "b"], environ={"MODELS_FILE": path})
+    assert config.model_ids == ("b",)
+    with pytest.raises(ConfigError, match="--models declares every model"):
+        from_args([], environ={"MODELS_FILE": path, "MODEL_PATH": model_path})
+    with pytest.raises(ConfigError) as e:
+        from_args(["--max-slots", "300"], environ={})
+    assert str(e.value).startswith("max_slots must be <= 256")
+
+
+def test_an_embedding_model_that_cannot_embed_stops_before_start(tmp_path, model_path):
+    """SmolLM2 declares no pooling, and its 576 dimensions need a ``max_seq_len`` of 576: both
+    found from the GGUF by the master, one line each, before any engine starts."""
+    from server.config import ServerConfig
+
+    for extra, says in (({}, "declares no pooling an embedding can use"),
+                        ({"pooling": "mean", "max_seq_len": 512, "n_batch": 512}, "576 dimensions, more than")):
+        path = _file(tmp_path, [{"names": ["e"], "path": model_path, "kind": "embed", **extra}])
+        with pytest.raises(ConfigError, match=says):
+            ServerConfig(models_file=path).check_files()
