@@ -16,7 +16,8 @@ embedding model; generated tok/s of 4 concurrent chat streams (128 tokens each, 
 alone, then while 4 clients send 32-input embedding requests without pause; the embeddings' inputs/s
 while the chat runs. Rounds alternate alone and loaded.
 
-    python -m bench.embeddings [--llama-server PATH] [--rounds 2] [--only inputs,chat] [--json PATH]
+    python -m bench.embeddings [--llama-server PATH] [--rounds 2] [--only inputs,chat]
+                               [--modes batched,single] [--json PATH]
 """
 from __future__ import annotations
 
@@ -115,7 +116,7 @@ def ours(model_path: str, chat: bool = False):
             yield server.port
 
 
-def inputs_per_second(binary: str, rounds: int) -> dict:
+def inputs_per_second(binary: str, rounds: int, modes: tuple[str, ...] = tuple(MODES)) -> dict:
     from engine.config import default_model_path
     from engine.llama.tokenizer import Tokenizer
     from engine.llama.weights import weights_path
@@ -124,13 +125,14 @@ def inputs_per_second(binary: str, rounds: int) -> dict:
     texts = corpus(Tokenizer(model_path))
     servers = {"ours": lambda: ours(model_path),
                "llama-server": lambda: _peer(binary, weights_path(model_path, "auto"))}
-    rates: dict = {name: {mode: [] for mode in MODES} for name in servers}
+    rates: dict = {name: {mode: [] for mode in modes} for name in servers}
     vectors: dict = {name: {} for name in servers}
     for r in range(rounds):
         for name, start in servers.items():
             with start() as port:
                 embed_all(port, "embed", texts[:16], 8, 2)  # warm-up
-                for mode, (per_request, concurrency) in MODES.items():
+                for mode in modes:
+                    per_request, concurrency = MODES[mode]
                     seconds, v = embed_all(port, "embed", texts, per_request, concurrency)
                     rates[name][mode].append(len(texts) / seconds)
                     vectors[name][mode] = v
@@ -138,14 +140,15 @@ def inputs_per_second(binary: str, rounds: int) -> dict:
     result = {"inputs": N_INPUTS, "tokens": [MIN_TOKENS, MAX_TOKENS], "modes": {m: {"inputs_per_request": p,
                                                                                    "concurrency": c}
                                                                                for m, (p, c) in MODES.items()}}
-    for mode in MODES:
+    for mode in modes:
         ours_rate, peer_rate = statistics.median(rates["ours"][mode]), statistics.median(rates["llama-server"][mode])
         cos = np.sum(vectors["ours"][mode] * vectors["llama-server"][mode], axis=1)
         result[mode] = {"ours_inputs_per_s": ours_rate, "llama_server_inputs_per_s": peer_rate,
                         "ratio": ours_rate / peer_rate, "rounds": rates["ours"][mode] + rates["llama-server"][mode],
                         "cosine_min": float(cos.min()), "cosine_median": float(np.median(cos))}
-    cross = np.sum(vectors["ours"]["batched"] * vectors["ours"]["single"], axis=1)
-    result["ours_batched_vs_single_cosine_min"] = float(cross.min())
+    if len(modes) == 2:
+        cross = np.sum(vectors["ours"]["batched"] * vectors["ours"]["single"], axis=1)
+        result["ours_batched_vs_single_cosine_min"] = float(cross.min())
     return result
 
 
@@ -228,12 +231,13 @@ def main(argv=None) -> int:
     p.add_argument("--llama-server", default=os.environ.get("LLAMA_SERVER") or DEFAULT_LLAMA_SERVER)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--only", default="inputs,chat")
+    p.add_argument("--modes", default="batched,single", help="of the inputs part: batched, single")
     p.add_argument("--json", default="")
     a = p.parse_args(argv)
     parts = a.only.split(",")
     result = {}
     if "inputs" in parts:
-        result["inputs"] = inputs_per_second(a.llama_server, a.rounds)
+        result["inputs"] = inputs_per_second(a.llama_server, a.rounds, tuple(a.modes.split(",")))
     if "chat" in parts:
         result["chat"] = chat_beside_embeddings(a.rounds)
     print(json.dumps(result, indent=2))

@@ -49,7 +49,7 @@ class EmbedCore(EngineLoop):
                  adaptive: AdaptiveThreads | None = None):
         super().__init__(config, transport, model, adaptive)
         self.waiting: list[Sequence] = []
-        self.batch = Batch(config.n_batch)
+        self.batch = Batch(max(config.n_batch, config.max_seq_len))  # one input longer than n_batch alone
         transport.control.set_n_embd(model.n_embd)
 
     def has_work(self) -> bool:
@@ -94,13 +94,13 @@ class EmbedCore(EngineLoop):
         scheduler ages them: :func:`engine.scheduler.class_ranks`) then arrival, each
         whole input that fits the ``n_batch`` tokens left, up to ``max_slots`` inputs. An input
         that does not fit lets smaller ones after it in; it leads the next step, whose batch is
-        empty and holds any input (``n_batch >= max_seq_len``)."""
+        empty and holds any input (one longer than ``n_batch``, up to ``max_seq_len``, alone)."""
         rank = class_ranks(self.waiting, now, self.config.aging_s)
         room, packed = self.config.n_batch, []
         for seq in sorted(self.waiting, key=lambda s: (rank[s.request.priority], s.order)):
-            if len(packed) == self.config.max_slots or room == 0:
+            if len(packed) == self.config.max_slots or room <= 0:
                 break
-            if len(seq.prompt) <= room:
+            if len(seq.prompt) <= room or not packed:
                 packed.append(seq)
                 room -= len(seq.prompt)
         for seq in packed:

@@ -1,7 +1,8 @@
 """The engine's Prometheus metrics, recorded once per engine step (never per token).
 
 ``inference_batch_size`` counts sequences and ``inference_batch_tokens`` tokens (decode tokens
-plus prefill chunks) in each ``llama_decode``, labelled by the model (``model``: its id). Under the server, prometheus-client's
+plus prefill chunks) in each ``llama_decode``, labelled by the model (``model``: its id).
+Under the server, prometheus-client's
 multiprocess mode writes them to this process's files in ``PROMETHEUS_MULTIPROC_DIR``, which
 the front ends' ``/metrics`` adds up (``server/observability/metrics.py``). Measured cost:
 docs/metrics.md, "What it costs".

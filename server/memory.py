@@ -10,7 +10,7 @@ model's engine settings, in the terms of docs/operations.md "Memory":
   A generation model holds at most ``kv_cache_tokens + prefix_cache_tokens + n_batch`` cells
   (the running sequences, the prefix cache, a step's new tokens: the size of the unified cache
   the engine falls back to, :meth:`engine.llama.model.Model.from_config`); an embedding
-  model ``n_batch`` (one batch, cleared after it);
+  model one batch (``max(n_batch, max_seq_len)`` cells, cleared after it);
 - compute buffers: llama.cpp's logits, twice (:data:`engine.llama.model.LOGITS_BYTES`; an
   embedding engine's whole batch: llama.cpp makes each of its tokens an output), and
   its graph's activations, :data:`ACTIVATION_FLOATS` floats per batch token and embedding unit;
@@ -101,13 +101,15 @@ def estimate(config: "EngineConfig", front_ends: int) -> Estimate:
     n_embd, n_head = get("embedding_length"), max(1, get("attention.head_count", 1))
     n_head_kv = get("attention.head_count_kv", n_head)  # an array (per-layer counts): its length, a bound
     head = n_embd // n_head
-    cell = get("block_count") * n_head_kv * (get("attention.key_length", head) + get("attention.value_length", head)) * 2
+    key, value = get("attention.key_length", head), get("attention.value_length", head)
+    cell = get("block_count") * n_head_kv * (key + value) * 2
     n_vocab = int(meta.get("tokenizer.ggml.tokens", 0))
     if config.kind == "embed":
-        cells = -(-config.n_batch // 256) * 256
+        ubatch = max(config.n_batch, config.max_seq_len)  # a longer input decodes alone
+        cells = -(-ubatch // 256) * 256
         # llama.cpp makes every token of an embedding batch an output: a causal LM's logits of
         # the whole batch, in its output and its compute buffer
-        logits = 2 * 4 * n_vocab * config.n_batch
+        logits = 2 * 4 * n_vocab * ubatch
     else:
         cells = config.kv_cache_tokens + config.prefix_cache_tokens + config.n_batch
         from engine.llama.model import LOGITS_BYTES  # noqa: PLC0415 - llama.cpp only when estimating
@@ -156,5 +158,5 @@ def check(estimates: dict[str, Estimate], limit: int | None) -> None:
         where = "--memory-limit" if limit is not None else "the memory available now"
         raise ConfigError(f"the models need about {total / 1e6:,.0f} MB, more than {where} ({budget / 1e6:,.0f} MB): "
                           f"{parts}; serve fewer models, or give them less to hold: a generation model fewer "
-                          "kv_cache_tokens or prefix_cache_tokens, an embedding model a smaller n_batch "
+                          "kv_cache_tokens or prefix_cache_tokens, an embedding model a smaller n_batch and max_seq_len "
                           "(docs/models.md)")

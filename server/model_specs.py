@@ -174,13 +174,13 @@ class ModelSpec:
         meta = metadata(self.path, (f"{arch}.pooling_type", f"{arch}.embedding_length"))
         declared = meta.get(f"{arch}.pooling_type", 0)
         if not self.pooling and declared not in GGUF_POOLINGS:
-            raise ConfigError(f"{self.where}: {self.path} declares no pooling an embedding can use ({arch}.pooling_type "
-                              f"{declared}): set pooling = \"mean\", \"cls\" or \"last\"")
+            raise ConfigError(f"{self.where}: {self.path} declares no pooling an embedding can use "
+                              f"({arch}.pooling_type {declared}): set pooling = \"mean\", \"cls\" or \"last\"")
         dims = int(meta.get(f"{arch}.embedding_length", 0))
         if dims > engine.max_seq_len:
             raise ConfigError(f"{self.where}: the model's vectors have {dims} dimensions, more than its max_seq_len "
-                              f"({engine.max_seq_len}), which bounds a vector in shared memory: set max_seq_len (and "
-                              f"n_batch) to at least {dims}")
+                              f"({engine.max_seq_len}), which bounds a vector in shared memory: set max_seq_len to at "
+                              f"least {dims}")
 
     def _template_flag(self) -> str:
         return "--chat-template" if self.where == "--model" else f"{self.where}: chat_template"

@@ -15,11 +15,11 @@ from tests.support.servers import SUITE_ENGINE_THREADS, AppServer, inproc_engine
 # --no-loadscope-reorder): the files that take longest go first, so that none of them starts last
 # and runs alone. Measured with `--durations=0` under `make test` (seconds a file held its worker).
 LONGEST_FIRST = ("test_generated_requests.py", "test_control_plane.py", "test_models.py", "test_engine.py",
-                 "test_prefix_cache.py", "test_tenancy.py", "test_structured.py", "test_embed.py", "test_kv_memory.py", "test_resilience.py", "test_http_server.py",
-                 "test_second_model.py", "test_tools_clients.py", "test_soak.py", "test_grpc.py", "test_drain.py",
-                 "test_openai_conformance.py", "test_responses.py", "test_bench_threads.py", "test_bench_policies.py",
-                 "test_bench_tenants.py", "test_admin_page.py",
-                 "test_openapi.py",
+                 "test_prefix_cache.py", "test_tenancy.py", "test_structured.py", "test_embed.py",
+                 "test_kv_memory.py", "test_resilience.py", "test_http_server.py", "test_second_model.py",
+                 "test_tools_clients.py", "test_soak.py", "test_grpc.py", "test_drain.py",
+                 "test_openai_conformance.py", "test_responses.py", "test_bench_threads.py",
+                 "test_bench_policies.py", "test_bench_tenants.py", "test_admin_page.py", "test_openapi.py",
                  "test_http_contract.py", "test_multinode.py", "test_lm_eval.py", "test_connections.py",
                  "test_metrics.py", "test_disconnect_storm.py")
 

@@ -35,11 +35,13 @@ class EmbeddingModel(Context):
     """One llama.cpp context that pools every sequence of a batch into one vector
     (``embeddings`` on; ``pooling`` one of :data:`POOLING_TYPES`'s keys).
 
-    Its KV cache is llama.cpp's unified one of ``n_batch`` cells (rounded up to a multiple of
-    ``max_slots``, then of :data:`CTX_PAD`): a step decodes whole inputs, at most ``n_batch``
+    Its KV cache is llama.cpp's unified one of ``n_batch`` cells (the engine's
+    ``max(n_batch, max_seq_len)``, rounded up to a multiple of ``max_slots``, then of
+    :data:`CTX_PAD`): a step decodes whole inputs, at most ``n_batch``
     tokens of at most ``max_slots`` sequences (``n_seq_max``, llama.cpp allows 256) in one
     micro-batch (``n_ubatch = n_batch``, rounded so: llama.cpp pools a sequence only when all of
-    it is in one micro-batch), and :meth:`clear` empties it after. No KV pages are given back: the cache is that small. Every
+    it is in one micro-batch), and :meth:`clear` empties it after. No KV pages are given back:
+    the cache is that small. Every
     token of a batch is an output (llama.cpp requires it of a pooled embedding); for a causal LM
     llama.cpp also computes each token's logits, in buffers of ``n_batch * n_vocab`` floats.
 
@@ -102,12 +104,13 @@ class EmbeddingModel(Context):
         """
         backend = backend or detect(deterministic=config.deterministic)
         path = weights_path(config.model_path, config.weights, backend=backend)
-        model = cls(path, config.max_slots, config.n_batch, config.threads, config.pooling, backend, config.model_path)
+        model = cls(path, config.max_slots, max(config.n_batch, config.max_seq_len), config.threads, config.pooling,
+                    backend, config.model_path)
         if model.n_embd > config.max_seq_len:
             model.close()
             raise ConfigError(f"the model's embeddings have {model.n_embd} dimensions, more than max_seq_len "
                               f"({config.max_seq_len}), which bounds a vector in shared memory: set max_seq_len "
-                              f"(and n_batch) to at least {model.n_embd}")
+                              f"to at least {model.n_embd}")
         return model
 
     def embedding(self, seq_id: int) -> np.ndarray | None:

@@ -63,9 +63,9 @@ def _inputs(value) -> tuple[str | tuple[int, ...], ...]:
         elif not texts and isinstance(item, list) and item and all(_is_id(t) for t in item):
             out.append(tuple(item))
         else:
-            raise InvalidRequest(f"input[{i}] must be {'a non-empty string' if texts else 'a non-empty array of token ids (non-negative integers)'}, as input[0] is"
-                                 if i else "input[0] must be a non-empty string or a non-empty array of token ids",
-                                 f"input[{i}]")
+            kind = "a non-empty string" if texts else "a non-empty array of token ids (non-negative integers)"
+            raise InvalidRequest(f"input[{i}] must be {kind}, as input[0] is" if i else
+                                 "input[0] must be a non-empty string or a non-empty array of token ids", f"input[{i}]")
     return tuple(out)
 
 

@@ -19,7 +19,6 @@ import pytest
 from grpc_health.v1 import health_pb2
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from engine.client import EngineClient
 from proto import inference_pb2 as pb
 from proto import inference_pb2_grpc
 from tests.support.grpc_channel import SERVICE, health_status, open_channel, wait_serving
