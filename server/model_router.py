@@ -113,7 +113,8 @@ class ModelRouter:
         if name is None:
             model = next((m for m in self.models if _serves(m, needs) and tenant.may_use(m.spec.names)), None)
             if model is None:
-                raise InvalidRequest(f"model is required: no model here serves {needs} by default", "model")
+                raise InvalidRequest(f"no model here that you may use serves {needs}; models here: "
+                                     f"{', '.join(n for n, _ in self.visible(tenant)) or 'none'}", "model")
             return Picked(model.spec.id, model, tenant.for_model(model.spec.id))
         if not isinstance(name, str):
             raise InvalidRequest("model must be a string", "model")

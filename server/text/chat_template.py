@@ -215,8 +215,9 @@ class NoChatTemplate(InvalidRequest):
 
     def __init__(self, param: str):
         super().__init__("this model has no chat template (its GGUF file has no tokenizer.chat_template), so it "
-                         "serves no chat: start the server with --chat-template FILE, a Jinja chat template of the "
-                         "model's turn format, or send a plain prompt to /v1/completions", param)
+                         "serves no chat: start the server with --chat-template FILE (with several models, chat_template "
+                         "in the models file), a Jinja chat template of the model's turn format, or send a plain "
+                         "prompt to /v1/completions", param)
 
 
 class TemplateRefusal(Exception):

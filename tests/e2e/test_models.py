@@ -303,11 +303,12 @@ def test_a_cancelled_grpc_embed_call_frees_its_inputs(three):
 
 
 def test_a_drain_finishes_an_embedding_request_under_way(three):
-    """SIGTERM while a request of 200 inputs is under way (more than its window of 8): the
-    drain lets it finish, every input answered; a new request gets 503. (Last: the server stops.)"""
+    """SIGTERM while a request of 60 inputs of about 50 tokens is under way (more than its window
+    of 8): the drain lets it finish, every input answered; a new request gets 503. (Last: the
+    server stops.)"""
     import threading
 
-    inputs = [f"drained sentence {i}" for i in range(200)]
+    inputs = [f"drained sentence {i}: " + TEXTS[5][:200] for i in range(60)]
     answer = {}
     worker = threading.Thread(target=lambda: answer.update(reply=_json(three, "/v1/embeddings",
                                                                        {"model": "embed", "input": inputs})))
@@ -321,9 +322,12 @@ def test_a_drain_finishes_an_embedding_request_under_way(three):
     finally:
         engine.close()
     three.proc.send_signal(signal.SIGTERM)
-    time.sleep(0.5)
+    end = time.monotonic() + 10
+    while get(three, "/health/ready").status != 503:  # the drain began
+        assert time.monotonic() < end
+        time.sleep(0.05)
     status, refused = _json(three, "/v1/embeddings", {"model": "embed", "input": "late"})
-    assert status == 503, refused
+    assert status == 503 and refused["error"]["code"] == "server_shutting_down", refused
     worker.join(120)
     status, body = answer["reply"]
-    assert status == 200 and len(body["data"]) == 200, body
+    assert status == 200 and len(body["data"]) == 60, body

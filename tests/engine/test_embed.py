@@ -86,13 +86,12 @@ def test_embed_configuration_is_checked_and_leaves_the_generation_defaults_alone
     assert embed.cache_streams == 0 and embed.layout().embed and not plain.layout().embed
     assert EngineConfig.embedding(model_path="m.gguf", max_slots=4).max_slots == 4
     for kwargs, name in (({"kind": "rerank"}, "kind"), ({"kind": "embed", "pooling": "max"}, "pooling"),
-                         ({"pooling": "mean"}, "pooling"), ({"kind": "embed", "max_seq_len": 1024, "n_batch": 512},
-                                                            "n_batch")):
+                         ({"pooling": "mean"}, "pooling")):
         with pytest.raises(ConfigError) as e:
             EngineConfig(model_path="m.gguf", **kwargs)
         assert str(e.value).startswith(name) and "\n" not in str(e.value)
-    with pytest.raises(ConfigError, match="one batch"):
-        EngineConfig.embedding(model_path="m.gguf", max_seq_len=2048)
+    # an input longer than a step's n_batch decodes alone: the micro-batch holds max_seq_len
+    assert EngineConfig.embedding(model_path="m.gguf", max_seq_len=2048).n_batch == EMBED_DEFAULTS["n_batch"]
 
 
 def test_an_embedding_request_generates_nothing_and_may_fill_the_sequence():
@@ -177,6 +176,15 @@ def test_more_inputs_than_slots_are_all_answered_over_several_decodes_by_priorit
         embeddings([first, big, small])
         step = first.timings().step_admitted
         assert (small.timings().step_admitted, big.timings().step_admitted) == (step, step + 1)
+    # a step packs n_batch tokens; an input longer than that (up to max_seq_len) decodes alone
+    with stepped(smol, max_slots=4, n_batch=256) as (client, core):
+        first, big, small = client.embed([7] * 100), client.embed([8] * 300), client.embed([9] * 50)
+        core.step()
+        core.step()
+        vectors = embeddings([first, big, small])
+        step = first.timings().step_admitted
+        assert (small.timings().step_admitted, big.timings().step_admitted) == (step, step + 1)
+        assert all(abs(float(np.linalg.norm(v)) - 1) < 1e-5 for v in vectors)
 
 
 def test_cancelled_and_expired_waiting_inputs_finish_so(smol):
