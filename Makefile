@@ -47,6 +47,7 @@ bench: install
 	$(PY) -m bench.http --json bench/results/http.json
 	$(PY) -m bench.tenancy --json bench/results/tenancy.json
 	$(PY) -m bench.prefix --json bench/results/prefix.json
+	$(PY) -m bench.embeddings --json bench/results/embeddings.json
 	$(PY) -m bench.structured --json bench/results/structured.json
 	$(PY) -m bench.responses --json bench/results/responses.json
 	$(PY) -m bench.grpc --json bench/results/grpc.json
