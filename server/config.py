@@ -256,10 +256,6 @@ class ServerConfig:
         origins = tuple(o.strip() for o in self.cors_allow_origins.split(",") if o.strip())
         return "*" if "*" in origins else origins or None
 
-    def resolved_model_path(self) -> str:
-        """The default model's GGUF."""
-        return self.models[0].path
-
     def engine_config(self, spec: ModelSpec | None = None) -> EngineConfig:
         """The engine of ``spec`` (default: the default model): every field declared with
         ``engine=``, under its :class:`EngineConfig` name, then the model's own settings, plus
@@ -270,14 +266,6 @@ class ServerConfig:
     def _engine_share(self) -> dict[str, object]:
         """Every field declared with ``engine=``, under its :class:`EngineConfig` name."""
         return {s.engine: getattr(self, name) for name, s in engine_settings().items()}
-
-    def chat_template_source(self) -> str | None:
-        """The default model's ``--chat-template`` text (:meth:`ModelSpec.chat_template_source`)."""
-        return self.models[0].chat_template_source()
-
-    def chat_template_origin(self) -> str | None:
-        """Where the default model's chat template comes from (:meth:`ModelSpec.chat_template_origin`)."""
-        return self.models[0].chat_template_origin()
 
     def check_files(self) -> None:
         """Raise ConfigError (one line) unless the model, the chat template, the tenant file, the

@@ -59,7 +59,7 @@ class ChatTemplate:
     Raises (from ``__init__``):
         ValueError: no ``source`` is given and the model has no chat template.
         jinja2.TemplateSyntaxError: it does not compile (the server checks that at start:
-            ``ServerConfig.chat_template_origin``).
+            ``ModelSpec.chat_template_origin``).
     """
 
     def __init__(self, tokenizer: Tokenizer, source: str | None = None):

@@ -49,10 +49,10 @@ def test_the_chat_template_comes_from_the_file_or_the_model_or_nowhere(model_pat
     from server.config import ServerConfig
     from tests.support.model import GEMMA_TEMPLATE
 
-    assert ServerConfig(model_path=model_path).chat_template_origin() == "the model's tokenizer.chat_template"
-    assert ServerConfig(model_path=gemma_model_path).chat_template_origin() is None  # a base model
-    assert ServerConfig(model_path=gemma_model_path,
-                        chat_template=GEMMA_TEMPLATE).chat_template_origin() == f"--chat-template {GEMMA_TEMPLATE}"
+    assert ServerConfig(model_path=model_path).models[0].chat_template_origin() == "the model's tokenizer.chat_template"
+    assert ServerConfig(model_path=gemma_model_path).models[0].chat_template_origin() is None  # a base model
+    with_template = ServerConfig(model_path=gemma_model_path, chat_template=GEMMA_TEMPLATE).models[0]
+    assert with_template.chat_template_origin() == f"--chat-template {GEMMA_TEMPLATE}"
 
 
 def _damaged(model_path: str, tmp_path, name: str, edit) -> str:
