@@ -90,7 +90,10 @@ def waits_briefly(environ: Mapping[str, str] = os.environ) -> bool:
 
 
 def _cpu_jiffies(cpus: set[int], path: str = "/proc/stat") -> tuple[int, int]:
-    """``(busy, total)`` clock ticks of ``cpus`` since boot (``/proc/stat``, proc(5))."""
+    """``(busy, total)`` clock ticks of ``cpus`` since boot (``/proc/stat``, proc(5)). Steal (a
+    virtual CPU's time given to another guest by the hypervisor) is in the total, not busy: no
+    process here takes it, and fewer threads would not get it back (on a VM whose host took a
+    third of the time, counting it kept the engine on one thread and half the speed)."""
     busy = total = 0
     with open(path) as f:
         for line in f:
@@ -101,7 +104,7 @@ def _cpu_jiffies(cpus: set[int], path: str = "/proc/stat") -> tuple[int, int]:
                 continue
             ticks = [int(v) for v in values[:8]]  # user nice system idle iowait irq softirq steal
             total += sum(ticks)
-            busy += sum(ticks) - ticks[3] - ticks[4]
+            busy += sum(ticks) - ticks[3] - ticks[4] - ticks[7]
     return busy, total
 
 

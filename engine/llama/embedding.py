@@ -10,8 +10,9 @@ import numpy as np
 
 from engine.config import ConfigError
 from engine.llama.backend import CPU, Backend, detect
+from engine.llama.library import metadata_value
 from engine.llama.model import Context
-from engine.llama.weights import weights_path
+from engine.llama.weights import cached_copy, weights_path
 
 if TYPE_CHECKING:
     from engine.config import EngineConfig
@@ -22,6 +23,55 @@ POOLING_TYPES = {"": llama_cpp.LLAMA_POOLING_TYPE_UNSPECIFIED, "mean": llama_cpp
                  "cls": llama_cpp.LLAMA_POOLING_TYPE_CLS, "last": llama_cpp.LLAMA_POOLING_TYPE_LAST}
 #: Cells of llama.cpp's KV cache come in multiples of this (it pads ``n_ctx`` so).
 CTX_PAD = 256
+#: llama.cpp architectures whose graph ends in the language-model head, each mapped to the
+#: architecture of the same weights and layers whose graph stops at the normed hidden states that
+#: pooling reads (llama.cpp's ``src/models/llama-embed.cpp``: ``llama_model_llama::graph<true>``,
+#: with the attention over the micro-batch itself instead of a KV cache, causal unless the GGUF's
+#: ``<arch>.attention.causal`` says otherwise). Why: an embedding batch's every token is an
+#: output, so a causal LM's head would turn each into ``n_vocab`` logits nobody reads: for
+#: SmolLM2-135M a fifth of the multiply-adds and a ``n_batch x n_vocab`` copy a step.
+EMBEDDING_ARCHITECTURES = {"llama": "llama-embed"}
+
+
+def embedding_weights_path(path: str, folder: str | None = None) -> str:
+    """The GGUF an embedding context loads for ``path``: where its architecture has an
+    embedding twin (:data:`EMBEDDING_ARCHITECTURES`), a copy under that architecture, made once
+    into the weights cache (:func:`engine.llama.weights.cached_copy`, kind ``embed``): every key
+    ``<arch>.*`` renamed ``<twin>.*``, tensors and other keys as they are (the ``gguf`` package,
+    llama.cpp's own writer); else ``path`` itself.
+
+    Raises:
+        ConfigError: unreadable file; the cache is not writable. RuntimeError: llama.cpp refused it.
+    """
+    arch = metadata_value(path, "general.architecture")
+    twin = EMBEDDING_ARCHITECTURES.get(arch or "")
+    if twin is None:
+        return path
+    return cached_copy(path, "embed", lambda out: _write_as(path, out, arch, twin),
+                       f"writing {path} as llama.cpp's {twin} architecture once", folder)
+
+
+def _write_as(path: str, out: str, arch: str, twin: str) -> None:
+    """Write GGUF ``path`` to ``out`` with architecture ``twin`` (keys ``<arch>.*`` renamed)."""
+    import gguf  # only when a copy is made: reading the file's fields takes seconds
+
+    reader = gguf.GGUFReader(path)
+    writer = gguf.GGUFWriter(out, arch=twin)
+    for name, field in reader.fields.items():
+        if name.startswith("GGUF.") or name == gguf.Keys.General.ARCHITECTURE:
+            continue  # the header's own fields; the architecture the writer sets
+        if name == gguf.Keys.General.ALIGNMENT:
+            writer.data_alignment = field.contents()
+        kind = field.types[0]
+        key = twin + name[len(arch):] if name.startswith(arch + ".") else name
+        sub_type = field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(key, field.contents(), kind, sub_type=sub_type)
+    for tensor in reader.tensors:
+        writer.add_tensor(tensor.name, tensor.data, raw_shape=tensor.data.shape, raw_dtype=tensor.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
 
 
 def normalized(vector: np.ndarray) -> np.ndarray:
@@ -103,7 +153,7 @@ class EmbeddingModel(Context):
             mailbox row that carries it (:meth:`shm.mailbox.Mailboxes.publish_vector`).
         """
         backend = backend or detect(deterministic=config.deterministic)
-        path = weights_path(config.model_path, config.weights, backend=backend)
+        path = embedding_weights_path(weights_path(config.model_path, config.weights, backend=backend))
         model = cls(path, config.max_slots, max(config.n_batch, config.max_seq_len), config.threads, config.pooling,
                     backend, config.model_path)
         if model.n_embd > config.max_seq_len:

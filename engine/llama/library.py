@@ -187,15 +187,26 @@ def _load(path: str, vocab_only: bool, extra_buffers: bool, n_gpu_layers: int = 
     return model
 
 
-def file_type(path: str) -> int:
-    """The GGUF's ``general.file_type`` (a ``llama_ftype``); -1 when the file does not say."""
+def metadata_value(path: str, key: str) -> str | None:
+    """The GGUF's metadata value of ``key`` as llama.cpp renders it (``llama_model_meta_val_str``,
+    up to 255 bytes), read with the vocabulary only; None when the file lacks the key.
+
+    Raises:
+        ConfigError: unreadable or non-GGUF file. RuntimeError: llama.cpp refused it.
+    """
     model = load_model(path, vocab_only=True)
     try:
-        buf = ctypes.create_string_buffer(32)
-        n = llama_cpp.llama_model_meta_val_str(model, b"general.file_type", buf, len(buf))
-        return int(buf.value) if n > 0 and buf.value.isdigit() else -1
+        buf = ctypes.create_string_buffer(256)
+        n = llama_cpp.llama_model_meta_val_str(model, key.encode(), buf, len(buf))
+        return buf.value.decode("utf-8", "replace") if n >= 0 else None
     finally:
         llama_cpp.llama_model_free(model)
+
+
+def file_type(path: str) -> int:
+    """The GGUF's ``general.file_type`` (a ``llama_ftype``); -1 when the file does not say."""
+    value = metadata_value(path, "general.file_type")
+    return int(value) if value and value.isdigit() else -1
 
 
 def supports_gpu_offload() -> bool:

@@ -37,6 +37,7 @@ import os
 import re
 import stat
 import tempfile
+from typing import Callable
 
 import llama_cpp
 
@@ -53,8 +54,12 @@ SOURCE_SUFFIX = ".source"
 UNBATCHED_FILE_TYPES = {llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_1: "Q4_1", llama_cpp.LLAMA_FTYPE_MOSTLY_Q5_1: "Q5_1"}
 _TARGETS = {"q8_0": llama_cpp.LLAMA_FTYPE_MOSTLY_Q8_0, "bf16": llama_cpp.LLAMA_FTYPE_MOSTLY_BF16,
             "f16": llama_cpp.LLAMA_FTYPE_MOSTLY_F16}
-#: A converted copy's name (:func:`weights_path`): only such files are ever removed.
-_COPY_NAME = re.compile(r".+\.[0-9a-f]{16}\.(?:" + "|".join(_TARGETS) + r")\.gguf")
+#: The kinds of copy the cache holds: the converted formats, and ``embed``, the copy of an
+#: embedding model's weights under the architecture whose graph stops at the hidden states
+#: (:func:`engine.llama.embedding.embedding_weights_path`).
+COPY_KINDS = (*_TARGETS, "embed")
+#: A copy's name (:func:`cached_copy`): only such files are ever removed.
+_COPY_NAME = re.compile(r".+\.[0-9a-f]{16}\.(?:" + "|".join(COPY_KINDS) + r")\.gguf")
 
 
 def target(path: str, weights: str, backend: Backend = CPU, folder: str | None = None) -> str | None:
@@ -105,9 +110,31 @@ def weights_path(path: str, weights: str = "auto", folder: str | None = None, ba
     fmt = target(path, weights, backend, folder)
     if fmt is None:
         return path
+
+    def quantize(tmp: str) -> None:
+        params = llama_cpp.llama_model_quantize_default_params()
+        params.ftype = _TARGETS[fmt]
+        params.allow_requantize = True
+        params.nthread = len(os.sched_getaffinity(0))
+        if llama_cpp.llama_model_quantize(path.encode(), tmp.encode(), ctypes.byref(params)) != 0:
+            raise RuntimeError(f"llama.cpp could not convert {path} to {fmt}")
+
+    return cached_copy(path, fmt, quantize, f"converting {path} to {fmt.upper()} once", folder)
+
+
+def cached_copy(path: str, kind: str, write: Callable[[str], None], says: str, folder: str | None = None) -> str:
+    """The ``kind`` copy of GGUF ``path`` in ``folder`` (default :func:`cache_dir`), made now by
+    ``write(temporary path)`` if the cache has none (``says`` is logged first): written beside its
+    final name and renamed, so a concurrent start sees no file or the whole file; then its
+    ``.source`` record, and the stale copies pruned (:func:`remove_stale_copies`). ``kind``: one of
+    :data:`COPY_KINDS`.
+
+    Raises:
+        ConfigError: the cache folder is not writable. Whatever ``write`` raises.
+    """
     folder = folder or cache_dir()
     source = _identity(path)
-    out = _copy_path(path, source, fmt, folder)
+    out = _copy_path(path, source, kind, folder)
     if os.path.exists(out):
         if "file_type" not in _read_record(out):  # made before the records, or before they held the type
             _record(out, source, file_type(path))
@@ -119,13 +146,8 @@ def weights_path(path: str, weights: str = "auto", folder: str | None = None, ba
                           "writable folder, or --weights file") from None
     os.close(fd)
     try:
-        params = llama_cpp.llama_model_quantize_default_params()
-        params.ftype = _TARGETS[fmt]
-        params.allow_requantize = True
-        params.nthread = len(os.sched_getaffinity(0))
-        log.info("converting %s to %s once: %s", path, fmt.upper(), out)
-        if llama_cpp.llama_model_quantize(path.encode(), tmp.encode(), ctypes.byref(params)) != 0:
-            raise RuntimeError(f"llama.cpp could not convert {path} to {fmt}")
+        log.info("%s: %s", says, out)
+        write(tmp)
         os.chmod(tmp, 0o644)
         os.replace(tmp, out)  # atomic: a concurrent start sees no file or the whole file
     finally:

@@ -291,6 +291,30 @@ def test_mean_pooling_agrees_with_llama_cpp_python(smol, model_path):
         llm.close()
 
 
+def test_a_llama_model_embeds_as_llama_embed_from_a_copy_made_once_and_gemma_as_it_is(tmp_path, model_path,
+                                                                                       gemma_model_path):
+    """An embedding engine loads a llama-architecture GGUF as llama.cpp's ``llama-embed`` (its
+    graph without the language-model head: engine/llama/embedding.py), from a copy written once
+    into the weights cache with the same tensors and every ``llama.*`` key renamed; Gemma 3 has no
+    such twin and loads as it is. That the twin's vectors are the model's own is
+    test_mean_pooling_agrees_with_llama_cpp_python's check (llama-cpp-python loads the file's
+    own architecture)."""
+    from engine.llama.embedding import embedding_weights_path
+    from engine.llama.library import metadata_value
+
+    copy = embedding_weights_path(model_path, str(tmp_path))
+    assert os.path.dirname(copy) == str(tmp_path) and copy.endswith(".embed.gguf")
+    assert metadata_value(copy, "general.architecture") == "llama-embed"
+    for key in ("block_count", "embedding_length", "attention.head_count_kv", "rope.freq_base"):
+        assert metadata_value(copy, f"llama-embed.{key}") == metadata_value(model_path, f"llama.{key}") is not None
+        assert metadata_value(copy, f"llama.{key}") is None
+    assert metadata_value(copy, "tokenizer.ggml.model") == metadata_value(model_path, "tokenizer.ggml.model")
+    assert abs(os.path.getsize(copy) - os.path.getsize(model_path)) < 4096  # the same tensors
+    written = os.stat(copy).st_mtime_ns
+    assert embedding_weights_path(model_path, str(tmp_path)) == copy and os.stat(copy).st_mtime_ns == written
+    assert embedding_weights_path(gemma_model_path, str(tmp_path)) == gemma_model_path
+
+
 def test_gemma_3_sliding_window_model_embeds_about_the_same_alone_and_in_a_batch(gemma_model_path):
     """Gemma 3 270M (interleaved sliding-window layers, 640 dimensions) in the unified cache: its
     vectors the same alone and batched (0.9975 at worst over 20 inputs with flash attention,

@@ -158,3 +158,20 @@ def test_adaptive_threads_stay_within_the_cpu_quota():
         fake.advance(0.0, own=1.0)
         adaptive.threads()
     assert adaptive.threads() == 2
+
+
+def test_steal_counts_in_the_total_and_not_as_other_processes_busy(tmp_path):
+    """A virtual machine's steal (proc(5): the eighth counter of a ``cpuN`` line) is no process
+    here: busy is user + nice + system + irq + softirq, the total every counter; the summary
+    ``cpu`` line and CPUs not asked for are left out."""
+    from engine.threads import _cpu_jiffies
+
+    stat = tmp_path / "stat"
+    stat.write_text("cpu  900 0 90 900 9 0 9 900 0 0\n"
+                    "cpu0 100 1 10 500 5 2 3 300 0 0\n"
+                    "cpu1 200 0 20 400 4 1 1 600 0 0\n"
+                    "cpu2 7 7 7 7 7 7 7 7 0 0\n"
+                    "intr 1 2 3\n")
+    busy, total = _cpu_jiffies({0, 1}, str(stat))
+    assert busy == (100 + 1 + 10 + 2 + 3) + (200 + 20 + 1 + 1)
+    assert total == (100 + 1 + 10 + 500 + 5 + 2 + 3 + 300) + (200 + 20 + 400 + 4 + 1 + 1 + 600)
