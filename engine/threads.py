@@ -92,8 +92,7 @@ def waits_briefly(environ: Mapping[str, str] = os.environ) -> bool:
 def _cpu_jiffies(cpus: set[int], path: str = "/proc/stat") -> tuple[int, int]:
     """``(busy, total)`` clock ticks of ``cpus`` since boot (``/proc/stat``, proc(5)). Steal (a
     virtual CPU's time given to another guest by the hypervisor) is in the total, not busy: no
-    process here takes it, and fewer threads would not get it back (on a VM whose host took a
-    third of the time, counting it kept the engine on one thread and half the speed)."""
+    process here takes it, and fewer threads would not get it back."""
     busy = total = 0
     with open(path) as f:
         for line in f:
