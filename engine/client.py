@@ -122,9 +122,9 @@ class EngineClient:
             watch_socket: the client's connection; if it closes, the sequence is cancelled.
             grammar_param: the request field the grammar came from, named by the stream's
                 ``ConstraintFailed``.
-            admitted: a later sequence of a request already under way (an embedding request's
-                inputs beyond its first window): served while the server drains, as its first
-                ones are.
+            admitted: a later sequence of a request already under way (a choice after its
+                first, an embedding request's input after its first): served while the server
+                drains, as its first one is.
         Raises:
             InvalidRequest / PromptTooLong: token ids whose request does not fit (:meth:`prepare`).
             InvalidRequest: ``deadline_ms`` not a positive, finite number.

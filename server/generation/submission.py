@@ -121,7 +121,10 @@ class Submission:
                watch_socket: socket.socket | None, grammar_param: str | None, admitted: bool = False) -> None:
         """``n`` sequences of each prepared request into :attr:`streams`; the tenant's priority
         caps the request's, its index and weight go to the engine's fair share
-        (:meth:`Tenant.share`). Raises as ``EngineClient.submit``."""
+        (:meth:`Tenant.share`). The request is under way once its first sequence is in: the
+        others are served while the server drains (``admitted``), so a drain that begins between
+        two of them cannot refuse a request whose first sequences run. Raises as
+        ``EngineClient.submit``."""
         share = self.tenant.share(priority)
         for prompt in prepared:
             for j in range(n):
@@ -130,7 +133,8 @@ class Submission:
                     request = dataclasses.replace(prompt, sampling=dataclasses.replace(
                         prompt.sampling, seed=reduce_seed(seed + j)))
                 self.streams.append(self.engine.submit(request, deadline_ms=deadline_ms, watch_socket=watch_socket,
-                                                       grammar_param=grammar_param, admitted=admitted,
+                                                       grammar_param=grammar_param,
+                                                       admitted=admitted or bool(self.streams),
                                                        **share._asdict()))
 
     def submit_next(self) -> None:

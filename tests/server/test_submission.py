@@ -35,3 +35,22 @@ def test_a_prompt_that_cannot_fit_is_refused_naming_the_clients_fields(app, reso
     assert len(resolved) == 1  # refused by EngineRequest.resolved, which named the field
     error(post(app, "/v1/completions", {"prompt": [1] * 600, "max_tokens": 1}), 400,
           param="prompt", code="context_length_exceeded")
+
+
+def test_a_drain_that_begins_between_a_requests_sequences_serves_them_all(app, monkeypatch):
+    """The drain begins right after the first of a request's sequences is in (each choice and
+    each embedding input is one): the request is under way and gets every choice; the next
+    request is refused with 503."""
+    from engine.client import EngineClient
+
+    state, real = {"draining": False}, EngineClient.submit
+
+    def submit(self, *args, **kwargs):
+        stream = real(self, *args, **kwargs)
+        state["draining"] = True
+        return stream
+    monkeypatch.setattr(EngineClient, "submit", submit)
+    monkeypatch.setattr(EngineClient, "draining", lambda self: state["draining"])
+    r = post(app, "/v1/completions", {"prompt": "Hello", "n": 3, "max_tokens": 2, "temperature": 0})
+    assert r.status == 200 and len(r.json()["choices"]) == 3, r.body
+    error(post(app, "/v1/completions", {"prompt": "Hello", "max_tokens": 2}), 503, code="server_shutting_down")
