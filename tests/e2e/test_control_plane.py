@@ -53,6 +53,11 @@ def served(server, key: str) -> bool:
     return completion(server, key, 1).status == 200
 
 
+#: What every server here shares: one worker, the model's id, and contexts of 1,024 tokens, whose
+#: KV cache llama.cpp clears in a fraction of the default's start-up time (nothing here is long).
+SMALL = ("--workers", "1", "--model-id", MODEL, "--max-seq-len", "1024")
+
+
 @pytest.fixture(scope="module")
 def redis_url():
     with redis_server() as (url, _):
@@ -71,7 +76,7 @@ def prices(tmp_path_factory):
 @pytest.fixture(scope="module")
 def replicas(redis_url, prices):
     env = {"ADMIN_KEYS": f"{ADMIN},{DOCS_ADMIN}"}
-    flags = ("--redis-url", redis_url, "--prices", prices, "--workers", "1", "--model-id", MODEL)
+    flags = ("--redis-url", redis_url, "--prices", prices, *SMALL)
     with running_server(*flags, env=env, grpc=True) as a, running_server(*flags, env=env) as b:
         yield a, b
 
@@ -291,7 +296,7 @@ def test_restart_keeps_state_and_the_file_wins(redis_url, prices, tmp_path):
     from tests.support.tenants import write_tenants
     tenants = write_tenants(tmp_path / "tenants.json", [{"id": "team-file", "api_keys": ["file-key-0123456789"],
                                                          "models": [MODEL]}])
-    common = ("--prices", prices, "--workers", "1", "--model-id", MODEL)
+    common = ("--prices", prices, *SMALL)
     flag_sets = (("--redis-url", redis_url, *common),
                  ("--control-db", str(tmp_path / "control.db"), "--tenants", tenants, *common))
     env = {"ADMIN_KEYS": ADMIN}
