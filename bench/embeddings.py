@@ -3,15 +3,17 @@ embedding model at full load (issue 49; figures in bench/RESULTS.md, "Embeddings
 
 Part 1, **inputs/s**: 256 inputs of 8 to 256 tokens (words drawn with a fixed seed; lengths spread
 evenly), sent two ways: as 8 requests of 32 inputs, 4 at a time (a retrieval stack indexing
-documents), and as 256 one-input requests, 16 at a time (a query stream). This server serves
+documents), and as 256 one-input requests, 16 at a time (a query stream). Each mode runs in
+slices (128 inputs batched, 64 one at a time), each slice on one server and right after on the
+other, the first alternating: inputs/s over a round's slices, and the host's steal time during
+each server's share. This server serves
 SmolLM2-135M as an embedding model (``kind = "embed"``, ``pooling = "mean"``, its defaults
 otherwise) and ``llama-server`` the file this server computes with (``weights_path(...,
 "auto")``: the Q8_0 copy of the Q4_1 file) with ``--embeddings --pooling mean`` at its defaults
-otherwise; ``--rounds`` (default 2), medians. Every
+otherwise; ``--rounds`` (default 2), medians, and each round's ratio. Every
 input's vector from each server is compared: the cosine of ours and llama-server's, from the
 batched requests and from the one-input ones (the issue's bar: >= 0.999 for every input). Both
-servers are up throughout, one busy at a time: each round runs each mode on one then the other,
-the order alternating between rounds.
+servers are up throughout, one busy at a time.
 
 Part 2, **chat beside embeddings**: one server with SmolLM2 for chat (4 slots) and SmolLM2 as an
 embedding model; generated tok/s of 4 concurrent chat streams (128 tokens each, ``ignore_eos``)
@@ -97,8 +99,17 @@ def embed_all(port: int, model: str, texts: list[str], per_request: int, concurr
     return seconds, vectors / np.linalg.norm(vectors, axis=1, keepdims=True)
 
 
-MODES = {"batched": (32, 4), "single": (1, 16)}
+#: mode: (inputs a request, requests at once, inputs a slice). Each round runs a mode's 256
+#: inputs as slices, each slice on one server then at once on the other, so that the two servers'
+#: runs of the same inputs lie seconds apart (this machine's speed drifts between minutes).
+MODES = {"batched": (32, 4, 128), "single": (1, 16, 64)}
 
+
+def host_steal_s() -> float:
+    """Seconds the hypervisor ran others on this machine's CPUs, all CPUs together, since boot
+    (``/proc/stat``'s ``steal``, 8th value of the ``cpu`` line, in clock ticks)."""
+    with open("/proc/stat") as f:
+        return int(f.readline().split()[8]) / os.sysconf("SC_CLK_TCK")
 
 def _models_file(folder: str, model_path: str, chat: bool) -> str:
     path = os.path.join(folder, "models.toml")
@@ -128,31 +139,44 @@ def inputs_per_second(binary: str, rounds: int, modes: tuple[str, ...] = tuple(M
     servers = {"ours": lambda: ours(model_path),
                "llama-server": lambda: _peer(binary, weights_path(model_path, "auto"))}
     rates: dict = {name: {mode: [] for mode in modes} for name in servers}
+    steals: dict = {name: {mode: [] for mode in modes} for name in servers}
     vectors: dict = {name: {} for name in servers}
     with contextlib.ExitStack() as stack:
         # Both up, one busy at a time (an idle server's engine wakes twice a second, llama-server's
-        # not at all): each mode's runs of the two follow each other within a couple of minutes,
-        # first one server then the other, alternately, as this machine's speed drifts by a
-        # quarter between minutes (a virtual machine's steal).
+        # not at all), in turn by slice (MODES), the one first alternating, as this machine's speed
+        # drifts by a quarter between minutes (a virtual machine's steal, recorded for each).
         ports = {name: stack.enter_context(start()) for name, start in servers.items()}
         for port in ports.values():
             embed_all(port, "embed", texts[:16], 8, 2)  # warm-up
         for r in range(rounds):
             for mode in modes:
-                per_request, concurrency = MODES[mode]
-                for name in list(ports)[::1 if r % 2 == 0 else -1]:
-                    seconds, v = embed_all(ports[name], "embed", texts, per_request, concurrency)
+                per_request, concurrency, per_slice = MODES[mode]
+                spent = {name: [0.0, 0.0] for name in ports}  # seconds, steal seconds
+                for k, first in enumerate(range(0, len(texts), per_slice)):
+                    part = list(range(first, min(first + per_slice, len(texts))))
+                    for name in list(ports)[::1 if (r + k) % 2 == 0 else -1]:
+                        steal = host_steal_s()
+                        seconds, v = embed_all(ports[name], "embed", [texts[i] for i in part], per_request,
+                                               concurrency)
+                        spent[name][0] += seconds
+                        spent[name][1] += host_steal_s() - steal
+                        vectors[name].setdefault(mode, np.zeros((len(texts), v.shape[1]), np.float32))[part] = v
+                for name, (seconds, steal) in spent.items():
                     rates[name][mode].append(len(texts) / seconds)
-                    vectors[name][mode] = v
-                    print(f"round {r + 1} {name:12s} {mode:8s} {len(texts) / seconds:7.1f} inputs/s", flush=True)
-    result = {"inputs": N_INPUTS, "tokens": [MIN_TOKENS, MAX_TOKENS], "modes": {m: {"inputs_per_request": p,
-                                                                                   "concurrency": c}
-                                                                               for m, (p, c) in MODES.items()}}
+                    steals[name][mode].append(steal)
+                    print(f"round {r + 1} {name:12s} {mode:8s} {len(texts) / seconds:7.2f} inputs/s "
+                          f"(host steal {steal:.1f} s)", flush=True)
+    result = {"inputs": N_INPUTS, "tokens": [MIN_TOKENS, MAX_TOKENS],
+              "modes": {m: {"inputs_per_request": p, "concurrency": c, "inputs_per_slice": n}
+                        for m, (p, c, n) in MODES.items()}}
     for mode in modes:
         ours_rate, peer_rate = statistics.median(rates["ours"][mode]), statistics.median(rates["llama-server"][mode])
         cos = np.sum(vectors["ours"][mode] * vectors["llama-server"][mode], axis=1)
         result[mode] = {"ours_inputs_per_s": ours_rate, "llama_server_inputs_per_s": peer_rate,
-                        "ratio": ours_rate / peer_rate, "rounds": rates["ours"][mode] + rates["llama-server"][mode],
+                        "ratio": ours_rate / peer_rate,
+                        "ratio_by_round": [a / b for a, b in zip(rates["ours"][mode], rates["llama-server"][mode])],
+                        "rounds": rates["ours"][mode] + rates["llama-server"][mode],
+                        "host_steal_s": {name: steals[name][mode] for name in ports},
                         "cosine_min": float(cos.min()), "cosine_median": float(np.median(cos))}
     if len(modes) == 2:
         cross = np.sum(vectors["ours"]["batched"] * vectors["ours"]["single"], axis=1)
