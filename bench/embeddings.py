@@ -111,6 +111,7 @@ def host_steal_s() -> float:
     with open("/proc/stat") as f:
         return int(f.readline().split()[8]) / os.sysconf("SC_CLK_TCK")
 
+
 def _models_file(folder: str, model_path: str, chat: bool) -> str:
     path = os.path.join(folder, "models.toml")
     with open(path, "w") as f:
