@@ -129,7 +129,7 @@ class EngineClient:
             InvalidRequest / PromptTooLong: token ids whose request does not fit (:meth:`prepare`).
             InvalidRequest: ``deadline_ms`` not a positive, finite number.
             ClientDisconnected: ``watch_socket`` is already closed. ShuttingDown: the server is
-            draining. EngineUnavailable: the engine is not ready. Saturated: no free mailbox. RateLimited (``kind``
+            draining (and the request not ``admitted``, or its engine already stopped). EngineUnavailable: the engine is not ready. Saturated: no free mailbox. RateLimited (``kind``
             ``concurrency``): the tenant is at ``max_concurrent``.
         """
         if not isinstance(request, EngineRequest):
@@ -142,6 +142,8 @@ class EngineClient:
         if self.draining() and not admitted:
             raise ShuttingDown("the server is shutting down: retry on another replica")
         if not self.ready():
+            if self.draining():  # the drain's timeout stopped the engine under a request under way
+                raise ShuttingDown("the server is shutting down")
             raise EngineUnavailable("engine is not ready")
         try:
             lease = self.t.mailboxes.lease(tenant, max_concurrent)

@@ -54,3 +54,22 @@ def test_a_drain_that_begins_between_a_requests_sequences_serves_them_all(app, m
     r = post(app, "/v1/completions", {"prompt": "Hello", "n": 3, "max_tokens": 2, "temperature": 0})
     assert r.status == 200 and len(r.json()["choices"]) == 3, r.body
     error(post(app, "/v1/completions", {"prompt": "Hello", "max_tokens": 2}), 503, code="server_shutting_down")
+
+
+def test_a_request_under_way_whose_engine_the_drain_stopped_is_told_the_server_is_shutting_down(app, monkeypatch):
+    """The drain's timeout stops the engine while a request is still submitting its sequences
+    (the later inputs of an embedding request): 503 ``server_shutting_down``, as for the
+    sequences the engine ended, not ``engine_unavailable``."""
+    from engine.client import EngineClient
+
+    state, real = {"stopped": False}, EngineClient.submit
+
+    def submit(self, *args, **kwargs):
+        stream = real(self, *args, **kwargs)
+        state["stopped"] = True
+        return stream
+    monkeypatch.setattr(EngineClient, "submit", submit)
+    monkeypatch.setattr(EngineClient, "draining", lambda self: state["stopped"])
+    monkeypatch.setattr(EngineClient, "ready", lambda self: not state["stopped"])
+    error(post(app, "/v1/completions", {"prompt": "Hello", "n": 3, "max_tokens": 2}), 503,
+          code="server_shutting_down")
