@@ -12,7 +12,8 @@ model's engine settings, in the terms of docs/operations.md "Memory":
   the engine falls back to, :meth:`engine.llama.model.Model.from_config`); an embedding
   model one batch (``max(n_batch, max_seq_len)`` cells, cleared after it);
 - compute buffers: llama.cpp's logits, twice (:data:`engine.llama.model.LOGITS_BYTES`; an
-  embedding engine's whole batch: llama.cpp makes each of its tokens an output), and
+  embedding engine's whole batch: llama.cpp makes each of its tokens an output, unless the
+  engine loads the architecture's twin without the head, ``EMBEDDING_ARCHITECTURES``), and
   its graph's activations, :data:`ACTIVATION_FLOATS` floats per batch token and embedding unit;
 - the engine process itself (:data:`PROCESS_BYTES`) and each front end's vocabulary
   (:data:`VOCAB_BYTES_PER_TOKEN`, in every gunicorn worker and the gRPC sidecar).
@@ -108,8 +109,10 @@ def estimate(config: "EngineConfig", front_ends: int) -> Estimate:
         ubatch = max(config.n_batch, config.max_seq_len)  # a longer input decodes alone
         cells = -(-ubatch // 256) * 256
         # llama.cpp makes every token of an embedding batch an output: a causal LM's logits of
-        # the whole batch, in its output and its compute buffer
-        logits = 2 * 4 * n_vocab * ubatch
+        # the whole batch, in its output and its compute buffer; none where the engine loads the
+        # architecture's embedding twin, whose graph has no language-model head
+        from engine.llama.embedding import EMBEDDING_ARCHITECTURES  # noqa: PLC0415 - as below
+        logits = 0 if arch in EMBEDDING_ARCHITECTURES else 2 * 4 * n_vocab * ubatch
     else:
         cells = config.kv_cache_tokens + config.prefix_cache_tokens + config.n_batch
         from engine.llama.model import LOGITS_BYTES  # noqa: PLC0415 - llama.cpp only when estimating

@@ -3,6 +3,7 @@ once, the names each model is served under, its engine settings, and the memory 
 (server/memory.py). No engine starts here."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -120,6 +121,23 @@ def test_the_estimate_grows_with_what_the_engine_may_hold(model_path):
     assert big.kv > small.kv and big.front_ends == 3 * small.front_ends and big.weights == small.weights
     # SmolLM2-135M: 30 layers x 3 KV heads x (64 + 64) x 2 bytes = 23,040 bytes a cell
     assert small.kv == (8192 + 512) * 23040
+
+
+def test_an_embedding_engine_counts_logits_only_where_its_graph_has_the_head(model_path, gemma_model_path):
+    """SmolLM2 (``llama``) embeds as ``llama-embed``, whose graph has no language-model head: no
+    logits; Gemma 3 keeps its head, so every token of a batch is a row of 262,144 logits, twice."""
+    from server.config import ServerConfig
+    from server.memory import ACTIVATION_FLOATS, estimate
+
+    def compute(path):
+        config = ServerConfig(model_path=path).engine_config()
+        config = dataclasses.replace(config, kind="embed", n_batch=256, max_seq_len=1024)
+        return estimate(config, 1).compute, ACTIVATION_FLOATS * 4 * 256
+
+    smol, per_unit = compute(model_path)
+    assert smol == per_unit * 576  # activations only
+    gemma, per_unit = compute(gemma_model_path)
+    assert gemma == 2 * 4 * 262144 * 1024 + per_unit * 640
 
 
 def test_a_flag_wins_over_the_other_ways_variables(tmp_path, model_path):
