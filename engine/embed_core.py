@@ -3,7 +3,8 @@ pooled into one unit vector (docs/architecture.md, "Embedding step"), as llama-s
 ``--embeddings`` (tools/server/server-context.cpp: every token of an embedding's prompt an output,
 ``send_embedding`` reading ``llama_get_embeddings_seq`` and normalizing it)::
 
-    ingest -> expire -> pack (whole inputs, by priority class then arrival) -> admit -> decode
+    ingest -> expire -> pack (whole inputs, by priority class, tenant fair share, deadline, arrival)
+           -> admit -> decode
            -> read, normalize and publish each vector -> finish -> clear the KV cache
 
 Continuous batching: what waits is packed into the next step that has room, and a step holds
@@ -13,11 +14,13 @@ and an empty cache. What it shares with the generation loop is :class:`engine.lo
 from __future__ import annotations
 
 import logging
+import math
 import time
 
 import numpy as np
 
 from engine.config import EngineConfig
+from engine.fair_share import TokenCounters
 from engine.llama.batch import Batch
 from engine.llama.embedding import EmbeddingModel
 from engine.llama.model import DecodeError
@@ -49,6 +52,7 @@ class EmbedCore(EngineLoop):
                  adaptive: AdaptiveThreads | None = None):
         super().__init__(config, transport, model, adaptive)
         self.waiting: list[Sequence] = []
+        self.counters = TokenCounters()  # each tenant's tokens embedded over its weight (VTC)
         self.batch = Batch(max(config.n_batch, config.max_seq_len))  # one input longer than n_batch alone
         transport.control.set_n_embd(model.n_embd)
 
@@ -78,6 +82,9 @@ class EmbedCore(EngineLoop):
                 and int(prompt.min()) >= 0 and int(prompt.max()) < self.model.n_vocab)
 
     def queue(self, seq: Sequence) -> None:
+        """Queue an input; its tenant, if it had none waiting, starts at the smallest counter of
+        those that have (:meth:`TokenCounters.lift`)."""
+        self.counters.lift(seq.request.tenant, (s.request.tenant for s in self.waiting))
         self.waiting.append(seq)
 
     def expire(self, now: float) -> None:
@@ -89,20 +96,27 @@ class EmbedCore(EngineLoop):
                 self.end(seq, reason)
 
     def pack(self, now: float) -> list[Sequence]:
-        """Take this step's inputs out of the waiting queue: in order of priority class (a class
-        raised one rank for every ``aging_s`` its oldest input has waited, as the generation
-        scheduler ages them: :func:`engine.scheduler.class_ranks`) then arrival, each
-        whole input that fits the ``n_batch`` tokens left, up to ``max_slots`` inputs. An input
-        that does not fit lets smaller ones after it in; it leads the next step, whose batch is
-        empty and holds any input (one longer than ``n_batch``, up to ``max_seq_len``, alone)."""
+        """Take this step's inputs out of the waiting queue, one at a time, each time the first in
+        the generation scheduler's order (``engine/scheduler.py``): priority class (a class raised
+        one rank for every ``aging_s`` its oldest input has waited:
+        :func:`engine.scheduler.class_ranks`), then the tenant's fair-share counter (charged each
+        input's tokens over its weight as it is packed, so tenants take turns within a step),
+        then deadline, then arrival; each whole input that fits the ``n_batch`` tokens left, up
+        to ``max_slots`` inputs. An input that does not fit lets the next in that order in; an
+        empty batch holds any input (one longer than ``n_batch``, up to ``max_seq_len``, alone),
+        so the first in order always goes."""
         rank = class_ranks(self.waiting, now, self.config.aging_s)
-        room, packed = self.config.n_batch, []
-        for seq in sorted(self.waiting, key=lambda s: (rank[s.request.priority], s.order)):
-            if len(packed) == self.config.max_slots or room <= 0:
+        room, packed, left = self.config.n_batch, [], list(self.waiting)
+        while left and len(packed) < self.config.max_slots and room > 0:
+            order = sorted(left, key=lambda s: (rank[s.request.priority], self.counters[s.request.tenant],
+                                                s.request.deadline or math.inf, s.order))
+            seq = next((s for s in order if len(s.prompt) <= room or not packed), None)
+            if seq is None:
                 break
-            if len(seq.prompt) <= room or not packed:
-                packed.append(seq)
-                room -= len(seq.prompt)
+            left.remove(seq)
+            packed.append(seq)
+            room -= len(seq.prompt)
+            self.counters.charge(seq.request.tenant, len(seq.prompt), seq.request.weight)
         for seq in packed:
             self.waiting.remove(seq)
         return packed

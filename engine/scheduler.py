@@ -6,10 +6,9 @@ Order in ``continuous``: priority class (``high`` > ``normal`` > ``low``), then 
 share, then earliest deadline, then arrival: a deadline orders its own tenant's requests, never
 another tenant's (ordered before fair share, a tenant that put a far deadline on every request
 would starve the others of its class). Fair share follows
-the Virtual Token Counter of Sheng et al., "Fairness in Serving Large Language Models" (OSDI
-2024): each tenant's counter grows by the tokens it is served divided by its weight, the tenant
-with the smallest counter goes first, and a tenant that becomes backlogged is lifted to the
-smallest counter among the backlogged so it cannot bank credit while idle. Starvation is
+the Virtual Token Counter (:class:`engine.fair_share.TokenCounters`: the tokens each tenant is
+served over its weight, the smallest first, a tenant that becomes backlogged lifted to the
+smallest among the backlogged). Starvation is
 impossible because waiting ages a class: every ``aging_s`` seconds its oldest sequence waits,
 the class climbs one rank.
 
@@ -43,6 +42,7 @@ import math
 
 import numpy as np
 
+from engine.fair_share import TokenCounters
 from engine.llama.backend import CPU, Backend
 from engine.llama.batch import lone_tokens
 from engine.prefix_cache import PrefixCache
@@ -90,14 +90,11 @@ class Scheduler:
         self.waiting: list[Sequence] = []
         self.running: dict[int, Sequence] = {}
         self.free_slots = list(range(max_slots))  # kept sorted: the lowest is taken first
-        self.counters: dict[int, float] = {}
+        self.counters = TokenCounters()
 
     def add(self, seq: Sequence) -> None:
         """Queue a new sequence; lift its tenant's counter if the tenant was idle (VTC)."""
-        if not any(s.request.tenant == seq.request.tenant for s in self._backlogged()):
-            active = [self.counters[s.request.tenant] for s in self._backlogged()]
-            floor = min(active) if active else 0.0
-            self.counters[seq.request.tenant] = max(self.counters.get(seq.request.tenant, 0.0), floor)
+        self.counters.lift(seq.request.tenant, (s.request.tenant for s in self._backlogged()))
         self.waiting.append(seq)
 
     def _backlogged(self):
@@ -106,8 +103,7 @@ class Scheduler:
 
     def charge(self, seq: Sequence, n_tokens: int) -> None:
         """Account ``n_tokens`` of service (prefilled or generated) to the sequence's tenant."""
-        tenant = seq.request.tenant
-        self.counters[tenant] = self.counters.get(tenant, 0.0) + n_tokens / max(seq.request.weight, 1e-6)
+        self.counters.charge(seq.request.tenant, n_tokens, seq.request.weight)
 
     def class_ranks(self, now: float) -> dict[int, int]:
         """Each waiting priority class's rank (:func:`class_ranks`). A whole class ages, not
@@ -122,7 +118,7 @@ class Scheduler:
         behind a flood starts at the flood's counter (the lift), and the tie must not hand the
         flood back the slot :meth:`preempt_for_share` freed."""
         r = seq.request
-        return (ranks[r.priority], not seq.resumes_first, r.tenant not in below, self.counters.get(r.tenant, 0.0),
+        return (ranks[r.priority], not seq.resumes_first, r.tenant not in below, self.counters[r.tenant],
                 r.deadline or math.inf, seq.order)
 
     @property

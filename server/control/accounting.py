@@ -143,11 +143,13 @@ class Reservation:
 
 class Accounting:
     """Spend and usage for the served model (``model_names``: every name it is served under)
-    over the control plane ``control``."""
+    over the control plane ``control``; its usage counts under OpenAI's usage API ``api``
+    (``completions`` or ``embeddings``: ``server/control/store.py``, ``USAGE_APIS``)."""
 
-    def __init__(self, control: ControlPlane, prices: Prices, model_names: tuple[str, ...], clock=time.time):
+    def __init__(self, control: ControlPlane, prices: Prices, model_names: tuple[str, ...], clock=time.time,
+                 api: str = "completions"):
         #: usage is recorded under the model's first name; its price is under any of them
-        self.control, self.prices, self.model, self.clock = control, prices, model_names[0], clock
+        self.control, self.prices, self.model, self.clock, self.api = control, prices, model_names[0], clock, api
         self.price = prices.of(model_names)
         self.writes = WriteBehind(control.store)
         self._touched: dict[str, float] = {}  # key id -> when this process last wrote its last use
@@ -195,7 +197,7 @@ class Accounting:
         self.writes.add(Settlement(tenant.id, reservation.month, reservation.rid or secrets.token_hex(12), cost,
                                    input_tokens + output_tokens),
                         UsageRecord(tenant.id, tenant.key_id or "", self.model, now, input_tokens,
-                                    output_tokens, cached_tokens))
+                                    output_tokens, cached_tokens, api=self.api))
         if tenant.key_id and now - self._touched.get(tenant.key_id, 0.0) >= TOUCH_EVERY_S:
             if len(self._touched) > 100_000:  # keys seen by this process: bounded
                 self._touched.clear()

@@ -8,12 +8,13 @@ interface and the same rules:
   spend under the project's hash tag, ``spend:{<project>}:<YYYY-MM>`` (``spent``, ``reserved``,
   ``tokens``, ``tokens_reserved``) with its reservations (``spend:{<project>}:resv``, a sorted
   set by expiry, and ``...:resv:amt``), changed only by the Lua scripts below, so a check and its
-  reservation are one atomic step whichever replica runs it; usage in one hash per bucket,
-  ``usage:<width>:<start>``, fields ``<project>\\x1f<key>\\x1f<model>\\x1f<counter>``, each
+  reservation are one atomic step whichever replica runs it; usage in one hash per API and
+  bucket, ``usage:<width>:<start>`` (completions) and ``usage:embeddings:<width>:<start>``,
+  fields ``<project>\\x1f<key>\\x1f<model>\\x1f<counter>``, each
   with a TTL of its width's retention (:data:`RETENTION_S`); each key's last use (unix seconds,
   written at most once a minute per key and process) in ``control:last_used``.
-- :class:`SqliteControl` (no Redis): the node's SQLite file (``--control-db``), the same tables,
-  each change one ``BEGIN IMMEDIATE`` transaction.
+- :class:`SqliteControl` (no Redis): the node's SQLite file (``--control-db``), the same tables
+  (usage in ``usage`` and ``usage_embeddings``), each change one ``BEGIN IMMEDIATE`` transaction.
 
 Money is counted in nano-dollars (integers; a price of $0.15 per million tokens is 150
 nano-dollars a token), so that sums are exact.
@@ -50,6 +51,9 @@ RETENTION_S = {"1m": 30 * 86400, "1h": 90 * 86400, "1d": 400 * 86400}
 #: renews its own every ``accounting.RENEW_EVERY_S``.
 RESERVATION_TTL_S = 600
 _COUNTERS = ("input_tokens", "output_tokens", "input_cached_tokens", "num_model_requests")
+#: The usage APIs (OpenAI's ``/organization/usage/<api>``): what a request's usage counts under,
+#: by the kind of its model (``generate``: completions; ``embed``: embeddings).
+USAGE_APIS = ("completions", "embeddings")
 _SEP = "\x1f"
 
 
@@ -74,7 +78,8 @@ class Spend:
 
 @dataclass(frozen=True)
 class UsageRecord:
-    """One request's usage: who (project, key id, model), when (unix seconds) and its counts."""
+    """One request's usage: who (project, key id, model), when (unix seconds), its counts, and
+    the usage API it counts under (:data:`USAGE_APIS`)."""
 
     project_id: str
     api_key_id: str
@@ -84,6 +89,7 @@ class UsageRecord:
     output_tokens: int
     input_cached_tokens: int
     num_model_requests: int = 1
+    api: str = "completions"
 
     def counts(self) -> tuple[int, int, int, int]:
         return self.input_tokens, self.output_tokens, self.input_cached_tokens, self.num_model_requests
@@ -110,6 +116,12 @@ def bucket_start(t: float, width: str) -> int:
     """The start (unix seconds, UTC) of the ``width`` bucket holding ``t``."""
     w = WIDTHS[width]
     return int(t // w * w)
+
+
+def _bucket_key(api: str, width: str, start: int) -> str:
+    """Redis's hash of API ``api``'s ``width`` bucket starting at ``start`` (completions' keep
+    the name they had before embeddings had buckets of their own)."""
+    return f"usage:{width}:{start}" if api == "completions" else f"usage:{api}:{width}:{start}"
 
 
 _RESERVE = """
@@ -310,17 +322,18 @@ class RedisControl:
         ``s.rid`` (a retry of a call that timed out after Redis applied it changes nothing: the
         ids finished in the last hour are kept)."""
         group = _SEP.join((r.project_id, r.api_key_id, r.model)) + _SEP
-        buckets = [f"usage:{width}:{bucket_start(r.at, width)}" for width in WIDTHS]
+        buckets = [_bucket_key(r.api, width, bucket_start(r.at, width)) for width in WIDTHS]
         ttls = [RETENTION_S[width] + WIDTHS[width] for width in WIDTHS]
         self._call(self._finish, keys=self._spend_keys(s.project, s.month) + buckets,
                    args=[s.rid, s.cost, s.tokens, group, *r.counts(), *ttls])
 
-    def usage(self, width: str, starts: list[int]) -> dict[int, dict[tuple[str, str, str], list[int]]]:
-        """``{start: {(project, key, model): [input, output, cached, requests]}}`` of the
-        buckets starting at ``starts``."""
+    def usage(self, width: str, starts: list[int], api: str = "completions"
+              ) -> dict[int, dict[tuple[str, str, str], list[int]]]:
+        """``{start: {(project, key, model): [input, output, cached, requests]}}`` of API
+        ``api``'s buckets starting at ``starts``."""
         pipe = self.redis.pipeline(transaction=False)
         for s in starts:
-            pipe.hgetall(f"usage:{width}:{s}")
+            pipe.hgetall(_bucket_key(api, width, s))
         out = {}
         for s, fields in zip(starts, self._call(pipe.execute)):
             rows = out.setdefault(s, {})
@@ -329,6 +342,9 @@ class RedisControl:
                 rows.setdefault((project, key, model), [0, 0, 0, 0])[_COUNTERS.index(name)] += int(n)
         return out
 
+
+#: SQLite's usage table of each API.
+_TABLES = {"completions": "usage", "embeddings": "usage_embeddings"}
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS docs (name TEXT PRIMARY KEY, doc TEXT NOT NULL);
@@ -341,6 +357,9 @@ CREATE INDEX IF NOT EXISTS reservations_expiry ON reservations (project, expires
 CREATE TABLE IF NOT EXISTS last_used (key TEXT PRIMARY KEY, at INTEGER);
 CREATE TABLE IF NOT EXISTS finished (id TEXT PRIMARY KEY, at REAL);
 CREATE TABLE IF NOT EXISTS usage (width TEXT, start INTEGER, project TEXT, api_key TEXT, model TEXT,
+  input_tokens INTEGER, output_tokens INTEGER, input_cached_tokens INTEGER, num_model_requests INTEGER,
+  PRIMARY KEY (width, start, project, api_key, model));
+CREATE TABLE IF NOT EXISTS usage_embeddings (width TEXT, start INTEGER, project TEXT, api_key TEXT, model TEXT,
   input_tokens INTEGER, output_tokens INTEGER, input_cached_tokens INTEGER, num_model_requests INTEGER,
   PRIMARY KEY (width, start, project, api_key, model));
 """
@@ -466,7 +485,8 @@ class SqliteControl:
             self._settle(db, s.project, s.month, s.rid, s.cost, s.tokens)
             for _ in (r,):
                 for width in WIDTHS:
-                    db.execute("INSERT INTO usage VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT DO UPDATE SET "
+                    db.execute(f"INSERT INTO {_TABLES[r.api]} VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?) "
+                               "ON CONFLICT DO UPDATE SET "
                                "input_tokens = input_tokens + excluded.input_tokens, "
                                "output_tokens = output_tokens + excluded.output_tokens, "
                                "input_cached_tokens = input_cached_tokens + excluded.input_cached_tokens, "
@@ -475,17 +495,19 @@ class SqliteControl:
             if now - self._pruned > 60:  # retention: at most once a minute per process
                 self._pruned = now
                 for width, keep in RETENTION_S.items():
-                    db.execute("DELETE FROM usage WHERE width = ? AND start < ?", (width, now - keep))
+                    for table in _TABLES.values():
+                        db.execute(f"DELETE FROM {table} WHERE width = ? AND start < ?", (width, now - keep))
                 db.execute("DELETE FROM finished WHERE at < ?", (now - 3600,))
         self._tx(run)
 
-    def usage(self, width: str, starts: list[int]) -> dict[int, dict[tuple[str, str, str], list[int]]]:
+    def usage(self, width: str, starts: list[int], api: str = "completions"
+              ) -> dict[int, dict[tuple[str, str, str], list[int]]]:
         out = {s: {} for s in starts}
         if not starts:
             return out
         with self.lock:
             rows = self.db.execute("SELECT start, project, api_key, model, input_tokens, output_tokens, "
-                                   "input_cached_tokens, num_model_requests FROM usage WHERE width = ? "
+                                   f"input_cached_tokens, num_model_requests FROM {_TABLES[api]} WHERE width = ? "
                                    "AND start >= ? AND start <= ?", (width, min(starts), max(starts))).fetchall()
         for start, project, key, model, *counts in rows:
             if start in out:

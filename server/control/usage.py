@@ -1,10 +1,14 @@
-"""``GET /v1/organization/usage/completions``: the usage buckets (``server/control/store.py``) as
-OpenAI's ``UsageResponse`` page of ``UsageTimeBucket``s of ``UsageCompletionsResult``s.
+"""``GET /v1/organization/usage/completions`` and ``/usage/embeddings``: the usage buckets
+(``server/control/store.py``) as OpenAI's ``UsageResponse`` page of ``UsageTimeBucket``s of
+``UsageCompletionsResult``s (generation models' requests) or ``UsageEmbeddingsResult``s
+(embedding models').
 
 Parameters (OpenAI's): ``start_time`` (required, unix seconds, inclusive), ``end_time``
 (exclusive, default now), ``bucket_width`` (``1m``, ``1h``, ``1d``; default ``1d``), filters
-``project_ids``, ``api_key_ids``, ``models`` (repeated, or ``name[]``), ``batch`` (every request
-here is a non-batch one), ``group_by`` (``project_id``, ``api_key_id``, ``model``, ``batch``),
+``project_ids``, ``api_key_ids``, ``models`` (repeated, or ``name[]``), ``group_by``
+(``project_id``, ``api_key_id``, ``model``; completions also ``batch``, and the ``batch`` filter:
+every request here is a non-batch one), ``user_ids`` and ``group_by=user_id`` refused (this
+server has no users),
 ``limit`` (buckets a page: 1d up to 31, default 7; 1h up to 168, default 24; 1m up to 1440,
 default 60) and ``page`` (the cursor a page's ``next_page`` gives). Buckets start at multiples
 of their width in UTC; ``start_time`` inside a bucket starts from that bucket.
@@ -18,9 +22,12 @@ from server.api.fields import shown
 from server.control.store import WIDTHS, bucket_start
 
 _LIMITS = {"1d": (7, 31), "1h": (24, 168), "1m": (60, 1440)}
-_GROUPS = ("project_id", "api_key_id", "model", "batch")
-_PARAMS = {"start_time", "end_time", "bucket_width", "project_ids", "api_key_ids", "models", "batch", "group_by",
+_GROUPS = {"completions": ("project_id", "api_key_id", "model", "batch"),
+           "embeddings": ("project_id", "api_key_id", "model")}
+_PARAMS = {"start_time", "end_time", "bucket_width", "project_ids", "api_key_ids", "models", "group_by",
            "limit", "page", "user_ids"}
+#: Each API's own parameters beyond :data:`_PARAMS`.
+_OWN_PARAMS = {"completions": {"batch"}, "embeddings": set()}
 
 
 def _one(params: dict, name: str) -> str | None:
@@ -55,15 +62,16 @@ def _list(params: dict, name: str) -> list[str] | None:
     return [x for v in values for x in v.split(",") if x] if values else None
 
 
-def usage_page(store, params: dict, now: float | None = None) -> dict:
-    """The page for query ``params`` (``{name: str | [str]}``, as Falcon parses a query).
+def usage_page(store, params: dict, now: float | None = None, api: str = "completions") -> dict:
+    """The page of usage API ``api`` (``completions`` or ``embeddings``) for query ``params``
+    (``{name: str | [str]}``, as Falcon parses a query).
 
     Raises:
         InvalidRequest: a parameter out of range or unknown, naming it.
     """
     now = time.time() if now is None else now
     for name in params:
-        if name.removesuffix("[]") not in _PARAMS:
+        if name.removesuffix("[]") not in _PARAMS | _OWN_PARAMS[api]:
             raise InvalidRequest(f"unknown query parameter {shown(name)}", name)
     if params.get("user_ids") is not None:
         raise InvalidRequest("user_ids: this server has no users; filter by project_ids or api_key_ids", "user_ids")
@@ -87,8 +95,10 @@ def usage_page(store, params: dict, now: float | None = None) -> dict:
             raise InvalidRequest(f"page: not a cursor of this query, {shown(page)}", "page")
     group_by = _list(params, "group_by") or []
     for g in group_by:
-        if g not in _GROUPS:
-            raise InvalidRequest(f"group_by: {shown(g)} is not one of {', '.join(_GROUPS)}", "group_by")
+        if g == "user_id":
+            raise InvalidRequest("group_by: this server has no users; group by project_id or api_key_id", "group_by")
+        if g not in _GROUPS[api]:
+            raise InvalidRequest(f"group_by: {shown(g)} is not one of {', '.join(_GROUPS[api])}", "group_by")
     batch = _one(params, "batch")
     if batch not in (None, "true", "false"):
         raise InvalidRequest(f"batch must be true or false, got {shown(batch)}", "batch")
@@ -98,7 +108,7 @@ def usage_page(store, params: dict, now: float | None = None) -> dict:
     starts = list(range(first, end, step)[:limit + 1])  # a range's slice: never the whole span
     more = len(starts) > limit
     starts = starts[:limit]
-    rows = store.usage(width, starts)
+    rows = store.usage(width, starts, api)
     data = []
     for s in starts:
         results: dict[tuple, list[int]] = {}
@@ -111,7 +121,7 @@ def usage_page(store, params: dict, now: float | None = None) -> dict:
             for i, n in enumerate(counts):
                 total[i] += n
         data.append({"object": "bucket", "start_time": s, "end_time": s + step,
-                     "results": [_result(dict(zip(group_by, group)), counts) for group, counts in results.items()]})
+                     "results": [_RESULTS[api](dict(zip(group_by, group)), counts) for group, counts in results.items()]})
     return {"object": "page", "data": data, "has_more": more, "next_page": str(s + step) if more else None}
 
 
@@ -123,3 +133,13 @@ def _result(group: dict, counts: list[int]) -> dict:
             "num_model_requests": requests, "project_id": group.get("project_id"), "user_id": None,
             "api_key_id": group.get("api_key_id"), "model": group.get("model"),
             "batch": False if "batch" in group else None}
+
+
+def _embeddings_result(group: dict, counts: list[int]) -> dict:
+    input_tokens, _, _, requests = counts
+    return {"object": "organization.usage.embeddings.result", "input_tokens": input_tokens,
+            "num_model_requests": requests, "project_id": group.get("project_id"), "user_id": None,
+            "api_key_id": group.get("api_key_id"), "model": group.get("model")}
+
+
+_RESULTS = {"completions": _result, "embeddings": _embeddings_result}

@@ -152,25 +152,30 @@ class AdminAPI:
     def on_get_usage(self, req, resp):
         resp.media = usage_page(self.admin.control.store, req.params)
 
+    def on_get_usage_embeddings(self, req, resp):
+        resp.media = usage_page(self.admin.control.store, req.params, api="embeddings")
+
 
 class EngineNow:
-    """``GET /v1/organization/engine`` (ours): per model's engine, slots in use of all, sequences
-    queued, KV cells held of the budget, prefix-cache entries and tokens, preemptions so far; as
-    of its last step. The default model's at the top level, every model's in ``models``.
+    """``GET /v1/organization/engine`` (ours): per model's engine, its kind (``generate`` or
+    ``embed``), slots in use of all, sequences queued, KV cells held of the budget, prefix-cache
+    entries and tokens, preemptions so far; as of its last step. The default model's at the top
+    level, every model's in ``models``.
 
     Args:
-        engines: model id -> (its engine's client, its ``--kv-cache-tokens``), the default first.
+        engines: model id -> (its engine's client, its ``--kv-cache-tokens``, its kind), the
+            default first.
     """
 
     admin = True
 
-    def __init__(self, engines: dict[str, tuple[EngineClient, int]]):
+    def __init__(self, engines: dict[str, tuple[EngineClient, int, str]]):
         self.engines = engines
 
     @staticmethod
-    def state(engine: EngineClient, budget: int) -> dict:
+    def state(engine: EngineClient, budget: int, kind: str) -> dict:
         snap = engine.snapshot()
-        return {"ready": engine.ready(), "slots_in_use": sum(1 for m in snap.slot_mailbox if m >= 0),
+        return {"kind": kind, "ready": engine.ready(), "slots_in_use": sum(1 for m in snap.slot_mailbox if m >= 0),
                 "slots": len(snap.slot_mailbox), "queued": snap.n_waiting, "kv_cells": snap.kv_cells,
                 "kv_cells_budget": budget, "prefix_cache_entries": snap.cache_entries,
                 "prefix_cache_tokens": snap.cache_tokens, "preemptions": snap.preemptions}
@@ -206,7 +211,7 @@ class AdminPage:
 
 
 def add_routes(app: falcon.App, config: ServerConfig, admin: Admin,
-               engines: dict[str, tuple[EngineClient, int]]) -> None:
+               engines: dict[str, tuple[EngineClient, int, str]]) -> None:
     """The Admin API's routes, the engine route and the admin page."""
     api, base = AdminAPI(config, admin), "/v1/organization"
     project = base + "/projects/{project_id}"
@@ -220,7 +225,8 @@ def add_routes(app: falcon.App, config: ServerConfig, admin: Admin,
                          (project + "/rate_limits/{rate_limit_id:path}", "rate_limit"),  # rl-org/model
                          (project + "/spend_limit", "spend_limit"),
                          (project + "/model_permissions", "model_permissions"),
-                         (base + "/usage/completions", "usage")):
+                         (base + "/usage/completions", "usage"),
+                         (base + "/usage/embeddings", "usage_embeddings")):
         app.add_route(path, api, suffix=suffix)
     app.add_route(base + "/engine", EngineNow(engines))
     page = AdminPage()

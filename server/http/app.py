@@ -88,10 +88,11 @@ def create_app(config: ServerConfig, models: ModelRouter | Generator, tenants: T
     accounting = models.default.accounting
     admin_on = accounting is not None and bool(accounting.control.admin_keys)
     budgets = {m.spec.id: config.engine_config(m.spec).kv_cache_tokens for m in models.models}
+    kinds = {m.spec.id: m.spec.kind for m in models.models}
     if accounting is not None:  # the Admin API over the control plane the accounting uses
         add_admin_routes(app, config, Admin(accounting.control, accounting.price, config.model_ids,
                                           {name: spec.id for spec in config.models for name in spec.names}),
-                         {model: (engine, budgets[model]) for model, engine in models.engines().items()})
+                         {model: (engine, budgets[model], kinds[model]) for model, engine in models.engines().items()})
     if telemetry.metrics is not None:
         from server.observability.metrics import Scrape
         # with admin keys, metrics on the public port need one (they name the projects)

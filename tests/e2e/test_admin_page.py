@@ -2,7 +2,8 @@
 driven by Selenium over a real server with an admin key and its own control database. A wrong
 admin key is refused with a message; the right one logs in; a project and a key are made through
 the page, the key's value is shown once, serves a completion, and is gone from the page once
-dismissed; the completion's tokens appear in the usage chart (by project, then by model); rate
+dismissed; the completion's tokens appear in the usage chart (by project, then by model), an
+embedding request's under the embedding models' usage; every model's engine is listed; rate
 and spend limits, and the models the project may use, are set through the page; the key revoked
 through the page is refused (401); the project is archived; logging out forgets the admin key.
 No Content-Security-Policy violation and no key value in the browser's console.
@@ -38,13 +39,18 @@ from selenium.webdriver.support.ui import Select, WebDriverWait  # noqa: E402
 ADMIN = "admin-page-test-0123456789abcdef"  # 32 characters
 KEY_STORE = "inference-server.admin-key"  # admin.js's sessionStorage item
 ORG = "/v1/organization"
+EMBED = "page-embed"
 
 
 @pytest.fixture(scope="module")
-def admin_server(tmp_path_factory):
-    db = tmp_path_factory.mktemp("control") / "control.db"
-    with running_server("--max-slots", "2", "--max-seq-len", "256",
-                        env={"ADMIN_KEYS": ADMIN, "CONTROL_DB": str(db)}) as s:
+def admin_server(tmp_path_factory, model_path):
+    """The bundled model for generation (the default) and again as an embedding model."""
+    folder = tmp_path_factory.mktemp("control")
+    (folder / "models.toml").write_text(
+        f'[[models]]\nnames = ["{MODEL}"]\npath = "{model_path}"\nmax_slots = 2\nmax_seq_len = 256\n\n'
+        f'[[models]]\nnames = ["{EMBED}"]\npath = "{model_path}"\nkind = "embed"\npooling = "mean"\nmax_slots = 4\n')
+    with running_server("--models", str(folder / "models.toml"),
+                        env={"ADMIN_KEYS": ADMIN, "CONTROL_DB": str(folder / "control.db")}) as s:
         yield s
 
 
@@ -144,7 +150,11 @@ def test_admin_page(admin_server, browser):
     page.until(lambda: page.visible("app"), "the page after login")
     assert not page.visible("login") and ADMIN not in browser.current_url
     page.until(lambda: page("engine-ready").text == "yes", "the engine ready")
-    assert page("engine-slots").text.endswith("of 2"), page("engine-slots").text
+    assert page("engine-slots").text.endswith("of 2"), page("engine-slots").text  # the default model's, first
+    embed_row = page.until(lambda: browser.find_element(By.CSS_SELECTOR, f'[data-model="{EMBED}"]'),
+                           "the embedding model's engine")
+    assert page("engine-kind", embed_row).text == "embeddings" and page("engine-kv", embed_row).text == "–"
+    page.until(lambda: page("engine-ready", embed_row).text == "yes", "the embedding engine ready")
 
     # a project, made through the page
     page.fill("project-name", "page-test")
@@ -191,6 +201,17 @@ def test_admin_page(admin_server, browser):
     page.until(lambda: page.js("const u = window.adminPageUsage; return u && u.group === 'model' &&"
                                " u.totals.reduce((n, t) => n + t.input_tokens + t.output_tokens, 0);")
                == usage["total_tokens"], "the usage by model")
+    # an embedding request: under the embeddings' usage, not the completions'
+    embedded = post(server, "/v1/embeddings", {"model": EMBED, "input": ["one", "and two"]}, key=value)
+    assert embedded.status == 200, embedded.body
+    embedded = embedded.json()["usage"]["prompt_tokens"]
+    Select(page("usage-api")).select_by_value("embeddings")
+    page.until(lambda: page.js("const u = window.adminPageUsage; return u && u.api === 'embeddings' &&"
+                               " u.totals.map(t => [t.key, t.input_tokens, t.output_tokens, t.requests]);")
+               == [[EMBED, embedded, 0, 1]], "the embeddings' usage by model")
+    Select(page("usage-api")).select_by_value("completions")
+    page.until(lambda: page.js("const u = window.adminPageUsage; return u && u.api === 'completions' &&"
+                               " u.totals.map(t => t.key);") == [MODEL], "the completions' usage alone")
 
     # rate limits and spend limit, set through the page
     page.fill("rate-rpd", "1000")
@@ -201,7 +222,7 @@ def test_admin_page(admin_server, browser):
     page("spend-save").click()
     page.until(lambda: page("spend-limit").text == "$5.00", "the spend limit shown")
     admin_get(server, f"/projects/{project_id}/spend_limit", lambda r: r["threshold_amount"] == 500)
-    assert page("spend-tokens").text == str(usage["total_tokens"])
+    assert page("spend-tokens").text == str(usage["total_tokens"] + embedded)  # the month's tokens, every model's
     page("spend-remove").click()
     page.until(lambda: page("spend-limit").text == "none", "the spend limit removed")
     # the models it may use: only the served model (by its alias), then every model again

@@ -19,6 +19,7 @@ from tests.support.http import get, post
 from tests.support.servers import cmdline, running_server
 
 FULL, LIMITED, NARROW = "sk-full-0123456789abcdef", "sk-gemma-only-0123456789", "sk-narrow-0123456789abc"
+METERED, ADMIN = "sk-metered-0123456789abc", "admin-models-0123456789abcdef"
 AUTH = {"Authorization": f"Bearer {FULL}"}
 TEXTS = ["The cat sat on the mat.", "A dog ran in the park.", "Stocks fell sharply on Monday.",
          "Photosynthesis turns light into sugar.", "hello", "The quick brown fox jumps over the lazy dog " * 20]
@@ -39,9 +40,10 @@ def three(tmp_path_factory, model_path, gemma_model_path):
     (folder / "tenants.toml").write_text(
         f'[[tenants]]\nid = "full"\napi_keys = ["{FULL}"]\n\n'
         f'[[tenants]]\nid = "limited"\napi_keys = ["{LIMITED}"]\nmodels = ["gemma"]\n\n'
-        f'[[tenants]]\nid = "narrow"\napi_keys = ["{NARROW}"]\nmax_concurrent = 3\n')
+        f'[[tenants]]\nid = "narrow"\napi_keys = ["{NARROW}"]\nmax_concurrent = 3\n\n'
+        f'[[tenants]]\nid = "metered"\napi_keys = ["{METERED}"]\n')
     with running_server("--models", str(folder / "models.toml"), "--tenants", str(folder / "tenants.toml"),
-                        "--workers", "1", "--threads", "16", grpc=True) as server:
+                        "--workers", "1", "--threads", "16", grpc=True, env={"ADMIN_KEYS": ADMIN}) as server:
         yield server
 
 
@@ -126,6 +128,52 @@ def test_a_tenant_limited_to_one_model_cannot_use_the_others(three):
         assert answer["error"]["message"].endswith("models here: gemma"), answer  # never the others
     status, answer = _json(three, "/v1/completions", {"model": "gemma", "prompt": "x", "max_tokens": 2}, key=LIMITED)
     assert status == 200, answer
+
+
+def test_usage_counts_each_model_under_its_api(three):
+    """OpenAI's usage routes by the kind of model: ``/usage/completions`` sums the generation
+    models' requests, ``/usage/embeddings`` the embedding model's (HTTP and gRPC), token for token
+    what the clients were told; neither holds the other's."""
+    import grpc
+
+    from proto import inference_pb2 as pb
+    from proto import inference_pb2_grpc
+
+    started = int(time.time()) - 60
+    texts = ["one input", "and a second, longer input of several words"]
+    status, chat = _json(three, "/v1/chat/completions", {"model": "smollm2", "max_tokens": 3,
+                                                         "messages": [{"role": "user", "content": "hi"}]}, key=METERED)
+    assert status == 200, chat
+    status, completion = _json(three, "/v1/completions", {"model": "gemma", "prompt": "x", "max_tokens": 2},
+                               key=METERED)
+    assert status == 200, completion
+    _, first = _json(three, "/v1/embeddings", {"model": "embed", "input": texts}, key=METERED)
+    with grpc.insecure_channel(f"127.0.0.1:{three.grpc_port}") as channel:
+        reply = inference_pb2_grpc.InferenceServiceStub(channel).Embed(
+            pb.EmbedRequest(model="embed", input=["by gRPC"]), metadata=(("authorization", f"Bearer {METERED}"),))
+    embedded = first["usage"]["prompt_tokens"] + reply.usage.prompt_tokens
+    auth = {"Authorization": f"Bearer {ADMIN}"}
+
+    def page(api: str) -> dict:
+        query = f"start_time={started}&bucket_width=1d&group_by=model&project_ids=metered"
+        r = get(three, f"/v1/organization/usage/{api}?{query}", headers=auth)
+        assert r.status == 200, r.body
+        return {x["model"]: x for bucket in json.loads(r.body)["data"] for x in bucket["results"]}
+
+    deadline = time.monotonic() + 5  # written as each request ends
+    while sum(x["num_model_requests"] for x in page("embeddings").values()) < 2 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert page("embeddings") == {"embed": {"object": "organization.usage.embeddings.result", "input_tokens": embedded,
+                                            "num_model_requests": 2, "project_id": None, "user_id": None,
+                                            "api_key_id": None, "model": "embed"}}
+    completions = page("completions")
+    assert set(completions) == {"smollm2", "gemma"}, completions
+    assert completions["smollm2"]["input_tokens"] == chat["usage"]["prompt_tokens"]
+    assert completions["gemma"]["output_tokens"] == completion["usage"]["completion_tokens"]
+    r = get(three, f"/v1/organization/usage/embeddings?start_time={started}&batch=true", headers=auth)
+    assert r.status == 400 and json.loads(r.body)["error"]["param"] == "batch", r.body  # completions' only
+    r = get(three, f"/v1/organization/usage/embeddings?start_time={started}&group_by=user_id", headers=auth)
+    assert r.status == 400 and "no users" in json.loads(r.body)["error"]["message"], r.body
 
 
 def test_embeddings_are_unit_vectors_the_same_alone_or_batched(three):

@@ -187,6 +187,23 @@ def test_more_inputs_than_slots_are_all_answered_over_several_decodes_by_priorit
         assert all(abs(float(np.linalg.norm(v)) - 1) < 1e-5 for v in vectors)
 
 
+def test_tenants_take_turns_by_weight_within_a_step(smol):
+    """Fair share (engine/fair_share.py): a tenant that queued many inputs first does not fill
+    the step; a second tenant of weight 3 gets three inputs of four, tokens over weight being
+    equal; a later step serves what is left."""
+    with stepped(smol, max_slots=4) as (client, core):
+        flood = [client.embed([300 + i] * 10, tenant=1, weight=1.0) for i in range(8)]
+        light = [client.embed([400 + i] * 10, tenant=2, weight=3.0) for i in range(4)]
+        core.step()
+        first = core.step_no
+        core.step()
+        core.step()
+        embeddings(flood + light)
+        by_step = lambda streams: [s.timings().step_admitted for s in streams]  # noqa: E731
+        assert by_step(light) == [first, first, first, first + 1], by_step(light)
+        assert by_step(flood)[:2] == [first, first + 1], by_step(flood)
+
+
 def test_cancelled_and_expired_waiting_inputs_finish_so(smol):
     with stepped(smol) as (client, core):
         kept, cancelled = client.embed([11, 12, 13]), client.embed([14, 15])

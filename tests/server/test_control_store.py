@@ -65,6 +65,10 @@ def test_usage_buckets(store):
     assert store.usage("1m", [minute])[minute] == {("p", "k1", "m"): [11, 6, 2, 2]}
     day = store_module.bucket_start(t, "1d")
     assert store.usage("1d", [day])[day] == {("p", "k1", "m"): [11, 6, 2, 2], ("p", "k2", "m"): [7, 0, 7, 1]}
+    # an embedding model's requests count under the embeddings API, apart from the completions'
+    store.finish(Settlement("p", "2026-12", "e0", 0, 0), UsageRecord("p", "k1", "e", t, 40, 0, 0, api="embeddings"))
+    assert store.usage("1d", [day], "embeddings")[day] == {("p", "k1", "e"): [40, 0, 0, 1]}
+    assert ("p", "k1", "e") not in store.usage("1d", [day])[day]
 
 
 def test_prices_by_any_served_name(tmp_path):

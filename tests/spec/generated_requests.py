@@ -207,8 +207,8 @@ def test_schemathesis_openai_document(case, small_server):
 ADMIN_DOC = json.loads((pathlib.Path(__file__).parent / "openai" / "openapi-admin-subset.json").read_text())
 ADMIN_KEY = "generated-requests-admin-key-0"
 #: What the document has that the admin server does not serve: embeddings (an embedding model's,
-#: below) and their usage (usage is recorded under completions, docs/tenants.md).
-NOT_SERVED = ("/embeddings", "/organization/usage/embeddings")
+#: below).
+NOT_SERVED = ("/embeddings",)
 _pin_model_ids(ADMIN_DOC)
 ADMIN = schemathesis.openapi.from_dict({**ADMIN_DOC, "paths": {p: v for p, v in ADMIN_DOC["paths"].items()
                                                                if p not in NOT_SERVED}})

@@ -1,5 +1,6 @@
 /* The admin page of inference-server, served at /admin (server/http/admin.py, AdminPage): projects,
- * their keys, rate limits, model permissions and spend limit, usage over time, the engine now (docs/operations.md,
+ * their keys, rate limits, model permissions and spend limit, usage over time (of the generation or the embedding
+ * models), every model's engine now (docs/operations.md,
  * "Admin page"). Every figure comes from the Admin API (/v1/organization/..., server/http/admin.py),
  * called with the admin key as a bearer token; the key is kept in this tab's sessionStorage only,
  * never in a URL, a cookie or a log.
@@ -289,14 +290,22 @@
   function loadEngine() {
     return once("engine", async () => {
       const e = await api("GET", ORG + "/engine");
-      $("engine-ready").textContent = e.ready ? "yes" : "no (starting or restarting)";
-      $("engine-ready").className = e.ready ? "ok" : "bad";
-      $("engine-slots").textContent = fmtNumber(e.slots_in_use) + " of " + fmtNumber(e.slots);
-      $("engine-queued").textContent = fmtNumber(e.queued);
-      $("engine-kv").textContent = fmtNumber(e.kv_cells) + " of " + fmtNumber(e.kv_cells_budget);
-      $("engine-cache").textContent = fmtNumber(e.prefix_cache_entries) + " entries, " +
-        fmtNumber(e.prefix_cache_tokens) + " tokens";
-      $("engine-preemptions").textContent = fmtNumber(e.preemptions);
+      const tbody = $("engines-table").tBodies[0];
+      tbody.replaceChildren();
+      for (const m of e.models) {  // the default model's first
+        const embeds = m.kind === "embed";  // no KV cells kept between steps, no prefix cache
+        const ready = el("span", m.ready ? "yes" : "no (starting or restarting)", {class: m.ready ? "ok" : "bad"});
+        const tr = row([m.model, embeds ? "embeddings" : "generation", ready,
+                        fmtNumber(m.slots_in_use) + " of " + fmtNumber(m.slots), fmtNumber(m.queued),
+                        embeds ? "–" : fmtNumber(m.kv_cells) + " of " + fmtNumber(m.kv_cells_budget),
+                        embeds ? "–" : fmtNumber(m.prefix_cache_entries) + " entries, " +
+                          fmtNumber(m.prefix_cache_tokens) + " tokens",
+                        embeds ? "–" : fmtNumber(m.preemptions)],
+                       {"data-testid": "engine-row", "data-model": m.model});
+        ["engine-model", "engine-kind", "engine-ready", "engine-slots", "engine-queued", "engine-kv", "engine-cache",
+         "engine-preemptions"].forEach((id, i) => tr.cells[i].setAttribute("data-testid", id));
+        tbody.append(tr);
+      }
     });
   }
 
@@ -566,23 +575,25 @@
 
   function loadUsage() {
     return once("usage", async () => {
-      const width = $("usage-width").value, group = $("usage-group").value;
+      const usageApi = $("usage-api").value, width = $("usage-width").value, group = $("usage-group").value;
       const start = Math.floor(Date.now() / 1000) - (WIDTH_N[width] - 1) * WIDTH_S[width];
       const query = "?start_time=" + start + "&bucket_width=" + width + "&group_by=" + group +
         "&limit=" + WIDTH_N[width];
       const buckets = [];
       let cursor = null;
       for (let i = 0; i < 4; i++) {  // a clock ahead of the server's can make a second page
-        const page = await api("GET", ORG + "/usage/completions" + query + (cursor ? "&page=" + enc(cursor) : ""));
+        const page = await api("GET", ORG + "/usage/" + usageApi + query + (cursor ? "&page=" + enc(cursor) : ""));
         buckets.push(...page.data);
         if (!page.has_more || !page.next_page) break;
         cursor = page.next_page;
       }
-      if (width === $("usage-width").value && group === $("usage-group").value) showUsage(buckets, width, group);
+      if (usageApi === $("usage-api").value && width === $("usage-width").value && group === $("usage-group").value) {
+        showUsage(buckets, usageApi, width, group);
+      }
     });
   }
 
-  function showUsage(buckets, width, group) {
+  function showUsage(buckets, usageApi, width, group) {
     const labels = buckets.map((b) => fmtBucket(b.start_time, width));
     const groups = new Map();
     buckets.forEach((bucket, i) => {
@@ -592,10 +603,10 @@
           groups.set(key, {key, label: group === "project_id" ? projectLabel(key) : String(key),
                            data: new Array(buckets.length).fill(0), input: 0, output: 0, requests: 0});
         }
-        const g = groups.get(key);
-        g.data[i] += r.input_tokens + r.output_tokens;
+        const g = groups.get(key), output = r.output_tokens || 0;  // embeddings: input only
+        g.data[i] += r.input_tokens + output;
         g.input += r.input_tokens;
-        g.output += r.output_tokens;
+        g.output += output;
         g.requests += r.num_model_requests;
       }
     });
@@ -614,7 +625,7 @@
                                          borderColor: COLORS[i % COLORS.length]}));
     state.updates += 1;
     window.adminPageUsage = {
-      width, group, labels, updated: state.updates,
+      api: usageApi, width, group, labels, updated: state.updates,
       datasets: all.map((g) => ({key: g.key, label: g.label, data: g.data.slice()})),
       totals: all.map((g) => ({key: g.key, label: g.label, input_tokens: g.input, output_tokens: g.output,
                                requests: g.requests})),
@@ -638,7 +649,7 @@
   }
 
   $("usage-form").addEventListener("submit", action(() => loadUsage()));
-  for (const id of ["usage-width", "usage-group"]) $(id).addEventListener("change", action(() => loadUsage()));
+  for (const id of ["usage-api", "usage-width", "usage-group"]) $(id).addEventListener("change", action(() => loadUsage()));
 
   // ---- start ----
   if (adminKey()) enter();
