@@ -58,8 +58,8 @@ workers = _config.workers
 # before the close (server.http.worker).
 worker_class = "server.http.worker.Worker"
 # Seconds a worker gets to finish after the master's SIGTERM. The drain (see ``_drain``) has
-# already ended every request by then, so only final writes remain; a second SIGTERM (stop
-# now) cuts what still runs after this long.
+# already ended every request by then, so only final writes remain; after a third SIGTERM (halt
+# at once) what still runs is cut after this long.
 graceful_timeout = 5
 keepalive = 5
 timeout = 120
@@ -220,35 +220,46 @@ def _drain(server) -> None:
     """SIGTERM to the master. The first: readiness turns 503 and new requests get 503
     (``ShuttingDown``; gRPC health ``NOT_SERVING``, calls ``UNAVAILABLE``) at once, while
     what runs or waits keeps going for up to ``--drain-timeout`` seconds (:func:`_finish_drain`).
-    A second SIGTERM (or SIGINT, gunicorn's quick stop) stops now: gunicorn's own shutdown."""
-    if _state.get("draining"):
+    A second SIGTERM ends the drain now, as its timeout would: what still runs is ended with
+    ``server_shutting_down``, written within :data:`END_WRITES_S`. A third, or the drain's own
+    at its end, halts: gunicorn's shutdown (SIGINT and SIGQUIT stay gunicorn's quick stop, which
+    cuts what still streams)."""
+    if _state.get("drained") or _state.get("ending"):
         raise StopIteration  # what the arbiter's own handle_term does: halt
+    if _state.get("draining"):
+        _state["ending"] = True
+        server.log.warning("second SIGTERM: ending the requests still in flight now (a third SIGTERM stops at once)")
+        _state["end_now"].set()
+        return
     _state["draining"] = True
+    _state["end_now"] = threading.Event()
     for supervisor in _state["supervisors"].values():
         supervisor.start_draining()
-    server.log.info("SIGTERM: draining; running requests get up to %.0f s (a second SIGTERM stops now)",
+    server.log.info("SIGTERM: draining; running requests get up to %.0f s (a second SIGTERM ends them now)",
                     _config.drain_timeout)
     threading.Thread(target=_finish_drain, args=(server,), name="drain", daemon=True).start()
 
 
 def _finish_drain(server) -> None:
-    """Wait until no request is in flight or the drain timeout passed; then stop the engine,
-    which ends what still runs with ``server_shutting_down`` (an SSE error event and
-    ``[DONE]``, a 503, gRPC ``UNAVAILABLE``); give the front ends time to write that; then
-    SIGTERM the master again, which halts gunicorn (``on_exit`` cleans up)."""
+    """Wait until no request is in flight, the drain timeout passed, or a second SIGTERM came;
+    then stop the engine, which ends what still runs with ``server_shutting_down`` (an SSE
+    error event and ``[DONE]``, a 503, gRPC ``UNAVAILABLE``); give the front ends time to write
+    that; then SIGTERM the master again, which halts gunicorn (``on_exit`` cleans up)."""
     supervisors = list(_state["supervisors"].values())
     in_flight = lambda: sum(s.in_flight() for s in supervisors)  # noqa: E731
-    deadline = time.monotonic() + _config.drain_timeout
-    while in_flight() and time.monotonic() < deadline:
-        time.sleep(0.05)
+    deadline, end_now = time.monotonic() + _config.drain_timeout, _state["end_now"]
+    while in_flight() and time.monotonic() < deadline and not end_now.wait(0.05):
+        pass
     if in_flight():
-        server.log.warning("drain timeout: ending %d requests still in flight", in_flight())
+        server.log.warning("%s: ending %d requests still in flight",
+                           "second SIGTERM" if end_now.is_set() else "drain timeout", in_flight())
         for supervisor in supervisors:
             supervisor.stop_engine()
         deadline = time.monotonic() + END_WRITES_S
         while in_flight() and time.monotonic() < deadline:
             time.sleep(0.05)
     server.log.info("drained; stopping")
+    _state["drained"] = True
     os.kill(os.getpid(), signal.SIGTERM)
 
 

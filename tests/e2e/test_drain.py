@@ -1,6 +1,6 @@
 """SIGTERM drains: readiness turns 503 at once, new requests are refused with 503, running
-streams finish (or, past ``--drain-timeout``, end with an error event and ``[DONE]``), and the
-server exits 0 leaving nothing in /dev/shm. A real server, real streams."""
+streams finish (or, past ``--drain-timeout`` or at a second SIGTERM, end with an error event and
+``[DONE]``), and the server exits 0 leaving nothing in /dev/shm. A real server, real streams."""
 from __future__ import annotations
 
 import json
@@ -107,14 +107,28 @@ def test_drain_timeout_ends_what_still_runs_with_an_error_and_done():
         assert not leftovers(server)
 
 
-def test_a_second_sigterm_stops_now():
+def test_a_second_sigterm_ends_the_drain_now_and_a_third_stops_at_once():
+    """The second SIGTERM ends what still streams as the drain's timeout would (an error event,
+    then ``[DONE]``), not cut; a third halts at once, whatever still runs."""
     with running_server("--max-slots", "2", "--max-seq-len", "512", "--drain-timeout", "600") as server:
-        results, threads = start_streams(server, 1, 480)
+        results, threads = start_streams(server, 2, 480)
         server.proc.send_signal(signal.SIGTERM)
         while health(server, "/health/ready") != 503:
             time.sleep(0.01)
-        assert server.proc.poll() is None  # draining: the stream still runs
+        assert server.proc.poll() is None  # draining: the streams still run
         server.proc.send_signal(signal.SIGTERM)
+        assert server.proc.wait(30) == 0  # END_WRITES_S at most, not 600
+        for t in threads:
+            t.join(30)
+        assert len(results) == 2
+        for events, done in results:
+            assert done and events[-1]["error"]["code"] == "server_shutting_down", events[-1:]
+        assert not leftovers(server)
+    with running_server("--max-slots", "2", "--max-seq-len", "512", "--drain-timeout", "600") as server:
+        results, threads = start_streams(server, 1, 480)
+        for _ in range(3):
+            server.proc.send_signal(signal.SIGTERM)
+            time.sleep(0.05)
         server.proc.wait(30)  # gunicorn's own stop: workers get graceful_timeout (5 s), not 600
         threads[0].join(30)
         assert not leftovers(server)
