@@ -45,8 +45,13 @@ def check_number(param: str, value, lo=None, hi=None, lo_open: bool = False, int
             (integer and isinstance(value, float) and not value.is_integer()):
         raise InvalidRequest(f"{param} must be {kind}, got {shown(value)}", param)
     if (lo is not None and (value < lo or (lo_open and value == lo))) or (hi is not None and value > hi):
-        bound = f"({lo}, {hi}]" if lo_open else f"[{lo}, {hi}]"
-        raise InvalidRequest(f"{param} must be in {bound}, got {shown(value)}", param)
+        if hi is None:
+            bound = f"more than {lo}" if lo_open else f"at least {lo}"
+        elif lo is None:
+            bound = f"at most {hi}"
+        else:
+            bound = "in " + (f"({lo}, {hi}]" if lo_open else f"[{lo}, {hi}]")
+        raise InvalidRequest(f"{param} must be {bound}, got {shown(value)}", param)
     return int(value) if integer else float(value)
 
 

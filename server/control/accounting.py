@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from engine.config import ConfigError
 from engine.errors import RateLimited
 from server.control.state import ControlPlane
-from server.control.store import ControlUnavailable, Settlement, UsageRecord, WriteBehind, month_of
+from server.control.store import ControlUnavailable, Settlement, UsageRecord, month_of
 from server.tenancy.tenants import Tenant
 
 NANO_PER_CENT = 10_000_000
@@ -151,7 +151,7 @@ class Accounting:
         #: usage is recorded under the model's first name; its price is under any of them
         self.control, self.prices, self.model, self.clock, self.api = control, prices, model_names[0], clock, api
         self.price = prices.of(model_names)
-        self.writes = WriteBehind(control.store)
+        self.writes = control.writes
         self._touched: dict[str, float] = {}  # key id -> when this process last wrote its last use
 
     def _limits(self, tenant: Tenant) -> tuple[int | None, int | None]:

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 from engine.config import ConfigError
 from engine.request import Priority
-from server.control.store import ControlUnavailable, RedisControl, open_store
+from server.control.store import ControlUnavailable, RedisControl, WriteBehind, open_store
 from server.tenancy.tenants import ModelAccess, Rate, Tenant, Tenants, tenant_index
 
 log = logging.getLogger("control")
@@ -146,6 +146,8 @@ class ControlPlane:
 
     def __init__(self, store, file: Tenants, model: str, admin_keys: frozenset[bytes] = frozenset()):
         self.store, self.model, self.admin_keys = store, model, admin_keys
+        #: what finished requests write, kept while the store is out (every model's accounting)
+        self.writes = WriteBehind(store)
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._caught_up = 0.0
@@ -247,6 +249,7 @@ class ControlPlane:
     def _poll(self) -> None:
         failing = False
         while not self._stop.wait(POLL_S):
+            self.writes.flush()
             try:
                 if self.store.version() != self.state.version:
                     self.refresh()

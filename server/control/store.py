@@ -519,8 +519,10 @@ class WriteBehind:
     """What a finished request writes (its :class:`Settlement` and :class:`UsageRecord`, one
     ``finish`` of the store): at once, or, while the store is unreachable, kept in memory (at
     most ``limit`` requests; beyond, the oldest are dropped, said once) and written before the
-    next request's. An answer is never held up or failed by it; ``finish`` is once per request
-    id, so a retry never counts twice."""
+    next request's, or by :meth:`flush` (the control plane's poll, every ``POLL_S``, so that what
+    waited is written once the store answers, whatever the traffic). One per process, shared by
+    every model's accounting. An answer is never held up or failed by it; ``finish`` is once per
+    request id, so a retry never counts twice."""
 
     def __init__(self, store, limit: int = 10_000):
         self.store, self.limit = store, limit
@@ -537,13 +539,22 @@ class WriteBehind:
                     log.warning("control plane: %d requests' spend and usage wait for the store; the oldest are "
                                 "dropped from now on", self.limit)
                 self._dropping = True
-            try:
-                while self.pending:
-                    self.store.finish(*self.pending[0])
-                    del self.pending[0]
-                self._dropping = False
-            except ControlUnavailable:
-                pass
+            self._write()
+
+    def flush(self) -> None:
+        """Write what waits, if anything does and the store answers."""
+        if self.pending:
+            with self.lock:
+                self._write()
+
+    def _write(self) -> None:
+        try:
+            while self.pending:
+                self.store.finish(*self.pending[0])
+                del self.pending[0]
+            self._dropping = False
+        except ControlUnavailable:
+            pass
 
 
 def open_store(redis_url: str, path: str):

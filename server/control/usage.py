@@ -28,6 +28,8 @@ _PARAMS = {"start_time", "end_time", "bucket_width", "project_ids", "api_key_ids
            "limit", "page", "user_ids"}
 #: Each API's own parameters beyond :data:`_PARAMS`.
 _OWN_PARAMS = {"completions": {"batch"}, "embeddings": set()}
+#: The parameters that take several values (repeated, ``name[]``, or comma-separated).
+_LISTS = {"project_ids", "api_key_ids", "models", "group_by", "user_ids"}
 
 
 def _one(params: dict, name: str) -> str | None:
@@ -62,9 +64,11 @@ def _list(params: dict, name: str) -> list[str] | None:
     return [x for v in values for x in v.split(",") if x] if values else None
 
 
-def usage_page(store, params: dict, now: float | None = None, api: str = "completions") -> dict:
+def usage_page(store, params: dict, now: float | None = None, api: str = "completions",
+               model_of: dict[str, str] | None = None) -> dict:
     """The page of usage API ``api`` (``completions`` or ``embeddings``) for query ``params``
-    (``{name: str | [str]}``, as Falcon parses a query).
+    (``{name: str | [str]}``, as Falcon parses a query). ``model_of``: each name a model is
+    served under -> the id its usage is recorded under, so that ``models`` may name any of them.
 
     Raises:
         InvalidRequest: a parameter out of range or unknown, naming it.
@@ -73,7 +77,9 @@ def usage_page(store, params: dict, now: float | None = None, api: str = "comple
     for name in params:
         if name.removesuffix("[]") not in _PARAMS | _OWN_PARAMS[api]:
             raise InvalidRequest(f"unknown query parameter {shown(name)}", name)
-    if params.get("user_ids") is not None:
+        if name.endswith("[]") and name[:-2] not in _LISTS:
+            raise InvalidRequest(f"{name[:-2]} takes one value: give it as {name[:-2]}=", name[:-2])
+    if params.get("user_ids") is not None or params.get("user_ids[]") is not None:
         raise InvalidRequest("user_ids: this server has no users; filter by project_ids or api_key_ids", "user_ids")
     width = _one(params, "bucket_width") or "1d"
     if width not in WIDTHS:
@@ -82,6 +88,8 @@ def usage_page(store, params: dict, now: float | None = None, api: str = "comple
     if start is None:
         raise InvalidRequest("start_time is required (unix seconds)", "start_time")
     end = _int(params, "end_time", 0, 10 ** 11)
+    if end is not None and end < start:
+        raise InvalidRequest(f"end_time ({end}) is before start_time ({start})", "end_time")
     end = int(now) + 1 if end is None else end
     default, most = _LIMITS[width]
     limit = _int(params, "limit", 1, most) or default
@@ -102,8 +110,9 @@ def usage_page(store, params: dict, now: float | None = None, api: str = "comple
     batch = _one(params, "batch")
     if batch not in (None, "true", "false"):
         raise InvalidRequest(f"batch must be true or false, got {shown(batch)}", "batch")
+    models = _list(params, "models")
     filters = {"project_id": _list(params, "project_ids"), "api_key_id": _list(params, "api_key_ids"),
-               "model": _list(params, "models")}
+               "model": None if models is None else [(model_of or {}).get(m, m) for m in models]}
     step = WIDTHS[width]
     starts = list(range(first, end, step)[:limit + 1])  # a range's slice: never the whole span
     more = len(starts) > limit

@@ -150,10 +150,10 @@ class AdminAPI:
 
     # usage
     def on_get_usage(self, req, resp):
-        resp.media = usage_page(self.admin.control.store, req.params)
+        resp.media = usage_page(self.admin.control.store, req.params, model_of=self.admin.model_of)
 
     def on_get_usage_embeddings(self, req, resp):
-        resp.media = usage_page(self.admin.control.store, req.params, api="embeddings")
+        resp.media = usage_page(self.admin.control.store, req.params, api="embeddings", model_of=self.admin.model_of)
 
 
 class EngineNow:

@@ -87,7 +87,9 @@ def create_app(config: ServerConfig, models: ModelRouter | Generator, tenants: T
     app.add_route("/infer", Infer(config, models, tenants))
     accounting = models.default.accounting
     admin_on = accounting is not None and bool(accounting.control.admin_keys)
-    budgets = {m.spec.id: config.engine_config(m.spec).kv_cache_tokens for m in models.models}
+    # an embedding engine keeps no KV cells between steps: no budget to show
+    budgets = {m.spec.id: 0 if m.embedder is not None else config.engine_config(m.spec).kv_cache_tokens
+               for m in models.models}
     kinds = {m.spec.id: m.spec.kind for m in models.models}
     if accounting is not None:  # the Admin API over the control plane the accounting uses
         add_admin_routes(app, config, Admin(accounting.control, accounting.price, config.model_ids,

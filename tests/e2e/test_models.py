@@ -170,8 +170,15 @@ def test_usage_counts_each_model_under_its_api(three):
     assert set(completions) == {"smollm2", "gemma"}, completions
     assert completions["smollm2"]["input_tokens"] == chat["usage"]["prompt_tokens"]
     assert completions["gemma"]["output_tokens"] == completion["usage"]["completion_tokens"]
-    r = get(three, f"/v1/organization/usage/embeddings?start_time={started}&batch=true", headers=auth)
-    assert r.status == 400 and json.loads(r.body)["error"]["param"] == "batch", r.body  # completions' only
+    # a model's filter by any name it is served under (usage is kept under its first)
+    q = f"start_time={started}&group_by=model&project_ids=metered&models=local-model"
+    r = get(three, f"/v1/organization/usage/completions?{q}", headers=auth)
+    assert [x["model"] for b in json.loads(r.body)["data"] for x in b["results"]] == ["smollm2"], r.body
+    for query, param in (("batch=true", "batch"),  # completions' only
+                         ("user_ids[]=u", "user_ids"), ("bucket_width[]=1m", "bucket_width"),
+                         (f"end_time={started - 86400}", "end_time")):
+        r = get(three, f"/v1/organization/usage/embeddings?start_time={started}&{query}", headers=auth)
+        assert r.status == 400 and json.loads(r.body)["error"]["param"] == param, (query, r.body)
     r = get(three, f"/v1/organization/usage/embeddings?start_time={started}&group_by=user_id", headers=auth)
     assert r.status == 400 and "no users" in json.loads(r.body)["error"]["message"], r.body
 

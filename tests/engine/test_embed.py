@@ -204,6 +204,24 @@ def test_tenants_take_turns_by_weight_within_a_step(smol):
         assert by_step(flood)[:2] == [first, first + 1], by_step(flood)
 
 
+def test_a_tenant_served_alone_takes_turns_with_a_newcomer_that_floods(smol):
+    """A tenant embeds alone, then a second one floods: the flood starts at the first tenant's
+    counter (the tenant served last), so the first tenant's next input goes in the flood's first
+    step, not after all of it."""
+    with stepped(smol, max_slots=4) as (client, core):
+        alone = [client.embed([300 + i] * 50, tenant=1) for i in range(4)]
+        core.step()
+        embeddings(alone)
+        flood = [client.embed([400 + i] * 10, tenant=2) for i in range(8)]
+        late = client.embed([500] * 10, tenant=1)
+        core.step()
+        first = core.step_no
+        core.step()
+        core.step()
+        embeddings(flood + [late])
+        assert late.timings().step_admitted == first
+
+
 def test_cancelled_and_expired_waiting_inputs_finish_so(smol):
     with stepped(smol) as (client, core):
         kept, cancelled = client.embed([11, 12, 13]), client.embed([14, 15])

@@ -117,6 +117,26 @@ def test_an_idle_tenant_cannot_bank_credit():
     assert sched.counters[2] == sched.counters[1] == 10_000
 
 
+def test_a_tenant_served_alone_is_not_starved_by_a_newcomer():
+    """A tenant served while it was the only one, then idle for a moment (nothing queued or
+    running), then back beside a newcomer that floods: the newcomer starts at the counter of the
+    tenant served last, not at 0, so the two take turns at once (VTC's empty-queue case)."""
+    sched = Scheduler(max_slots=1, policy="continuous", aging_s=1e9)
+    alone = make(tenant=1)
+    sched.add(alone)
+    (seq,) = sched.admit(0.0)
+    sched.charge(seq, 10_000)
+    sched.release(seq)  # nothing backlogged now
+    for i in range(3):
+        sched.add(make(tenant=2, arrival=1.0 + i))
+    assert sched.counters[2] == 10_000
+    sched.add(make(tenant=1, arrival=5.0))
+    (first,) = sched.admit(6.0)
+    sched.charge(first, 100)
+    sched.release(first)
+    assert admitted_tenants(sched, now=7.0) == [1]  # its turn after one of the newcomer's, not after all
+
+
 def test_priority_beats_fair_share_beats_deadline_beats_arrival():
     sched = Scheduler(max_slots=4, policy="continuous", aging_s=1e9)
     for s in (make(tenant=1, priority=LOW), make(tenant=2), make(tenant=3, deadline=50.0),
