@@ -242,7 +242,7 @@ def test_many_inputs_pass_through_the_engine_in_turn(three):
     assert (np.sum(vectors[150:152] * again, axis=1) >= 0.999).all()
     status, narrow = _json(three, "/v1/embeddings", {"model": "embed", "input": inputs[:10]}, key=NARROW)
     assert status == 200 and len(narrow["data"]) == 10, narrow
-    metrics = get(three, "/metrics").body.decode()
+    metrics = get(three, "/metrics", headers={"Authorization": f"Bearer {ADMIN}"}).body.decode()
     assert 'inference_requests_total{finish_reason="stop",route="/v1/embeddings",status="200",tenant="narrow"} 1.0' \
         in metrics, [line for line in metrics.splitlines() if "embeddings" in line]
     lines = [json.loads(line) for line in open(three.log) if line.startswith('{"request_id"')]
