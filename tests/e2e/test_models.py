@@ -43,7 +43,9 @@ def three(tmp_path_factory, model_path, gemma_model_path):
         f'[[tenants]]\nid = "narrow"\napi_keys = ["{NARROW}"]\nmax_concurrent = 3\n\n'
         f'[[tenants]]\nid = "metered"\napi_keys = ["{METERED}"]\n')
     with running_server("--models", str(folder / "models.toml"), "--tenants", str(folder / "tenants.toml"),
-                        "--workers", "1", "--threads", "16", grpc=True, env={"ADMIN_KEYS": ADMIN}) as server:
+                        # the drain test (last) must not meet the drain's timeout on a loaded machine
+                        "--workers", "1", "--threads", "16", "--drain-timeout", "120", grpc=True,
+                        env={"ADMIN_KEYS": ADMIN}) as server:
         yield server
 
 
