@@ -129,8 +129,9 @@ class EngineClient:
             InvalidRequest / PromptTooLong: token ids whose request does not fit (:meth:`prepare`).
             InvalidRequest: ``deadline_ms`` not a positive, finite number.
             ClientDisconnected: ``watch_socket`` is already closed. ShuttingDown: the server is
-            draining (and the request not ``admitted``, or its engine already stopped). EngineUnavailable: the engine is not ready. Saturated: no free mailbox. RateLimited (``kind``
-            ``concurrency``): the tenant is at ``max_concurrent``.
+            draining (and the request not ``admitted``, or its engine already stopped).
+            EngineUnavailable: the engine is not ready. Saturated: no free mailbox. RateLimited
+            (``kind`` ``concurrency``): the tenant is at ``max_concurrent``.
         """
         if not isinstance(request, EngineRequest):
             request = self.prepare(request, params, kind)

@@ -82,8 +82,8 @@ class EmbedCore(EngineLoop):
                 and int(prompt.min()) >= 0 and int(prompt.max()) < self.model.n_vocab)
 
     def queue(self, seq: Sequence) -> None:
-        """Queue an input; its tenant, if it had none waiting, starts at the smallest counter of
-        those that have (:meth:`TokenCounters.lift`)."""
+        """Queue an input; its tenant, if it had none waiting, is lifted
+        (:meth:`engine.fair_share.TokenCounters.lift`)."""
         self.counters.lift(seq.request.tenant, (s.request.tenant for s in self.waiting))
         self.waiting.append(seq)
 
@@ -108,11 +108,11 @@ class EmbedCore(EngineLoop):
         rank = class_ranks(self.waiting, now, self.config.aging_s)
         room, packed, left = self.config.n_batch, [], list(self.waiting)
         while left and len(packed) < self.config.max_slots and room > 0:
-            order = sorted(left, key=lambda s: (rank[s.request.priority], self.counters[s.request.tenant],
-                                                s.request.deadline or math.inf, s.order))
-            seq = next((s for s in order if len(s.prompt) <= room or not packed), None)
-            if seq is None:
+            fits = [s for s in left if len(s.prompt) <= room or not packed]
+            if not fits:
                 break
+            seq = min(fits, key=lambda s: (rank[s.request.priority], self.counters[s.request.tenant],
+                                           s.request.deadline or math.inf, s.order))
             left.remove(seq)
             packed.append(seq)
             room -= len(seq.prompt)

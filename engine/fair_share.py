@@ -3,8 +3,9 @@ Language Models" (OSDI 2024). Each tenant's counter grows by the tokens it is se
 its weight; the backlogged tenant with the smallest counter goes first; a tenant that becomes
 backlogged is lifted to the smallest counter among the backlogged (to the counter of the tenant
 served last when none is), so it cannot bank credit while idle, nor a newcomer start below a
-tenant that was served alone meanwhile. Used by the generation scheduler (``engine/scheduler.py``) and the embedding loop
-(``engine/embed_core.py``), each over its own queue.
+tenant that was served alone meanwhile. Used by the generation scheduler
+(``engine/scheduler.py``) and the embedding loop (``engine/embed_core.py``), each over its own
+queue.
 """
 from __future__ import annotations
 

@@ -146,8 +146,8 @@ class ModelRouter:
         models = []
         for spec, engine in zip(config.models, engines):
             tokenizer = Tokenizer(spec.path)
-            accounting = (Accounting(control, prices, spec.names, api="embeddings" if spec.kind == EMBED else "completions")
-                          if control is not None else None)
+            api = "embeddings" if spec.kind == EMBED else "completions"  # the usage API it counts under
+            accounting = Accounting(control, prices, spec.names, api=api) if control is not None else None
             if spec.kind == EMBED:
                 arch = metadata(spec.path, ("general.architecture",)).get("general.architecture", "")
                 dims = int(metadata(spec.path, (f"{arch}.embedding_length",))[f"{arch}.embedding_length"])

@@ -144,7 +144,7 @@ class Reservation:
 class Accounting:
     """Spend and usage for the served model (``model_names``: every name it is served under)
     over the control plane ``control``; its usage counts under OpenAI's usage API ``api``
-    (``completions`` or ``embeddings``: ``server/control/store.py``, ``USAGE_APIS``)."""
+    (``completions`` or ``embeddings``: ``server/control/store.py``, ``UsageRecord``)."""
 
     def __init__(self, control: ControlPlane, prices: Prices, model_names: tuple[str, ...], clock=time.time,
                  api: str = "completions"):

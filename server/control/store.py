@@ -51,9 +51,6 @@ RETENTION_S = {"1m": 30 * 86400, "1h": 90 * 86400, "1d": 400 * 86400}
 #: renews its own every ``accounting.RENEW_EVERY_S``.
 RESERVATION_TTL_S = 600
 _COUNTERS = ("input_tokens", "output_tokens", "input_cached_tokens", "num_model_requests")
-#: The usage APIs (OpenAI's ``/organization/usage/<api>``): what a request's usage counts under,
-#: by the kind of its model (``generate``: completions; ``embed``: embeddings).
-USAGE_APIS = ("completions", "embeddings")
 _SEP = "\x1f"
 
 
@@ -79,7 +76,8 @@ class Spend:
 @dataclass(frozen=True)
 class UsageRecord:
     """One request's usage: who (project, key id, model), when (unix seconds), its counts, and
-    the usage API it counts under (:data:`USAGE_APIS`)."""
+    the usage API it counts under (OpenAI's ``/organization/usage/<api>``: ``completions`` for a
+    generation model's request, ``embeddings`` for an embedding model's; :data:`_TABLES`)."""
 
     project_id: str
     api_key_id: str
@@ -343,7 +341,7 @@ class RedisControl:
         return out
 
 
-#: SQLite's usage table of each API.
+#: The usage APIs, each with its SQLite table (Redis: :func:`_bucket_key`).
 _TABLES = {"completions": "usage", "embeddings": "usage_embeddings"}
 
 _SCHEMA = """
@@ -483,15 +481,14 @@ class SqliteControl:
             if db.execute("INSERT OR IGNORE INTO finished VALUES (?, ?)", (s.rid, now)).rowcount == 0:
                 return  # done already
             self._settle(db, s.project, s.month, s.rid, s.cost, s.tokens)
-            for _ in (r,):
-                for width in WIDTHS:
-                    db.execute(f"INSERT INTO {_TABLES[r.api]} VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?) "
-                               "ON CONFLICT DO UPDATE SET "
-                               "input_tokens = input_tokens + excluded.input_tokens, "
-                               "output_tokens = output_tokens + excluded.output_tokens, "
-                               "input_cached_tokens = input_cached_tokens + excluded.input_cached_tokens, "
-                               "num_model_requests = num_model_requests + excluded.num_model_requests",
-                               (width, bucket_start(r.at, width), r.project_id, r.api_key_id, r.model, *r.counts()))
+            for width in WIDTHS:
+                db.execute(f"INSERT INTO {_TABLES[r.api]} VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?) "
+                           "ON CONFLICT DO UPDATE SET "
+                           "input_tokens = input_tokens + excluded.input_tokens, "
+                           "output_tokens = output_tokens + excluded.output_tokens, "
+                           "input_cached_tokens = input_cached_tokens + excluded.input_cached_tokens, "
+                           "num_model_requests = num_model_requests + excluded.num_model_requests",
+                           (width, bucket_start(r.at, width), r.project_id, r.api_key_id, r.model, *r.counts()))
             if now - self._pruned > 60:  # retention: at most once a minute per process
                 self._pruned = now
                 for width, keep in RETENTION_S.items():

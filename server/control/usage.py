@@ -130,7 +130,8 @@ def usage_page(store, params: dict, now: float | None = None, api: str = "comple
             for i, n in enumerate(counts):
                 total[i] += n
         data.append({"object": "bucket", "start_time": s, "end_time": s + step,
-                     "results": [_RESULTS[api](dict(zip(group_by, group)), counts) for group, counts in results.items()]})
+                     "results": [_RESULTS[api](dict(zip(group_by, group)), counts)
+                                 for group, counts in results.items()]})
     return {"object": "page", "data": data, "has_more": more, "next_page": str(s + step) if more else None}
 
 
