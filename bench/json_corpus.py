@@ -73,7 +73,9 @@ import jsonschema
 #: separators and no other whitespace: the default since, ``server.structured.schema.JSON_OPTIONS``)
 #: and bounded free whitespace: ``bounded`` (up to 20 spaces or newlines between any two tokens),
 #: ``indent`` (a space, or a newline and up to 20 spaces), ``indent_colon`` (``indent`` with
-#: ``": "`` after every key).
+#: ``": "`` after every key); one separator spaced: ``colon`` (``","`` and ``": "``), ``comma``
+#: (``", "`` and ``":"``); ``optional`` (a space after either separator or none, as the model
+#: picks: llguidance reads the separators as regular expressions).
 OPTIONS = {
     "compact": {"whitespace_flexible": False},
     "spaces": {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "},
@@ -81,6 +83,9 @@ OPTIONS = {
     "indent": {"whitespace_flexible": True, "whitespace_pattern": r"( |\n {0,20})?"},
     "indent_colon": {"whitespace_flexible": True, "key_separator": ": ", "item_separator": ",",
                      "whitespace_pattern": r"( |\n {0,20})?"},
+    "colon": {"whitespace_flexible": False, "item_separator": ",", "key_separator": ": "},
+    "comma": {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ":"},
+    "optional": {"whitespace_flexible": False, "item_separator": ", ?", "key_separator": ": ?"},
 }
 #: The nesting bound of a free ``json_object`` answer and of an ``open`` schema's: their prompts
 #: name a thing, not a shape.
@@ -290,10 +295,11 @@ def judge(entry: dict, text: str, finish: str | None) -> dict:
 
 
 def ask(base_url: str, model: str, entry: dict, max_tokens: int, x_guidance: dict | None = None,
-        timeout_s: float = 600) -> dict:
+        timeout_s: float = 600, preface: str = "") -> dict:
     """One request of the corpus, unstreamed, greedy: ``{"finish", "text", "tokens", "error"}``
-    (``error``: the HTTP status and body of a refusal, else None)."""
-    body = {"model": model, "messages": [{"role": "user", "content": entry["prompt"]}], "temperature": 0,
+    (``error``: the HTTP status and body of a refusal, else None); ``preface``: a text before the
+    prompt, in the same user message (Gemma's template takes no system message)."""
+    body = {"model": model, "messages": [{"role": "user", "content": preface + entry["prompt"]}], "temperature": 0,
             "max_tokens": max_tokens, "response_format": response_format(entry, x_guidance)}
     request = urllib.request.Request(base_url.rstrip("/") + "/v1/chat/completions", json.dumps(body).encode(),
                                      {"Content-Type": "application/json"})
@@ -314,7 +320,7 @@ def _counts(records: list[dict]) -> dict:
 
 
 def run(base_url: str, model: str, *, max_tokens: int = 200, concurrency: int = 4,
-        x_guidance: dict | None = None) -> dict:
+        x_guidance: dict | None = None, preface: str = "") -> dict:
     """Every request of :data:`CORPUS` against ``base_url`` (``http://host:port``), ``concurrency``
     at a time; the counts of the module's docstring, overall and ``by_kind``, and ``answers``
     (each request's kind, name, prompt, finish, text, tokens, error and verdict), in corpus order.
@@ -323,9 +329,11 @@ def run(base_url: str, model: str, *, max_tokens: int = 200, concurrency: int = 
         model: the ``model`` field sent (this server: one of its ids; llama-server: any).
         max_tokens: each request's ``max_tokens``.
         x_guidance: llguidance's JSON options given every request's schema (this server only).
+        preface: a text before every prompt (the same requests in another context: a second
+            sample of the model's answers, to check a finding on the first).
     """
     def one(entry):
-        answer = ask(base_url, model, entry, max_tokens, x_guidance)
+        answer = ask(base_url, model, entry, max_tokens, x_guidance, preface=preface)
         verdict = judge(entry, answer["text"], answer["finish"])
         return {"kind": entry["kind"], "name": entry["name"], "prompt": entry["prompt"], **answer, **verdict}
 
@@ -344,7 +352,7 @@ def summary(result: dict) -> str:
 
 
 def compare(models: list[str], options: list[str], llama_server: str | None, max_tokens: int,
-            threads: int) -> dict:
+            threads: int, preface: str = "") -> dict:
     """:func:`run` on this server once per option and on ``llama-server``, for each model, each
     server started alone; ``{model: {option or "llama-server": run's result}}``."""
     import os
@@ -366,7 +374,8 @@ def compare(models: list[str], options: list[str], llama_server: str | None, max
                 "--workers", "1", "--engine-threads", str(threads), "--deterministic"] + (["--chat-template", template] if template else [])
         with running_server(*ours) as server:
             for option in options:
-                result = run(server.url, "local-model", max_tokens=max_tokens, x_guidance=OPTIONS[option])
+                result = run(server.url, "local-model", max_tokens=max_tokens, x_guidance=OPTIONS[option],
+                             preface=preface)
                 results[name][option] = result
                 print(f"{name} ours {option}: {summary(result)}", flush=True)
         if llama_server:
@@ -381,7 +390,7 @@ def compare(models: list[str], options: list[str], llama_server: str | None, max
                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             try:
                 wait_healthy(port, proc)
-                result = run(f"http://127.0.0.1:{port}", "local-model", max_tokens=max_tokens)
+                result = run(f"http://127.0.0.1:{port}", "local-model", max_tokens=max_tokens, preface=preface)
             finally:
                 proc.terminate()
                 proc.wait(30)
@@ -417,15 +426,18 @@ def main(argv=None) -> int:
     p.add_argument("--options", default=",".join(OPTIONS), help="of " + ", ".join(OPTIONS))
     p.add_argument("--llama-server", default=None, help="a llama-server binary to compare with")
     p.add_argument("--threads", type=int, default=1, help="compute threads of each started server (0: theirs)")
+    p.add_argument("--preface", default="", help="a text before every prompt (a second sample)")
     p.add_argument("--answers", action="store_true", help="print every answer")
     p.add_argument("--json", default=None, help="also write the results here")
     a = p.parse_args(argv)
     from bench.common import save
     if a.compare:
-        results = compare(a.models.split(","), a.options.split(","), a.llama_server, a.max_tokens, a.threads)
+        results = compare(a.models.split(","), a.options.split(","), a.llama_server, a.max_tokens, a.threads,
+                          a.preface)
         print(table(results))
     elif a.url:
-        results = run(a.url, a.model, max_tokens=a.max_tokens, concurrency=a.concurrency, x_guidance=a.x_guidance)
+        results = run(a.url, a.model, max_tokens=a.max_tokens, concurrency=a.concurrency, x_guidance=a.x_guidance,
+                      preface=a.preface)
         print(summary(results))
     else:
         p.error("give --url or --compare")

@@ -8,7 +8,8 @@ Models: ``smollm2`` (the bundled SmolLM2-135M-Instruct) and ``gemma`` (Gemma 3 2
 model: ``tests.support.model.gemma_path()``). Gemma's GGUF has no chat template, so on it both
 servers get its turn format's template (``tests.support.model.GEMMA_TEMPLATE``: ours
 ``--chat-template``, llama-server ``--jinja --chat-template-file``) for the one workload that
-chats (``structured``); the others are completions.
+chats (``structured``); the others are completions. Ours serves Gemma with its JSON separators
+(``tests.support.model.GEMMA_SEPARATORS``).
 
 Servers, one resident at a time (each is started for its turn of a round and stopped after it,
 so no other server shares the CPUs or the weights' page cache while one is measured; the order
@@ -132,10 +133,13 @@ def llama_server_flags(template: str | None) -> list[str]:
 def serve(server: str, path: str, template: str | None, binary: str):
     """Start ``server`` (``ours`` or ``llama-server``) on the model at ``path``; yields its :class:`Up`."""
     from engine.llama.weights import weights_path
+    from tests.support.model import GEMMA_SEPARATORS, gemma_path
     from tests.support.servers import running_server
 
     if server == "ours":
-        with running_server("--model", path, *(["--chat-template", template] if template else []), grpc=True) as s:
+        own = (["--chat-template", template] if template else []) + \
+            (["--json-separators", GEMMA_SEPARATORS] if path == gemma_path() else [])
+        with running_server("--model", path, *own, grpc=True) as s:
             yield Up(s.port, s.proc.pid, s.wait_idle)
     else:
         with llama_server(binary, weights_path(path, "auto"), *llama_server_flags(template)) as (port, proc):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import functools
 import ipaddress
+import json
 import os
 import re
 from dataclasses import MISSING, dataclass, field, fields
@@ -21,6 +22,7 @@ from urllib.parse import urlparse
 from engine.config import POLICIES, WEIGHTS, ConfigError, EngineConfig, default_model_path
 from server import model_specs
 from server.model_specs import ModelSpec
+from server.structured.schema import SEPARATORS
 
 _ENGINE = {f.name: f.default for f in fields(EngineConfig)}
 
@@ -74,6 +76,10 @@ class ServerConfig:
                                  "Jinja chat template file to use instead of the model's (llama-server's "
                                  "--chat-template-file); its tool-call format is read from it", "",
                                  shown="the model's")
+    json_separators: str = _option("--json-separators", "JSON_SEPARATORS",
+                                   "the separators structured outputs write JSON with, as JSON: between items "
+                                   "and after a key (Python's json.dumps separators; docs/api.md)", "",
+                                   shown='[", ", ": "]')
     model_id: str = _option("--model-id", "MODEL_ID",
                             "model names clients may send, comma-separated (the first is the default; vLLM's "
                             "--served-model-name); /v1/models lists them all", "",
@@ -183,9 +189,10 @@ class ServerConfig:
         for name in ("workers", "max_body_bytes", "max_messages"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
-        if self.models_file and (self.model_path or self.model_id or self.chat_template):
-            raise ConfigError("--models declares every model: --model, --model-id and --chat-template apply only "
-                              "without it")
+        if self.models_file and (self.model_path or self.model_id or self.chat_template or self.json_separators):
+            raise ConfigError("--models declares every model: --model, --model-id, --chat-template and "
+                              "--json-separators apply only without it")
+        self.separators()
         if self.memory_limit:
             from server.memory import parse_bytes
             parse_bytes(self.memory_limit, "--memory-limit")
@@ -218,7 +225,22 @@ class ServerConfig:
         """
         if self.models_file:
             return model_specs.load_file(self.models_file, engine_settings())
-        return model_specs.from_flags(self.model_paths(), self.model_id, self.chat_template)
+        return model_specs.from_flags(self.model_paths(), self.model_id, self.chat_template, self.separators())
+
+    def separators(self) -> tuple[str, str]:
+        """``--json-separators`` read (the default's without it).
+
+        Raises:
+            ConfigError: not JSON, or not two separators (:func:`server.model_specs.json_separators`).
+        """
+        if not self.json_separators:
+            return SEPARATORS
+        try:
+            value = json.loads(self.json_separators)
+        except ValueError:
+            raise ConfigError(f'--json-separators must be JSON (as [", ", ":"]), got {self.json_separators!r}') \
+                from None
+        return model_specs.json_separators(value, "--json-separators")
 
     @property
     def model_ids(self) -> tuple[str, ...]:

@@ -156,7 +156,8 @@ class ModelRouter:
             else:
                 template = ChatTemplate.of(tokenizer, spec.chat_template_source())
                 models.append(ServedModel(spec, engine, tokenizer,
-                                          generator=Generator(engine, tokenizer, template, limiter, accounting)))
+                                          generator=Generator(engine, tokenizer, template, limiter, accounting,
+                                                              spec.json_separators)))
         return cls(models)
 
     def close(self) -> None:

@@ -7,6 +7,7 @@ A models file is a list of tables, one per model (relative paths are read from t
     names = ["smollm2", "local-model"]    # what clients send as `model`; the first is its id
     path = "SmolLM2-135M-Instruct.Q4_1.gguf"
     chat_template = "chat.jinja"          # optional: instead of the GGUF's
+    json_separators = [", ", ": "]        # optional: how structured outputs lay JSON out
     kind = "generate"                     # or "embed" (POST /v1/embeddings)
     max_slots = 8                         # optional: any engine setting, as the flag's name
                                           # (max_seq_len, kv_cache_tokens, n_batch, ...)
@@ -26,12 +27,14 @@ from __future__ import annotations
 import functools
 import json
 import os
+import re
 import tomllib
 from dataclasses import dataclass
 from typing import NamedTuple
 
 from engine.config import EMBED_DEFAULTS, ConfigError, EngineConfig, check_model_file
 from server.gguf import metadata, metadata_strings
+from server.structured.schema import SEPARATORS
 
 #: What a model serves: text generation (chat, completions, scoring, ``/infer``) or embeddings.
 GENERATE, EMBED = "generate", "embed"
@@ -47,7 +50,11 @@ ALIAS = "local-model"
 #: GGUF metadata keys: the model's name, its chat template.
 NAME_KEY, TEMPLATE_KEY = "general.name", "tokenizer.chat_template"
 #: Keys of a model's table besides the engine settings.
-_OWN_KEYS = ("names", "path", "chat_template", "kind", "pooling")
+_OWN_KEYS = ("names", "path", "chat_template", "kind", "pooling", "json_separators")
+#: A separator structured outputs may write: its punctuation (``,`` between items, ``:`` after a
+#: key) with JSON's whitespace around it (RFC 8259, section 2); also a literal to llguidance,
+#: which reads separators as regular expressions.
+_SEPARATOR = {0: re.compile(r"[ \t\n\r]*,[ \t\n\r]*"), 1: re.compile(r"[ \t\n\r]*:[ \t\n\r]*")}
 
 
 @functools.lru_cache(maxsize=16)
@@ -89,6 +96,8 @@ class ModelSpec:
         chat_template: a Jinja template file to use instead of the GGUF's ("": the GGUF's).
         kind: :data:`GENERATE` or :data:`EMBED`.
         pooling: an embedding model's pooling, one of :data:`POOLINGS`.
+        json_separators: the separators structured outputs write JSON with (between items, after a
+            key; :func:`json_separators`), where a schema names no layout of its own.
         engine: the engine settings this model sets itself, ``(EngineConfig field, value)``.
         where: how the declaration is named in errors (``--model``, ``models[1] in FILE``; "":
             the server's own flags).
@@ -99,6 +108,7 @@ class ModelSpec:
     chat_template: str = ""
     kind: str = GENERATE
     pooling: str = ""
+    json_separators: tuple[str, str] = SEPARATORS
     engine: tuple[tuple[str, object], ...] = ()
     where: str = "--model"
 
@@ -198,23 +208,42 @@ def _compile(source: str, what: str) -> None:
         raise ConfigError(f"{what}: line {e.lineno}: {e.message}") from None
 
 
-def from_flags(paths: list[str], model_id: str, chat_template: str) -> tuple[ModelSpec, ...]:
-    """The models of ``--model`` (each path one model), ``--model-id`` and ``--chat-template``:
-    the two last only with one model (a models file names and templates several).
+def json_separators(value: object, where: str) -> tuple[str, str]:
+    """``value``, a list of two strings as ``json.dumps``' ``separators`` (between items, after a
+    key), as a tuple; ``where`` names it in errors.
 
     Raises:
-        ConfigError: ``--model-id`` or ``--chat-template`` with several models; two models
-            whose GGUFs give the same name.
+        ConfigError: not two strings, or one that is not its punctuation with JSON's whitespace
+            around it (:data:`_SEPARATOR`).
     """
-    if len(paths) > 1 and (model_id or chat_template):
-        raise ConfigError("--model-id and --chat-template apply to one model; with several, declare their names "
-                          "and templates in a models file (--models FILE)")
+    if not (isinstance(value, (list, tuple)) and len(value) == 2 and all(isinstance(s, str) for s in value)):
+        raise ConfigError(f'{where} must be two strings, between items and after a key (as [", ", ": "])')
+    for i, (text, what) in enumerate(zip(value, ("','", "':'"))):
+        if not _SEPARATOR[i].fullmatch(text):
+            raise ConfigError(f"{where}: {text!r} must be {what} with only spaces, tabs or newlines around it")
+    return (value[0], value[1])
+
+
+def from_flags(paths: list[str], model_id: str, chat_template: str,
+               separators: tuple[str, str] = SEPARATORS) -> tuple[ModelSpec, ...]:
+    """The models of ``--model`` (each path one model), ``--model-id``, ``--chat-template`` and
+    ``--json-separators``: the three last only with one model (a models file names and templates
+    several).
+
+    Raises:
+        ConfigError: ``--model-id``, ``--chat-template`` or ``--json-separators`` with several
+            models; two models whose GGUFs give the same name.
+    """
+    if len(paths) > 1 and (model_id or chat_template or separators != SEPARATORS):
+        raise ConfigError("--model-id, --chat-template and --json-separators apply to one model; with several, "
+                          "declare them in a models file (--models FILE)")
     if model_id:
         names = tuple(dict.fromkeys(n.strip() for n in model_id.split(",") if n.strip()))
         if not names:
             raise ConfigError("--model-id must name at least one model")
-        return (ModelSpec(names, paths[0], chat_template),)
-    specs = [ModelSpec(_default_names(path, first=i == 0), path, chat_template) for i, path in enumerate(paths)]
+        return (ModelSpec(names, paths[0], chat_template, json_separators=separators),)
+    specs = [ModelSpec(_default_names(path, first=i == 0), path, chat_template, json_separators=separators)
+             for i, path in enumerate(paths)]
     return _checked(specs)
 
 
@@ -277,6 +306,9 @@ def _spec(entry: object, where: str, folder: str, first: bool, settings: dict[st
         raise ConfigError(f"{where}: pooling applies to kind = \"embed\" only")
     if texts["chat_template"] and kind == EMBED:
         raise ConfigError(f"{where}: chat_template applies to kind = \"generate\" only")
+    separators = json_separators(entry.get("json_separators", list(SEPARATORS)), f"{where}: json_separators")
+    if "json_separators" in entry and kind == EMBED:
+        raise ConfigError(f"{where}: json_separators applies to kind = \"generate\" only")
     if "names" in entry:
         names = entry["names"]
         if not isinstance(names, list) or not names or not all(isinstance(n, str) and n.strip() for n in names):
@@ -287,7 +319,7 @@ def _spec(entry: object, where: str, folder: str, first: bool, settings: dict[st
         names = _default_names(path, first)
     engine = tuple(sorted((settings[key].engine, _engine_value(entry[key], key, settings[key].type, where))
                           for key in settings if key in entry))
-    return ModelSpec(names, path, texts["chat_template"], kind, texts["pooling"], engine, where)
+    return ModelSpec(names, path, texts["chat_template"], kind, texts["pooling"], separators, engine, where)
 
 
 def _engine_value(value: object, key: str, typ: type, where: str) -> object:

@@ -26,6 +26,7 @@ from server.tenancy.ratelimit import RateLimiter
 from server.tenancy.tenants import DEFAULT_TENANT, Tenant
 from server.text.chat_template import ChatTemplate, NoChatTemplate
 from server.structured.check import CheckedGrammars
+from server.structured.schema import SEPARATORS
 from server.tools.formats import GENERIC, detect
 from server.tools.grammar import checked_arguments, tool_grammar
 from server.tools.parser import ToolCallParser
@@ -51,9 +52,11 @@ class Generator:
     """
 
     def __init__(self, engine: EngineClient, tokenizer: Tokenizer, template: ChatTemplate | None,
-                 limiter: RateLimiter | None = None, accounting: Accounting | None = None):
+                 limiter: RateLimiter | None = None, accounting: Accounting | None = None,
+                 separators: tuple[str, str] = SEPARATORS):
         self.engine, self.tokenizer, self.template, self.limiter = engine, tokenizer, template, limiter
         self.accounting = accounting
+        self.separators = separators  # the model's JSON separators (its spec's json_separators)
         self.grammars = CheckedGrammars()
         #: How the template's model writes tool calls (``server/tools/formats.py``); without a
         #: template, no tools are offered (no chat is), and this is never read.
@@ -83,6 +86,7 @@ class Generator:
         self.chat_template(prompt_param)
         render = render or {}
         self._check_logit_bias(req)
+        req = self.laid_out(req)
         constraint = req.constraint
         if constraint is not None and render.get("continue_final_message"):
             # the grammar would hold the continuation alone, not the message it continues
@@ -169,6 +173,14 @@ class Generator:
             raise InvalidRequest(f"logit_bias names token id {outside[0]}, outside the vocabulary "
                                  f"(0..{self.tokenizer.n_vocab - 1})", "logit_bias")
 
+    def laid_out(self, req: GenerationRequest) -> GenerationRequest:
+        """``req`` with its JSON constraint written with this model's separators (where its
+        schema names no layout of its own)."""
+        constraint = req.constraint
+        if constraint is None or constraint.separators == self.separators:
+            return req
+        return dataclasses.replace(req, constraint=dataclasses.replace(constraint, separators=self.separators))
+
     def _constrained(self, req: GenerationRequest, tenant: Tenant) -> tuple[SamplingParams, str | None]:
         """The request's sampling with the grammar of its structured output alone, and the
         field that grammar's failures name (None: unconstrained). The grammar fits the
@@ -253,7 +265,7 @@ class Generator:
         for a token id outside the vocabulary."""
         check_choices(self.engine, len(prompts), req.n, submit.get("tenant", DEFAULT_TENANT))  # before tokenizing
         self._check_logit_bias(req)
-        sampling, grammar_param = self._constrained(req, submit.get("tenant", DEFAULT_TENANT))
+        sampling, grammar_param = self._constrained(self.laid_out(req), submit.get("tenant", DEFAULT_TENANT))
         self._fits_at_all([p for p in prompts if isinstance(p, str)], prompt_param)
         ids = []
         for i, prompt in enumerate(prompts):

@@ -11,12 +11,12 @@ from dataclasses import dataclass
 import llguidance
 
 from engine.errors import InvalidRequest
+from server.structured.schema import SEPARATORS, guided
 
-#: The kinds of constraint: a JSON schema (``value``: the schema, already read by
-#: ``server.structured.schema``: :func:`~server.structured.schema.closed_objects` and
-#: :func:`~server.structured.schema.guided`), any JSON object (the same, of ``{"type":
-#: "object"}``), a regular expression (its text), one of a list of strings (a tuple), a grammar
-#: (llguidance's Lark or llama.cpp's GBNF text).
+#: The kinds of constraint: a JSON schema (``value``: the schema, its objects closed by
+#: :func:`server.structured.schema.closed_objects`; its layout is resolved by :attr:`schema`),
+#: any JSON object (the same, of ``{"type": "object"}``), a regular expression (its text), one
+#: of a list of strings (a tuple), a grammar (llguidance's Lark or llama.cpp's GBNF text).
 JSON_SCHEMA, JSON_OBJECT, REGEX, CHOICE, GRAMMAR = "json_schema", "json_object", "regex", "choice", "grammar"
 
 
@@ -30,17 +30,21 @@ class OutputConstraint:
         value: as the kinds above say (a JSON kind's schema is shared: never changed).
         param: the client's field it came from (``response_format.json_schema.schema``,
             ``structured_outputs.regex``, ``text.format.schema``...), named by its refusals.
+        separators: a JSON kind's separators where its schema names no layout of its own (the
+            served model's, ``Generator.laid_out``).
     """
 
     kind: str
     value: object
     param: str
+    separators: tuple[str, str] = SEPARATORS
 
     @property
     def schema(self) -> dict | None:
-        """The JSON schema an answer must follow (a JSON kind), else None: a regex, a choice or
-        a grammar leaves no place for a tool call beside it."""
-        return self.value if self.kind in (JSON_SCHEMA, JSON_OBJECT) else None
+        """The JSON schema an answer must follow (a JSON kind), its ``x-guidance`` options
+        resolved with :attr:`separators` (:func:`server.structured.schema.guided`), else None: a
+        regex, a choice or a grammar leaves no place for a tool call beside it."""
+        return guided(self.value, self.separators) if self.kind in (JSON_SCHEMA, JSON_OBJECT) else None
 
     def grammar(self) -> str:
         """The llguidance grammar (its JSON form, or Lark) of this constraint alone.
@@ -51,7 +55,7 @@ class OutputConstraint:
         """
         try:
             if self.kind in (JSON_SCHEMA, JSON_OBJECT):
-                return llguidance.LLMatcher.grammar_from_json_schema(self.value)  # options already resolved
+                return llguidance.LLMatcher.grammar_from_json_schema(self.schema)  # options resolved
             if self.kind == REGEX:
                 return llguidance.LLMatcher.grammar_from_regex(self.value)
             if self.kind == CHOICE:

@@ -3,10 +3,11 @@ llguidance holds the model to it (docs/api.md "Structured outputs").
 
 - Objects that name their keys take no others (:func:`closed_objects`), as llama.cpp's and
   xgrammar's converters read them.
-- JSON is written as ``json.dumps`` writes it (:data:`JSON_OPTIONS`: ``", "`` between items,
-  ``": "`` after a key, no other whitespace): how models write JSON, so they stop where they
-  would (held to compact JSON, SmolLM2 asked to repeat ``{"animal": "cat"}`` nested keys until
-  its token limit), and no blank space to spend tokens on; a schema's own ``x-guidance`` options
+- JSON is written as ``json.dumps`` writes it by default (:data:`SEPARATORS`: ``", "`` between
+  items, ``": "`` after a key, no other whitespace): how models write JSON, so they stop where
+  they would (held to compact JSON, SmolLM2 asked to repeat ``{"animal": "cat"}`` nested keys
+  until its token limit), and no blank space to spend tokens on; a model may be served with
+  other separators (``json_separators``, :func:`layout`); a schema's own ``x-guidance`` options
   (llguidance's: separators, whitespace) are honoured, the layout as a whole (:data:`LAYOUT`),
   except ``lenient`` (:data:`EXACT`): a keyword the library cannot enforce is refused, never
   skipped (:func:`guided`).
@@ -16,29 +17,41 @@ from __future__ import annotations
 import functools
 import json
 
-#: llguidance's JSON-schema options by default, of structured outputs and tool calls alike: the
-#: separators ``json.dumps`` writes (``", "``, ``": "``) and no other whitespace. Chosen by
-#: ``python -m bench.json_corpus --compare`` over compact JSON and bounded free whitespace, on
-#: SmolLM2 and Gemma 3 (docs/api.md "Structured outputs" has the table).
-JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+#: The separators JSON is written with by default, as ``json.dumps``' ``separators`` (between
+#: items, after a key): ``", "`` and ``": "``. Chosen by ``python -m bench.json_corpus --compare``
+#: over compact JSON, one of the two spaced and bounded free whitespace, on SmolLM2 and Gemma 3
+#: (docs/api.md "Structured outputs" has the table).
+SEPARATORS = (", ", ": ")
+
+
+def layout(separators: tuple[str, str]) -> dict:
+    """llguidance's JSON-schema options that write ``separators`` (between items, after a key;
+    each a regular expression to llguidance, a literal here: docs/models.md) and no other
+    whitespace."""
+    return {"whitespace_flexible": False, "item_separator": separators[0], "key_separator": separators[1]}
+
+
+#: llguidance's JSON-schema options of tool calls' arguments, whatever the model's separators:
+#: :data:`SEPARATORS`, as the chat templates show calls.
+JSON_OPTIONS = layout(SEPARATORS)
 #: llguidance's options that lay JSON out: a schema that names any of them lays it out alone.
 LAYOUT = ("whitespace_flexible", "whitespace_pattern", "item_separator", "key_separator")
 #: llguidance's JSON-schema options whatever the schema says: every keyword enforced or refused.
 EXACT = {"lenient": False}
 
 
-def guided(schema: dict) -> dict:
+def guided(schema: dict, separators: tuple[str, str] = SEPARATORS) -> dict:
     """``schema`` with its ``x-guidance`` options resolved as llguidance's
     ``grammar_from_json_schema(schema, defaults=..., overrides=EXACT)`` resolves them (defaults,
     then the schema's own, then the overrides; a non-object ``x-guidance`` is none), where the
-    defaults are :data:`JSON_OPTIONS` unless the schema names any of the :data:`LAYOUT` options:
+    defaults are ``layout(separators)`` unless the schema names any of the :data:`LAYOUT` options:
     then its layout is its own, completed by llguidance's defaults (so ``{"whitespace_flexible":
     false}`` is llguidance's compact JSON, not this server's separators without flexible
     whitespace). The schema a grammar holds, alone or inlined beside tools (``%json``). Returns a
     new dict."""
     own = schema.get("x-guidance")
     own = own if isinstance(own, dict) else {}
-    defaults = {} if any(k in own for k in LAYOUT) else JSON_OPTIONS
+    defaults = {} if any(k in own for k in LAYOUT) else layout(separators)
     return {**schema, "x-guidance": {**defaults, **own, **EXACT}}
 
 

@@ -7,7 +7,8 @@ Without a template the server starts and serves what needs none (completions, sc
 with a 400 that says how to give one; ``/v1/models`` and the start-up log say so. With
 ``--chat-template`` (Gemma 2's turn format, which Gemma 3 shares) chat works, with a system
 message (the template has no system role: it is merged into the user's turn), structured
-outputs, tools in the generic format (the template renders no tools), the prefix cache and a
+outputs (with the separators measured best for this model, ``--json-separators``: no space after
+a key), tools in the generic format (the template renders no tools), the prefix cache and a
 preemption for KV memory. Both servers start together, once for the module.
 """
 from __future__ import annotations
@@ -23,7 +24,7 @@ from proto import inference_pb2 as pb
 from proto import inference_pb2_grpc
 from tests.support.grpc_channel import open_channel, wait_serving
 from tests.support.http import CHAT, COMPLETIONS, MODEL, RESPONSES, chat_body, error, get, ok, post
-from tests.support.model import GEMMA_TEMPLATE, gemma_path
+from tests.support.model import GEMMA_SEPARATORS, GEMMA_TEMPLATE, gemma_path
 from tests.support.servers import RunningServer
 
 #: ``general.name`` of the GGUF ("Gemma 3 270m"), made an id.
@@ -40,12 +41,13 @@ KV_CELLS = 256
 @pytest.fixture(scope="module")
 def servers():
     """``(base, chat)``: the model as its file is (with the gRPC sidecar), and with
-    ``--chat-template`` and a KV budget two growing sequences outgrow; started together."""
+    ``--chat-template``, its JSON separators and a KV budget two growing sequences outgrow;
+    started together."""
     flags = ("--model", gemma_path(), "--workers", "1", "--max-slots", "2", "--max-seq-len", str(KV_CELLS))
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         starts = [pool.submit(RunningServer, *flags, grpc=True),
                   pool.submit(RunningServer, *flags, "--chat-template", GEMMA_TEMPLATE,
-                              "--kv-cache-tokens", str(KV_CELLS))]
+                              "--kv-cache-tokens", str(KV_CELLS), "--json-separators", GEMMA_SEPARATORS)]
     try:
         yield tuple(s.result() for s in starts)
     finally:
@@ -148,13 +150,15 @@ def test_chat_with_a_system_message(chat):
     assert r["usage"]["prompt_tokens"] == rendered["count"]
 
 
-def test_a_json_schema_answer_is_valid_json_of_the_schema(chat):
+def test_a_json_schema_answer_is_valid_json_of_the_schema_with_the_model_separators(chat):
     r = ok(post(chat, CHAT, chat_body("Which city is the Eiffel Tower in? Reply in JSON.", max_tokens=40, **GREEDY,
                                       response_format={"type": "json_schema",
                                                        "json_schema": {"name": "city", "strict": True,
                                                                        "schema": CITY}})))
     assert r["choices"][0]["finish_reason"] == "stop", r
-    jsonschema.validate(json.loads(r["choices"][0]["message"]["content"]), CITY)
+    content = r["choices"][0]["message"]["content"]
+    jsonschema.validate(json.loads(content), CITY)
+    assert content.startswith('{"city":"'), content  # no space after the key: --json-separators
 
 
 def test_a_required_tool_call_in_the_generic_format(chat):
@@ -165,6 +169,7 @@ def test_a_required_tool_call_in_the_generic_format(chat):
     (call,) = choice["message"]["tool_calls"]
     assert call["function"]["name"] == "get_weather"
     jsonschema.validate(json.loads(call["function"]["arguments"]), CITY)
+    assert call["function"]["arguments"].startswith('{"city": "'), call  # calls as the templates show them
 
 
 def test_a_repeated_prompt_hits_the_prefix_cache(chat):

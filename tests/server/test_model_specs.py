@@ -29,7 +29,7 @@ def test_a_models_file_declares_names_kinds_and_engine_settings(tmp_path, model_
     from server.config import ServerConfig
 
     path = _file(tmp_path, [{"names": ["chat", "local-model"], "path": model_path, "max_slots": 3},
-                            {"path": gemma_model_path},
+                            {"path": gemma_model_path, "json_separators": [", ", ":"]},
                             {"names": ["embed"], "path": model_path, "kind": "embed", "pooling": "mean"}])
     config = ServerConfig(models_file=path, max_slots=5)
     chat, gemma, embed = config.models
@@ -40,6 +40,7 @@ def test_a_models_file_declares_names_kinds_and_engine_settings(tmp_path, model_
     assert (engine.kind, engine.pooling) == ("embed", "mean")
     assert {k: getattr(engine, k) for k in EMBED_DEFAULTS} == EMBED_DEFAULTS
     assert chat.chat_template_origin() and gemma.chat_template_origin() is None and embed.chat_template_origin() is None
+    assert (chat.json_separators, gemma.json_separators) == ((", ", ": "), (", ", ":"))  # json.dumps' by default
     config.check_files()
     # the same in JSON, relative paths read from the file's folder
     os.symlink(model_path, tmp_path / "m.gguf")
@@ -57,6 +58,13 @@ def test_a_models_file_declares_names_kinds_and_engine_settings(tmp_path, model_
     ([{"names": [], "path": "M"}], "names must be a non-empty list"),
     ([{"names": ["a"], "path": "M"}, {"names": ["b", "a"], "path": "M"}], "model name 'a' is declared twice"),
     ([{"names": ["a"], "path": "M", "max_slots": 300}], "models[0] in .*: max_slots must be <= 256"),
+    ([{"names": ["a"], "path": "M", "json_separators": ", "}], "json_separators must be two strings"),
+    ([{"names": ["a"], "path": "M", "json_separators": [", ", ": ", " "]}], "json_separators must be two strings"),
+    ([{"names": ["a"], "path": "M", "json_separators": [";", ":"]}], "json_separators: ';' must be ','"),
+    ([{"names": ["a"], "path": "M", "json_separators": [",", ": x"]}], "json_separators: ': x' must be ':' with only"),
+    ([{"names": ["a"], "path": "M", "json_separators": [",.*", ":"]}], "json_separators: ',.*' must be ','"),
+    ([{"names": ["a"], "path": "M", "kind": "embed", "pooling": "mean", "json_separators": [",", ":"]}],
+     "json_separators applies to kind = \"generate\" only"),
 ])
 def test_a_bad_models_file_is_one_line_naming_the_model_and_key(tmp_path, model_path, models, says):
     from server.config import ServerConfig
@@ -72,9 +80,25 @@ def test_the_models_file_excludes_the_one_model_flags(tmp_path, model_path):
     from server.config import ServerConfig
 
     path = _file(tmp_path, [{"names": ["a"], "path": model_path}])
-    for flag in ({"model_path": model_path}, {"model_id": "x"}, {"chat_template": "t.jinja"}):
+    for flag in ({"model_path": model_path}, {"model_id": "x"}, {"chat_template": "t.jinja"},
+                 {"json_separators": '[",", ":"]'}):
         with pytest.raises(ConfigError, match="--models declares every model"):
             ServerConfig(models_file=path, **flag)
+
+
+@pytest.mark.parametrize("value,says", [
+    ('[",", ":"]', None), ('[", ", ": "]', None), ('[",\\n", ":\\t"]', None),
+    ("', :'", "--json-separators must be JSON"), ('[",", "="]', "--json-separators: '=' must be ':'"),
+    ('{"item": ","}', "--json-separators must be two strings"),
+])
+def test_json_separators_flag(value, says):
+    from server.config import from_args
+
+    if says is None:
+        assert from_args(["--json-separators", value], environ={}).models[0].json_separators == tuple(json.loads(value))
+        return
+    with pytest.raises(ConfigError, match=says.replace("[", r"\[")):
+        from_args(["--json-separators", value], environ={})
 
 
 def test_model_given_twice_serves_two_models_named_by_their_files(model_path, gemma_model_path):
@@ -85,8 +109,9 @@ def test_model_given_twice_serves_two_models_named_by_their_files(model_path, ge
     config = from_args(["--model", model_path, "--model", gemma_model_path], environ={})
     assert [m.names for m in config.models] == [("Smollm2-135M-8k-Lc100K-Mix1-Ep2", "local-model"), ("Gemma-3-270m",)]
     assert from_args([], environ=config.to_env()).models == config.models
-    with pytest.raises(ConfigError, match="--model-id and --chat-template apply to one model"):
-        from_args(["--model", model_path, "--model", gemma_model_path, "--model-id", "x"], environ={}).models
+    for flag in (["--model-id", "x"], ["--json-separators", '[",", ":"]']):
+        with pytest.raises(ConfigError, match="--model-id, --chat-template and --json-separators apply to one model"):
+            from_args(["--model", model_path, "--model", gemma_model_path, *flag], environ={}).models
     with pytest.raises(ConfigError, match="declared twice"):
         from_args(["--model", model_path, "--model", model_path], environ={}).models
 

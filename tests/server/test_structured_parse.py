@@ -4,6 +4,7 @@ from chat's ``response_format``), and a JSON constraint's grammar the one llguid
 the client's schema with the server's options."""
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import llguidance
@@ -11,7 +12,7 @@ import pytest
 
 from engine.errors import InvalidRequest
 from server.api.structured import parse_structured, parse_text_format
-from server.structured.schema import EXACT, JSON_OPTIONS, LAYOUT, closed_objects
+from server.structured.schema import EXACT, JSON_OPTIONS, LAYOUT, closed_objects, layout
 
 TEXT_FORMAT_REFUSED = [
     (3, "text.format", "text.format must be an object"),
@@ -96,3 +97,19 @@ def test_json_is_written_with_the_server_separators_unless_the_schema_names_its_
     if options is None:  # any object (json_object) too
         assert _walk(parse_structured({"response_format": {"type": "json_object"}}).grammar(), '{"animal": "cat"}')
         assert not _walk(parse_structured({"response_format": {"type": "json_object"}}).grammar(), '{"animal":"cat"}')
+
+
+@pytest.mark.parametrize("separators,takes", [((", ", ":"), '{"a":1, "b":[1, 2]}'), ((",", ":"), COMPACT),
+                                              ((",\n", ": "), '{"a": 1,\n"b": [1,\n2]}')])
+def test_a_model_served_with_other_separators_writes_them_unless_the_schema_names_its_own(separators, takes):
+    """A model's ``json_separators`` (``Generator.laid_out`` sets them on the constraint) lay
+    out its JSON answers, any object's too; a schema's own layout still wins."""
+    for field in ({"response_format": {"type": "json_schema", "json_schema": {"name": "pair", "schema": PAIR}}},
+                  {"response_format": {"type": "json_object"}}):
+        constraint = dataclasses.replace(parse_structured(field), separators=separators)
+        assert constraint.schema["x-guidance"] == {**layout(separators), **EXACT}
+        for text in (SPACED, COMPACT, takes):
+            assert _walk(constraint.grammar(), text) == (text == takes), (separators, text)
+    own = dataclasses.replace(parse_structured({"structured_outputs": {"json": {**PAIR, "x-guidance": {
+        "whitespace_flexible": False}}}}), separators=separators)
+    assert _walk(own.grammar(), COMPACT) and (takes == COMPACT or not _walk(own.grammar(), takes))
