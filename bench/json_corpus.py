@@ -74,8 +74,7 @@ import jsonschema
 #: and bounded free whitespace: ``bounded`` (up to 20 spaces or newlines between any two tokens),
 #: ``indent`` (a space, or a newline and up to 20 spaces), ``indent_colon`` (``indent`` with
 #: ``": "`` after every key); one separator spaced: ``colon`` (``","`` and ``": "``), ``comma``
-#: (``", "`` and ``":"``); ``optional`` (a space after either separator or none, as the model
-#: picks: llguidance reads the separators as regular expressions).
+#: (``", "`` and ``":"``).
 OPTIONS = {
     "compact": {"whitespace_flexible": False},
     "spaces": {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "},
@@ -85,7 +84,6 @@ OPTIONS = {
                      "whitespace_pattern": r"( |\n {0,20})?"},
     "colon": {"whitespace_flexible": False, "item_separator": ",", "key_separator": ": "},
     "comma": {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ":"},
-    "optional": {"whitespace_flexible": False, "item_separator": ", ?", "key_separator": ": ?"},
 }
 #: The nesting bound of a free ``json_object`` answer and of an ``open`` schema's: their prompts
 #: name a thing, not a shape.

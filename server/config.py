@@ -22,7 +22,6 @@ from urllib.parse import urlparse
 from engine.config import POLICIES, WEIGHTS, ConfigError, EngineConfig, default_model_path
 from server import model_specs
 from server.model_specs import ModelSpec
-from server.structured.schema import SEPARATORS
 
 _ENGINE = {f.name: f.default for f in fields(EngineConfig)}
 
@@ -227,19 +226,19 @@ class ServerConfig:
             return model_specs.load_file(self.models_file, engine_settings())
         return model_specs.from_flags(self.model_paths(), self.model_id, self.chat_template, self.separators())
 
-    def separators(self) -> tuple[str, str]:
-        """``--json-separators`` read (the default's without it).
+    def separators(self) -> tuple[str, str] | None:
+        """``--json-separators`` read (None without it: the default's).
 
         Raises:
             ConfigError: not JSON, or not two separators (:func:`server.model_specs.json_separators`).
         """
         if not self.json_separators:
-            return SEPARATORS
+            return None
         try:
             value = json.loads(self.json_separators)
         except ValueError:
-            raise ConfigError(f'--json-separators must be JSON (as [", ", ":"]), got {self.json_separators!r}') \
-                from None
+            shown = self.json_separators if len(self.json_separators) <= 40 else self.json_separators[:37] + "..."
+            raise ConfigError(f'--json-separators must be JSON (as [", ", ":"]), got {shown!r}') from None
         return model_specs.json_separators(value, "--json-separators")
 
     @property
@@ -424,7 +423,8 @@ def from_args(argv=None, environ=os.environ) -> ServerConfig:
     """
     args = parser().parse_args(argv)
     if args.models_file is not None or args.model_path is not None:  # a flag wins over the other way's variables
-        ways = ("MODEL_PATH", "MODEL_ID", "CHAT_TEMPLATE") if args.models_file is not None else ("MODELS_FILE",)
+        ways = ("MODEL_PATH", "MODEL_ID", "CHAT_TEMPLATE", "JSON_SEPARATORS") if args.models_file is not None \
+            else ("MODELS_FILE",)
         environ = {k: v for k, v in environ.items() if k not in ways}
     base = {f.name: getattr(ServerConfig.from_env(environ), f.name) for f in fields(ServerConfig)}
     for o in OPTIONS:

@@ -27,14 +27,13 @@ from __future__ import annotations
 import functools
 import json
 import os
-import re
 import tomllib
 from dataclasses import dataclass
 from typing import NamedTuple
 
 from engine.config import EMBED_DEFAULTS, ConfigError, EngineConfig, check_model_file
 from server.gguf import metadata, metadata_strings
-from server.structured.schema import SEPARATORS
+from server.structured.schema import SEPARATORS, separator_error
 
 #: What a model serves: text generation (chat, completions, scoring, ``/infer``) or embeddings.
 GENERATE, EMBED = "generate", "embed"
@@ -51,10 +50,6 @@ ALIAS = "local-model"
 NAME_KEY, TEMPLATE_KEY = "general.name", "tokenizer.chat_template"
 #: Keys of a model's table besides the engine settings.
 _OWN_KEYS = ("names", "path", "chat_template", "kind", "pooling", "json_separators")
-#: A separator structured outputs may write: its punctuation (``,`` between items, ``:`` after a
-#: key) with JSON's whitespace around it (RFC 8259, section 2); also a literal to llguidance,
-#: which reads separators as regular expressions.
-_SEPARATOR = {0: re.compile(r"[ \t\n\r]*,[ \t\n\r]*"), 1: re.compile(r"[ \t\n\r]*:[ \t\n\r]*")}
 
 
 @functools.lru_cache(maxsize=16)
@@ -214,29 +209,30 @@ def json_separators(value: object, where: str) -> tuple[str, str]:
 
     Raises:
         ConfigError: not two strings, or one that is not its punctuation with JSON's whitespace
-            around it (:data:`_SEPARATOR`).
+            around it (:func:`server.structured.schema.separator_error`).
     """
     if not (isinstance(value, (list, tuple)) and len(value) == 2 and all(isinstance(s, str) for s in value)):
         raise ConfigError(f'{where} must be two strings, between items and after a key (as [", ", ": "])')
-    for i, (text, what) in enumerate(zip(value, ("','", "':'"))):
-        if not _SEPARATOR[i].fullmatch(text):
-            raise ConfigError(f"{where}: {text!r} must be {what} with only spaces, tabs or newlines around it")
+    for i, text in enumerate(value):
+        if error := separator_error(text, i):
+            raise ConfigError(f"{where}: the {('first', 'second')[i]} {error}")
     return (value[0], value[1])
 
 
 def from_flags(paths: list[str], model_id: str, chat_template: str,
-               separators: tuple[str, str] = SEPARATORS) -> tuple[ModelSpec, ...]:
+               separators: tuple[str, str] | None = None) -> tuple[ModelSpec, ...]:
     """The models of ``--model`` (each path one model), ``--model-id``, ``--chat-template`` and
-    ``--json-separators``: the three last only with one model (a models file names and templates
-    several).
+    ``--json-separators`` (None: not given, the default's): the three last only with one model (a
+    models file names and templates several).
 
     Raises:
         ConfigError: ``--model-id``, ``--chat-template`` or ``--json-separators`` with several
             models; two models whose GGUFs give the same name.
     """
-    if len(paths) > 1 and (model_id or chat_template or separators != SEPARATORS):
+    if len(paths) > 1 and (model_id or chat_template or separators is not None):
         raise ConfigError("--model-id, --chat-template and --json-separators apply to one model; with several, "
                           "declare them in a models file (--models FILE)")
+    separators = separators or SEPARATORS
     if model_id:
         names = tuple(dict.fromkeys(n.strip() for n in model_id.split(",") if n.strip()))
         if not names:

@@ -27,7 +27,7 @@ import llguidance
 from engine.errors import InvalidRequest
 from server.api import json_text
 from server.structured.constraint import CHOICE, GRAMMAR, JSON_OBJECT, JSON_SCHEMA, REGEX, OutputConstraint
-from server.structured.schema import closed_objects
+from server.structured.schema import check_layout, closed_objects
 
 #: OpenAI's rule for a JSON schema format's ``name``.
 _NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
@@ -159,11 +159,12 @@ def parse_structured_outputs(so, where: str = "structured_outputs") -> OutputCon
 
 
 def _json(kind: str, schema, param: str) -> OutputConstraint:
-    """A JSON constraint of ``schema``, its objects that name their keys closed to others
-    (``server/structured/schema.py``)."""
+    """A JSON constraint of ``schema``, its objects that name their keys closed to others and its
+    own layout one that writes JSON (``server/structured/schema.py``)."""
     if not isinstance(schema, dict):
         raise InvalidRequest(f"{param} must be a JSON Schema (an object)", param)
     try:
+        check_layout(schema)
         return OutputConstraint(kind, closed_objects(schema), param)
     except ValueError as e:
         raise InvalidRequest(f"{param} cannot be enforced: {e}", param) from None

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 
 #: The separators JSON is written with by default, as ``json.dumps``' ``separators`` (between
 #: items, after a key): ``", "`` and ``": "``. Chosen by ``python -m bench.json_corpus --compare``
@@ -38,6 +39,49 @@ JSON_OPTIONS = layout(SEPARATORS)
 LAYOUT = ("whitespace_flexible", "whitespace_pattern", "item_separator", "key_separator")
 #: llguidance's JSON-schema options whatever the schema says: every keyword enforced or refused.
 EXACT = {"lenient": False}
+#: Each separator's punctuation (:func:`layout`'s order: between items, after a key) with at most
+#: 16 characters of JSON's whitespace on each side (RFC 8259, section 2: space, tab, newline,
+#: carriage return). llguidance reads a separator as a regular expression; these are literals.
+_SEPARATOR = tuple(re.compile(rf"[ \t\n\r]{{0,16}}{p}[ \t\n\r]{{0,16}}") for p in (",", ":"))
+#: A ``whitespace_pattern`` this server can tell matches JSON's whitespace only: those four
+#: characters (as themselves, escaped, or ``\xHH``), classes of them (no ``^`` or ranges), groups,
+#: alternation and quantifiers.
+_WHITESPACE_PATTERN = re.compile(r"(?:\{\d{1,3}(?:,\d{0,3})?\}|\\[tnr ]|\\x(?:20|09|0[aA]|0[dD])|[ \t\n\r\[\]()|?*+])*")
+
+
+def separator_error(text: object, which: int) -> str | None:
+    """Why ``text`` cannot be separator ``which`` (0: between items, 1: after a key), or None:
+    it must be :data:`_SEPARATOR`'s, so that the JSON written is JSON."""
+    if isinstance(text, str) and _SEPARATOR[which].fullmatch(text):
+        return None
+    return (f"must be {',:'[which]!r} with at most 16 spaces, tabs, newlines or carriage returns on each side, "
+            f"got {_shown(text)}")
+
+
+def check_layout(schema: dict) -> None:
+    """Refuse a schema whose own ``x-guidance`` would have llguidance write what is not JSON: a
+    separator (:func:`separator_error`) or a ``whitespace_pattern`` (:data:`_WHITESPACE_PATTERN`)
+    that may write other characters than JSON's whitespace.
+
+    Raises:
+        ValueError: naming the option.
+    """
+    own = schema.get("x-guidance")
+    if not isinstance(own, dict):
+        return
+    for which, key in enumerate(("item_separator", "key_separator")):
+        if key in own and (error := separator_error(own[key], which)):
+            raise ValueError(f"x-guidance.{key} {error}")
+    pattern = own.get("whitespace_pattern")
+    if pattern is not None and not (isinstance(pattern, str) and _WHITESPACE_PATTERN.fullmatch(pattern)):
+        raise ValueError("x-guidance.whitespace_pattern must match JSON's whitespace only (spaces, tabs, newlines, "
+                         rf"carriage returns: as in [ \t\n\r]{{0,20}}), got {_shown(pattern)}")
+
+
+def _shown(value: object) -> str:
+    """``value`` as an error shows it: its ``repr``, cut to 40 characters."""
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def guided(schema: dict, separators: tuple[str, str] = SEPARATORS) -> dict:

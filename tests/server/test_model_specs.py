@@ -60,9 +60,10 @@ def test_a_models_file_declares_names_kinds_and_engine_settings(tmp_path, model_
     ([{"names": ["a"], "path": "M", "max_slots": 300}], "models[0] in .*: max_slots must be <= 256"),
     ([{"names": ["a"], "path": "M", "json_separators": ", "}], "json_separators must be two strings"),
     ([{"names": ["a"], "path": "M", "json_separators": [", ", ": ", " "]}], "json_separators must be two strings"),
-    ([{"names": ["a"], "path": "M", "json_separators": [";", ":"]}], "json_separators: ';' must be ','"),
-    ([{"names": ["a"], "path": "M", "json_separators": [",", ": x"]}], "json_separators: ': x' must be ':' with only"),
-    ([{"names": ["a"], "path": "M", "json_separators": [",.*", ":"]}], "json_separators: ',.*' must be ','"),
+    ([{"names": ["a"], "path": "M", "json_separators": [";", ":"]}], "json_separators: the first must be ','"),
+    ([{"names": ["a"], "path": "M", "json_separators": [",", ": x"]}], "json_separators: the second must be ':' with"),
+    ([{"names": ["a"], "path": "M", "json_separators": [",.*", ":"]}], "json_separators: the first must be ','"),
+    ([{"names": ["a"], "path": "M", "json_separators": ["," + " " * 17, ":"]}], "at most 16 spaces"),
     ([{"names": ["a"], "path": "M", "kind": "embed", "pooling": "mean", "json_separators": [",", ":"]}],
      "json_separators applies to kind = \"generate\" only"),
 ])
@@ -88,8 +89,10 @@ def test_the_models_file_excludes_the_one_model_flags(tmp_path, model_path):
 
 @pytest.mark.parametrize("value,says", [
     ('[",", ":"]', None), ('[", ", ": "]', None), ('[",\\n", ":\\t"]', None),
-    ("', :'", "--json-separators must be JSON"), ('[",", "="]', "--json-separators: '=' must be ':'"),
+    ("', :'", "--json-separators must be JSON"), ('[",", "="]', "--json-separators: the second must be ':'"),
+    ("x" * 1000, "must be JSON .* got 'xxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx...'$"),
     ('{"item": ","}', "--json-separators must be two strings"),
+    ('[", ", ": "]', None),  # given, the default's: with two --model it is refused all the same (below)
 ])
 def test_json_separators_flag(value, says):
     from server.config import from_args
@@ -109,7 +112,7 @@ def test_model_given_twice_serves_two_models_named_by_their_files(model_path, ge
     config = from_args(["--model", model_path, "--model", gemma_model_path], environ={})
     assert [m.names for m in config.models] == [("Smollm2-135M-8k-Lc100K-Mix1-Ep2", "local-model"), ("Gemma-3-270m",)]
     assert from_args([], environ=config.to_env()).models == config.models
-    for flag in (["--model-id", "x"], ["--json-separators", '[",", ":"]']):
+    for flag in (["--model-id", "x"], ["--json-separators", '[", ", ": "]']):
         with pytest.raises(ConfigError, match="--model-id, --chat-template and --json-separators apply to one model"):
             from_args(["--model", model_path, "--model", gemma_model_path, *flag], environ={}).models
     with pytest.raises(ConfigError, match="declared twice"):
@@ -172,7 +175,8 @@ def test_a_flag_wins_over_the_other_ways_variables(tmp_path, model_path):
     from server.config import from_args
 
     path = _file(tmp_path, [{"names": ["a"], "path": model_path}])
-    config = from_args(["--models", path], environ={"MODEL_PATH": "/nowhere.gguf", "MODEL_ID": "x"})
+    config = from_args(["--models", path], environ={"MODEL_PATH": "/nowhere.gguf", "MODEL_ID": "x",
+                                                    "JSON_SEPARATORS": '[",", ":"]'})
     assert config.model_ids == ("a",)
     config = from_args(["--model", model_path, "--model-id", "b"], environ={"MODELS_FILE": path})
     assert config.model_ids == ("b",)

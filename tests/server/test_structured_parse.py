@@ -33,6 +33,17 @@ TEXT_FORMAT_REFUSED = [
     ({"type": "json_schema", "name": "x", "schema": {"type": "object", "minProperties": 3,
                                                      "patternProperties": {"a": {}}}},
      "text.format.schema", "text.format.schema cannot be enforced: minProperties above 1"),
+    # a layout of the schema's own that would not write JSON: separators are literals, whitespace is JSON's
+    *[({"type": "json_schema", "name": "x", "schema": {"type": "object", "x-guidance": guidance}}, "text.format.schema",
+       f"text.format.schema cannot be enforced: x-guidance.{says}")
+      for guidance, says in [({"key_separator": ""}, "key_separator must be ':'"),
+                             ({"item_separator": ".*"}, "item_separator must be ','"),
+                             ({"item_separator": ", ?"}, "item_separator must be ','"),
+                             ({"item_separator": ",", "key_separator": 3}, "key_separator must be ':'"),
+                             ({"whitespace_flexible": True, "whitespace_pattern": "[ a]*"}, "whitespace_pattern must"),
+                             ({"whitespace_pattern": r"\s*"}, "whitespace_pattern must"),
+                             ({"whitespace_pattern": "[^x]"}, "whitespace_pattern must"),
+                             ({"whitespace_pattern": "[ ,]"}, "whitespace_pattern must")]],
 ]
 
 
@@ -113,3 +124,10 @@ def test_a_model_served_with_other_separators_writes_them_unless_the_schema_name
     own = dataclasses.replace(parse_structured({"structured_outputs": {"json": {**PAIR, "x-guidance": {
         "whitespace_flexible": False}}}}), separators=separators)
     assert _walk(own.grammar(), COMPACT) and (takes == COMPACT or not _walk(own.grammar(), takes))
+
+
+@pytest.mark.parametrize("pattern,text", [(r"[\n ]{0,20}", '{\n  "a": 1}'), (r"( |\n {0,20})?", '{"a":\n 1}'),
+                                          (r"[\x20\t]*", '{"a":\t1}')])
+def test_a_schema_whitespace_pattern_of_json_whitespace_is_honoured(pattern, text):
+    schema = {"type": "object", "x-guidance": {"whitespace_flexible": True, "whitespace_pattern": pattern}}
+    assert _walk(parse_structured({"structured_outputs": {"json": schema}}).grammar(), text)
