@@ -24,6 +24,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import gc
+import json
 import logging
 import multiprocessing
 import os
@@ -40,6 +41,7 @@ from server.grpc.keeper import Sidecar, check_port as check_grpc_port
 from server.http.worker import discard_body
 from server.observability import metrics_dir
 from server.responses.store import RESPONSES_DB_ENV, create_database
+from server.structured.schema import SEPARATORS
 from server.control.state import ControlPlane
 from server.tenancy.tenants import Tenants
 
@@ -153,8 +155,9 @@ def _serves(spec) -> str:
         return "embeddings (POST /v1/embeddings)"
     origin = spec.chat_template_origin()
     flag = "--chat-template FILE" if spec.where == "--model" else "chat_template in the models file"
-    return f"chat: yes (chat template: {origin})" if origin else \
-        f"chat: no, the model has no chat template (completions only; give one with {flag})"
+    own = "" if spec.json_separators == SEPARATORS else f"; JSON separators {json.dumps(list(spec.json_separators))}"
+    return (f"chat: yes (chat template: {origin})" if origin else
+            f"chat: no, the model has no chat template (completions only; give one with {flag})") + own
 
 
 def pre_request(worker, req) -> None:

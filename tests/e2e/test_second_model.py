@@ -76,6 +76,8 @@ def test_the_model_is_named_by_its_file_and_says_it_serves_no_chat(base, chat):
         log = f.read()
     assert f"served as {GEMMA_ID}, {MODEL}; chat: no, the model has no chat template" in log, log[-2000:]
     assert "--chat-template FILE" in log and "Traceback" not in log
+    with open(chat.log) as f:  # the other says what it lays JSON out with, where not the default
+        assert f'chat: yes (chat template: --chat-template {GEMMA_TEMPLATE}); JSON separators [", ", ":"]' in f.read()
 
 
 def test_completions_and_scoring_serve_without_a_template(base):
