@@ -61,7 +61,7 @@ import tempfile
 import threading
 import time
 
-from tests.support.servers import cmdline
+from tests.support.servers import cmdline, is_sidecar
 
 SHM = "/dev/shm"
 TIMEOUT_S = 60.0  # a request with no answer for this long is a hang
@@ -372,12 +372,12 @@ def rss_kb(pid: int) -> int | None:
 def role(pid: int, master_cmdline: bytes) -> str:
     """master's child ``pid`` as worker, engine, sidecar, resource_tracker or other."""
     cmd = cmdline(pid) or b""
+    if is_sidecar(pid):  # forked from the master, as the workers are: its command line is the master's
+        return "sidecar"
     if cmd == master_cmdline:
         return "worker"
     if b"engine.process" in cmd:
         return "engine"
-    if b"server.grpc.server" in cmd:
-        return "sidecar"
     if b"resource_tracker" in cmd:
         return "resource_tracker"
     return "other"

@@ -131,22 +131,28 @@ def _start_engine(server) -> None:
                         supervisor.transport_name)
         server.log.info("model %s, served as %s; %s", engine.model_path, ", ".join(spec.names), _serves(spec))
     os.environ["INFERENCE_SHM"] = ",".join(s.transport_name for s in supervisors.values())
-    if _config.grpc_port:
+    # What every worker imports to build its app, and every model's tokenizer, loaded once while
+    # the engine loads: the workers and the gRPC sidecar fork with them (server/http/worker_app.py
+    # says why). gunicorn calls no on_exit for an error in when_ready, so a broken install stops
+    # everything started above here.
+    try:
+        # Not `import server.http.worker_app`: that binds the name `server` here to the package,
+        # and the sidecar's callbacks below, which close over this `server`, then failed.
+        from server.http import worker_app
+    except Exception as e:
+        on_exit(server)
+        raise SystemExit(f"inference-server: cannot import the app: {type(e).__name__}: {e}") from None
+    try:
+        worker_app.preload(_config)
+    except Exception as e:  # the metadata read, the rest of the file not (a file cut short)
+        on_exit(server)
+        raise SystemExit(f"inference-server: cannot load a model's tokenizer: {type(e).__name__}: {e}") from None
+    if _config.grpc_port:  # forked now, to share what the workers will (server.grpc.keeper)
         sidecar = Sidecar(dict(os.environ), on_exit=lambda pid: _process_exited(server, pid, "gRPC sidecar"),
                           on_bind_failed=lambda: _grpc_port_lost(server))
         _state["sidecar"] = sidecar
         sidecar.start()
         server.log.info("gRPC sidecar starting on port %d (pid %d)", _config.grpc_port, sidecar.pid)
-    # What every worker imports to build its app, imported once while the engine loads: the
-    # workers fork with it (server/http/worker_app.py says why). gunicorn calls no on_exit for
-    # an error in when_ready, so a broken install stops everything started above here.
-    try:
-        # Not `import server.http.worker_app`: that binds the name `server` here to the package,
-        # and the sidecar's callbacks above, which close over this `server`, then failed.
-        from server.http import worker_app  # noqa: F401
-    except Exception as e:
-        on_exit(server)
-        raise SystemExit(f"inference-server: cannot import the app: {type(e).__name__}: {e}") from None
 
 
 def _serves(spec) -> str:

@@ -15,8 +15,11 @@ model's engine settings, in the terms of docs/operations.md "Memory":
   embedding engine's whole batch: llama.cpp makes each of its tokens an output, unless the
   engine loads the architecture's twin without the head, ``EMBEDDING_ARCHITECTURES``), and
   its graph's activations, :data:`ACTIVATION_FLOATS` floats per batch token and embedding unit;
-- the engine process itself (:data:`PROCESS_BYTES`) and each front end's vocabulary
-  (:data:`VOCAB_BYTES_PER_TOKEN`, in every gunicorn worker and the gRPC sidecar).
+- the engine process itself (:data:`PROCESS_BYTES`, and its vocabulary twice over:
+  :data:`ENGINE_VOCAB_BYTES_PER_TOKEN`) and the front ends' tokenizer: one copy, which the
+  gunicorn master loads before the workers and the gRPC sidecar fork
+  (:data:`VOCAB_BYTES_PER_TOKEN`), and what each may come to copy of it
+  (:data:`PIECES_BYTES_PER_TOKEN`).
 
 The limit is ``--memory-limit``, or the memory available now: ``MemAvailable`` of
 ``/proc/meminfo``, or what the cgroup (a container's limit) leaves, whichever is less.
@@ -42,9 +45,17 @@ PROCESS_BYTES = 120 << 20
 #: graph's largest intermediate tensors, the feed-forward's included); llama.cpp reported 8.4 MB
 #: for SmolLM2 (576 units) at 512 tokens, 32 floats a unit and token with room to spare.
 ACTIVATION_FLOATS = 32
-#: Resident bytes per vocabulary entry of the tokenizer each front-end process loads
-#: (``vocab_only``): about 0.1 KB measured for SmolLM2's 49,152 and Gemma 3's 262,144 entries.
-VOCAB_BYTES_PER_TOKEN = 160
+#: Resident bytes per vocabulary entry of the engine's two views of it, llama.cpp's vocabulary
+#: and llguidance's token trie (``engine.llama.grammar.tokenizer_from_vocab``): 185 bytes each
+#: measured for Gemma 3's 262,144 entries.
+ENGINE_VOCAB_BYTES_PER_TOKEN = 370
+#: Resident bytes per vocabulary entry of the front ends' tokenizer (``vocab_only``, and
+#: ``Tokenizer.pieces``), which the forked front ends share with the master: 236 bytes measured
+#: for Gemma 3's 262,144 entries.
+VOCAB_BYTES_PER_TOKEN = 240
+#: Resident bytes per vocabulary entry each front end may come to copy of the shared tokenizer:
+#: ``Tokenizer.pieces``, Python objects whose reference counts are written as tokens are decoded.
+PIECES_BYTES_PER_TOKEN = 48
 #: Bits per weight of llama.cpp's file types (``general.file_type``, ``enum llama_ftype``) that
 #: the weight formats convert from or to: F32, F16, Q4_0, Q4_1, Q8_0, Q5_0, Q5_1, BF16.
 _BITS = {0: 32.0, 1: 16.0, 2: 4.5, 3: 5.0, 7: 8.5, 8: 5.5, 9: 6.0, 32: 16.0}
@@ -119,7 +130,8 @@ def estimate(config: "EngineConfig", front_ends: int) -> Estimate:
         logits = 2 * LOGITS_BYTES
     return Estimate(weights=_weights_bytes(path, config.weights, meta.get("general.file_type")),
                     kv=cells * cell, compute=logits + ACTIVATION_FLOATS * 4 * n_embd * config.n_batch,
-                    process=PROCESS_BYTES, front_ends=front_ends * VOCAB_BYTES_PER_TOKEN * n_vocab)
+                    process=PROCESS_BYTES + ENGINE_VOCAB_BYTES_PER_TOKEN * n_vocab,
+                    front_ends=(VOCAB_BYTES_PER_TOKEN + front_ends * PIECES_BYTES_PER_TOKEN) * n_vocab)
 
 
 def _weights_bytes(path: str, weights: str, file_type: int | None) -> int:

@@ -4,6 +4,8 @@ from __future__ import annotations
 import os
 import secrets
 import shutil
+import sys
+import threading
 from types import SimpleNamespace
 from multiprocessing import resource_tracker, shared_memory
 
@@ -103,8 +105,7 @@ class Transport:
             FileNotFoundError: no such segment.
             ValueError: the segment is not one of ours.
         """
-        shm = shared_memory.SharedMemory(name=name)
-        _untrack(shm)
+        shm = _attach(name)
         meta = np.ndarray((), _META, buffer=shm.buf)[()]
         if int(meta["magic"]) != _MAGIC:
             shm.close()
@@ -126,9 +127,6 @@ class Transport:
         except BufferError:
             pass  # a view is still referenced somewhere; the mapping goes with the process
         if self.owner:
-            # An attacher sharing our resource tracker (a spawned child) may have unregistered
-            # the name; register it again so unlink's own unregister finds it.
-            resource_tracker.register(shm._name, "shared_memory")  # noqa: SLF001
             try:
                 shm.unlink()
             except FileNotFoundError:
@@ -143,11 +141,23 @@ class Transport:
         self.close()
 
 
-def _untrack(shm: shared_memory.SharedMemory) -> None:
-    """Stop Python's resource tracker from unlinking an *attached* segment when this process
-    exits (Python < 3.13 registers attachers too, cpython issue #82300): only the creator owns it.
+#: Held while :func:`_attach` has Python's resource tracker's ``register`` swapped out.
+_UNTRACKED = threading.Lock()
+
+
+def _attach(name: str) -> shared_memory.SharedMemory:
+    """Map the existing segment ``name`` without registering it with Python's resource tracker.
+    Only the creator owns a segment; Python < 3.13 registers attachers too (cpython issue
+    #82300), and an attacher's tracker would unlink the segment when that process exits. Never
+    registering also spares a process that only attaches (the engine, the gRPC sidecar) a
+    resource-tracker process of its own, 7 MB of resident memory. Python 3.13 says so with
+    ``track=False``; before it, ``SharedMemory`` looks ``register`` up in its module at each call.
     """
-    try:
-        resource_tracker.unregister(shm._name, "shared_memory")  # noqa: SLF001
-    except Exception:  # pragma: no cover - tracker not running
-        pass
+    if sys.version_info >= (3, 13):
+        return shared_memory.SharedMemory(name=name, track=False)
+    with _UNTRACKED:
+        register, resource_tracker.register = resource_tracker.register, lambda *_: None
+        try:
+            return shared_memory.SharedMemory(name=name)
+        finally:
+            resource_tracker.register = register

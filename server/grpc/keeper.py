@@ -1,9 +1,14 @@
-"""The gunicorn master's keeper of the gRPC sidecar (``python -m server.grpc.server``).
+"""The gunicorn master's keeper of the gRPC sidecar (:func:`server.grpc.server.main`).
 
-gRPC's core does not survive ``fork`` once it is loaded, so the sidecar is a new interpreter
-(``subprocess``: fork then exec, from the master, which never imports grpc), not a forked
-worker. A sidecar that exits while the server runs is started again after ``RESTART_S``, and
-the mailboxes it leased are reclaimed as a dead worker's are. One that cannot bind its port
+The sidecar is forked from the master, as a worker is, and imports gRPC only then: gRPC's core
+does not survive ``fork`` once it is loaded, and the master never imports it. A fork shares the
+master's pages (its imports and every model's tokenizer: ``server.http.worker_app.preload``);
+a new interpreter (``python -m server.grpc.server``, how it ran before) held its own copy of
+them, 120 MB of resident memory beside Gemma 3 270M's vocabulary. The child leaves the master's
+signal handlers and listening sockets behind, names itself ``SIDECAR_NAME`` (``ps``, and
+``/proc/<pid>/comm``, where its command line is the master's), and never returns into the
+master's code. A sidecar that exits while the server runs is started again after ``RESTART_S``,
+and the mailboxes it leased are reclaimed as a dead worker's are. One that cannot bind its port
 (another process took it after the master's :func:`check_port`: two servers started at once
 with one ``--grpc-port``, or a process that took the port while the sidecar restarted) exits with
 :data:`BIND_FAILED` after saying so on a pipe (:func:`report_bind_failed`), and the server stops
@@ -12,14 +17,20 @@ rather than serve HTTP with no gRPC behind a ready health check.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
+import gc
+import importlib
 import logging
 import os
+import signal
 import socket
 import subprocess
 import sys
 import threading
-from typing import Callable
+import time
+import traceback
+from typing import Callable, NoReturn
 
 from engine.config import ConfigError
 from engine.supervisor import stop_child
@@ -34,6 +45,11 @@ BIND_FAILED = 3
 #: ``waitpid(-1)`` may reap the sidecar first, and ``Popen.wait`` then reads 0.
 REPORT_FD_ENV = "INFERENCE_SIDECAR_REPORT_FD"
 _BIND_FAILED_REPORT = b"B"
+#: The module whose ``main()`` the sidecar runs.
+SIDECAR_MODULE = "server.grpc.server"
+#: The sidecar's process name (``prctl(PR_SET_NAME)``: at most 15 bytes).
+SIDECAR_NAME = "grpc-sidecar"
+PR_SET_NAME = 15
 
 
 def report_bind_failed() -> None:
@@ -86,7 +102,7 @@ class Sidecar:
 
     def __init__(self, env: dict[str, str], on_exit: Callable[[int], None], on_bind_failed: Callable[[], None]):
         self.env, self.on_exit, self.on_bind_failed = env, on_exit, on_bind_failed
-        self.proc: subprocess.Popen | None = None
+        self.proc: Forked | None = None
         self._report: int | None = None  # the read end of the running sidecar's report pipe
         self._stopping = threading.Event()
         self._lock = threading.Lock()  # no spawn after stop() began
@@ -104,10 +120,12 @@ class Sidecar:
         self._close_report()
         read, write = os.pipe()
         try:
-            self.proc = subprocess.Popen([sys.executable, "-m", "server.grpc.server"],
-                                         env={**self.env, REPORT_FD_ENV: str(write)}, pass_fds=(write,))
+            pid = os.fork()
+            if pid == 0:
+                _run_sidecar(self.env, write)
         finally:
             os.close(write)
+        self.proc = Forked(pid)
         os.set_blocking(read, False)  # read once the sidecar is gone: what it wrote, or nothing
         self._report = read
 
@@ -153,3 +171,94 @@ class Sidecar:
         stop_child(self.proc, STOP_S)
         self._thread.join(STOP_S)
         self._close_report()
+
+
+class Forked:
+    """A forked child as ``subprocess.Popen`` shows one, as far as :class:`Sidecar` and
+    ``engine.supervisor.stop_child`` use it. The gunicorn master's ``waitpid(-1)`` may reap the
+    child first; its exit status is then unknown and read as 0, as ``Popen`` reads it."""
+
+    def __init__(self, pid: int):
+        self.pid, self.returncode = pid, None
+
+    def _reap(self, flags: int) -> None:
+        try:
+            pid, status = os.waitpid(self.pid, flags)
+        except ChildProcessError:
+            pid, status = self.pid, 0
+        if pid and self.returncode is None:
+            self.returncode = os.waitstatus_to_exitcode(status)
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            self._reap(os.WNOHANG)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        """Its exit status, once it exited (blocking; polled every 50 ms with a ``timeout``).
+
+        Raises:
+            subprocess.TimeoutExpired: still running after ``timeout`` seconds.
+        """
+        if timeout is None:
+            while self.returncode is None:
+                self._reap(0)
+            return self.returncode
+        end = time.monotonic() + timeout
+        while self.poll() is None:
+            if time.monotonic() >= end:
+                raise subprocess.TimeoutExpired(str(self.pid), timeout)
+            time.sleep(0.05)
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, sig)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+def _run_sidecar(env: dict[str, str], report: int) -> NoReturn:
+    """In the forked child: leave the master's state behind, run the sidecar
+    (:func:`server.grpc.server.main`) in ``env``, exit with its status. Never returns: the
+    forking thread's stack is the master's (gunicorn's start-up, or :meth:`Sidecar._keep`)."""
+    code = 1
+    try:
+        # The master's objects stay out of the collector's walks, which would write to each
+        # one's header and so copy the pages this process shares with the master.
+        gc.freeze()
+        for sig in signal.valid_signals() - {signal.SIGKILL, signal.SIGSTOP}:
+            with contextlib.suppress(OSError, ValueError):
+                signal.signal(sig, signal.SIG_DFL)  # gunicorn's arbiter's handlers are the master's
+        _leave_descriptors(keep=(0, 1, 2, report))
+        ctypes.CDLL(None).prctl(PR_SET_NAME, SIDECAR_NAME.encode())
+        os.environ.clear()
+        os.environ.update({**env, REPORT_FD_ENV: str(report)})
+        # by name, as ``python -m`` ran it: that module imports this one, and gRPC
+        code = importlib.import_module(SIDECAR_MODULE).main()
+    except BaseException:  # noqa: BLE001 - said, then the exit status
+        traceback.print_exc()
+    finally:
+        with contextlib.suppress(Exception):
+            sys.stdout.flush()
+            sys.stderr.flush()
+        os._exit(code)
+
+
+def _leave_descriptors(keep: tuple[int, ...]) -> None:
+    """Put ``/dev/null`` in place of every open file descriptor but ``keep``, as ``subprocess``'s
+    ``close_fds`` would close them: the master's listening sockets (the HTTP port would stay
+    bound while a sidecar outlived it), pipes and locks. ``dup2`` rather than ``close``: the
+    master's objects that hold those numbers, should one be finalized here, close ``/dev/null``
+    and not a descriptor this process opened since."""
+    null = os.open(os.devnull, os.O_RDWR)
+    for name in os.listdir("/proc/self/fd"):
+        fd = int(name)
+        if fd not in keep and fd != null:
+            with contextlib.suppress(OSError):  # the directory's own descriptor, closed by now
+                os.dup2(null, fd)
+    os.close(null)

@@ -7,7 +7,9 @@ node's response store).
 The master imports this module, without calling :func:`build`, while its engine loads: each
 worker, and each replacement of one, then forks with what an app needs already imported
 (llama_cpp, falcon, jinja2, llguidance...: 0.3 CPU-s a worker on this project's 2-core machine,
-measured with ``python -X importtime``). What :func:`build` makes stays each worker's own.
+measured with ``python -X importtime``). It also loads every model's tokenizer there
+(:func:`preload`), whose pages the workers then share. What :func:`build` makes stays each
+worker's own.
 """
 from __future__ import annotations
 
@@ -21,6 +23,12 @@ from server.model_router import ModelRouter
 from server.http.app import create_app, response_store
 from server.responses.store import RESPONSES_DB_ENV
 from server.tenancy.tenants import TenantRegistry
+
+
+def preload(config: ServerConfig) -> None:
+    """In the master, before the workers fork: every model's tokenizer, which each worker's
+    :func:`build` then finds loaded (``server.model_router.load_tokenizer``)."""
+    ModelRouter.preload(config)
 
 
 def build(config: ServerConfig, tenants: TenantRegistry) -> falcon.App:

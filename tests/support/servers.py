@@ -164,6 +164,16 @@ def cmdline(pid: int) -> bytes | None:
         return None
 
 
+def is_sidecar(pid: int) -> bool:
+    """Whether process ``pid`` is a gRPC sidecar (its name, ``server.grpc.keeper.SIDECAR_NAME``)."""
+    from server.grpc.keeper import SIDECAR_NAME
+    try:
+        with open(f"/proc/{pid}/comm") as f:
+            return f.read().strip() == SIDECAR_NAME
+    except OSError:
+        return False
+
+
 class RunningServer:
     """A real ``inference-server`` (gunicorn + engine) in a subprocess.
 
@@ -228,20 +238,14 @@ class RunningServer:
 
     def worker_pids(self) -> list[int]:
         """The gunicorn workers: the master's children forked from it (same command line; the
-        engine, the sidecar and multiprocessing's resource tracker are other programs)."""
+        engine and multiprocessing's resource tracker are other programs) but the gRPC sidecar
+        (forked too, under a name of its own)."""
         master = cmdline(self.proc.pid)
-        return [p for p in self.children() if cmdline(p) == master]
+        return [p for p in self.children() if cmdline(p) == master and not is_sidecar(p)]
 
     def sidecar_pid(self) -> int | None:
         """The gRPC sidecar's pid (None when there is none)."""
-        for pid in self.children():
-            try:
-                with open(f"/proc/{pid}/cmdline", "rb") as f:
-                    if b"server.grpc.server" in f.read():
-                        return pid
-            except OSError:
-                continue
-        return None
+        return next((pid for pid in self.children() if is_sidecar(pid)), None)
 
     def wait_idle(self, timeout: float = 10.0) -> None:
         """Until no mailbox is leased and no slot is held (asserted, not slept on)."""
