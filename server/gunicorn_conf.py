@@ -147,6 +147,9 @@ def _start_engine(server) -> None:
     except Exception as e:  # the metadata read, the rest of the file not (a file cut short)
         on_exit(server)
         raise SystemExit(f"inference-server: cannot load a model's tokenizer: {type(e).__name__}: {e}") from None
+    # Out of the collector's walks from now on, which would write to each object's header and
+    # so give the master its own copy of pages its children share (Python's gc.freeze advice).
+    gc.freeze()
     if _config.grpc_port:  # forked now, to share what the workers will (server.grpc.keeper)
         sidecar = Sidecar(dict(os.environ), on_exit=lambda pid: _process_exited(server, pid, "gRPC sidecar"),
                           on_bind_failed=lambda: _grpc_port_lost(server))

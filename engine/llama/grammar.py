@@ -11,8 +11,8 @@ the chain's token first, the allowed tokens only when it is refused.
 
 Limits (docs/api.md "Structured outputs"): the grammar must fit the request's variable section
 (``--max-request-extras-bytes``, 32 KiB by default), and compiling it is bounded by
-:data:`LIMITS` (llguidance's fuel and size limits, the same in the front end's check). Compiling
-never runs on the step loop's thread.
+:data:`engine.grammar_limits.LIMITS` (llguidance's fuel and size limits, the same in the front
+end's check). Compiling never runs on the step loop's thread.
 """
 from __future__ import annotations
 
@@ -25,12 +25,8 @@ import llama_cpp
 import llguidance
 import numpy as np
 
-#: llguidance's parser limits, the same in the front end's check and the engine's compile.
-#: ``initial_lexer_fuel`` bounds the lexer's construction (about 50k units a millisecond, so at
-#: most about 20 ms), ``max_grammar_size`` the grammar's symbols, ``step_lexer_fuel`` and
-#: ``step_max_items`` one mask (about 14k and 20k units a millisecond: at most about 7 ms).
-LIMITS = dict(initial_lexer_fuel=1_000_000, max_grammar_size=200_000, step_lexer_fuel=100_000,
-              step_max_items=50_000, verbose_errors=False)
+from engine.grammar_limits import limits
+
 #: Compiled grammars the engine keeps (each entry one tenant's grammar; least recently used evicted).
 CACHE_ENTRIES = 64
 
@@ -38,10 +34,6 @@ CACHE_ENTRIES = 64
 _BIT = np.arange(32)
 #: Masks with more non-zero 32-token words than this are unpacked whole (cheaper then).
 SPARSE_WORDS = 128
-
-
-def limits() -> llguidance.LLParserLimits:
-    return llguidance.LLParserLimits(**LIMITS)
 
 
 def tokenizer_from_vocab(vocab, n_vocab: int, eos: list[int]) -> llguidance.LLTokenizer:

@@ -1,5 +1,5 @@
 """The front end's check of a request's grammar: whether llguidance can compile it within
-:data:`engine.llama.grammar.LIMITS` and whether any text is an instance of it, so that the
+:data:`engine.grammar_limits.LIMITS` and whether any text is an instance of it, so that the
 engine never receives one that fails, and a fault is refused naming the client's field.
 
 - :func:`check`: one grammar (a structured output alone).
@@ -33,7 +33,7 @@ from collections import OrderedDict
 import llguidance
 
 from engine.errors import Saturated
-from engine.llama.grammar import limits
+from engine.grammar_limits import limits
 
 #: Seconds one check may take (a client's schema or regex takes milliseconds).
 CHECK_TIMEOUT_S = 5.0
@@ -57,7 +57,7 @@ class ChecksBusy(Saturated):
 
 
 def check(grammar: str, text_only: bool = False) -> str:
-    """Whether llguidance can compile ``grammar`` within :data:`engine.llama.grammar.LIMITS`:
+    """Whether llguidance can compile ``grammar`` within :data:`engine.grammar_limits.LIMITS`:
     "" if so, else the library's message (a bad schema, regex or Lark, an unimplemented
     JSON-schema keyword, a grammar over the limits).
 
