@@ -247,6 +247,8 @@ def _drain(server) -> None:
     _state["end_now"] = threading.Event()
     for supervisor in _state["supervisors"].values():
         supervisor.start_draining()
+    if "sidecar" in _state:
+        _state["sidecar"].drain()
     server.log.info("SIGTERM: draining; running requests get up to %.0f s (a second SIGTERM ends them now)",
                     _config.drain_timeout)
     threading.Thread(target=_finish_drain, args=(server,), name="drain", daemon=True).start()

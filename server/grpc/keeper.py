@@ -105,6 +105,7 @@ class Sidecar:
         self.proc: Forked | None = None
         self._report: int | None = None  # the read end of the running sidecar's report pipe
         self._stopping = threading.Event()
+        self._draining = threading.Event()
         self._lock = threading.Lock()  # no spawn after stop() began
         self._thread = threading.Thread(target=self._keep, name="grpc-sidecar", daemon=True)
 
@@ -150,13 +151,24 @@ class Sidecar:
             if self._bind_failed():
                 self.on_bind_failed()
                 return
-            log.error("gRPC sidecar (pid %d) exited with %s; restarting in %.1f s", self.proc.pid, code, RESTART_S)
             if self._stopping.wait(RESTART_S):
                 return
+            if self._draining.is_set():
+                log.info("gRPC sidecar (pid %d) exited with %s while the server drains; not restarted",
+                         self.proc.pid, code)
+                return
+            log.error("gRPC sidecar (pid %d) exited with %s; restarted after %.1f s", self.proc.pid, code, RESTART_S)
             with self._lock:
                 if self._stopping.is_set():
                     return
                 self._spawn()
+
+    def drain(self) -> None:
+        """The server drains: a sidecar that exits from now on is not started again. New calls
+        would be refused anyway, and one sent the SIGTERM with the master (a signal to the whole
+        process group, as systemd's ``KillMode=control-group`` sends) has drained its own calls.
+        An exit within ``RESTART_S`` before this call counts too."""
+        self._draining.set()
 
     def signal(self, sig: int) -> None:
         if self.proc is not None and self.proc.poll() is None:

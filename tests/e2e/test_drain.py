@@ -132,3 +132,23 @@ def test_a_second_sigterm_ends_the_drain_now_and_a_third_stops_at_once():
         server.proc.wait(30)  # gunicorn's own stop: workers get graceful_timeout (5 s), not 600
         threads[0].join(30)
         assert not leftovers(server)
+
+
+def test_a_sidecar_that_got_the_sigterm_too_is_not_restarted_during_the_drain():
+    """A signal to the whole process group (systemd's ``KillMode=control-group``) reaches the gRPC
+    sidecar with the master's: it drains its own calls and exits while the master still drains
+    HTTP streams. The master does not start it again for a drain that refuses new calls anyway,
+    and says so without an error."""
+    with running_server("--max-slots", "2", "--max-seq-len", "256", "--drain-timeout", "120", grpc=True) as server:
+        results, threads = start_streams(server, 1, 200)
+        os.kill(server.sidecar_pid(), signal.SIGTERM)
+        server.proc.send_signal(signal.SIGTERM)
+        for t in threads:
+            t.join(120)
+        assert server.proc.wait(60) == 0
+        (events, done), = results
+        assert done and events[-1]["choices"][0]["finish_reason"] == "length"
+        log = open(server.log).read()
+        assert "while the server drains; not restarted" in log, log[-3000:]
+        assert "restarted after" not in log, log[-3000:]
+        assert not leftovers(server)
