@@ -49,7 +49,8 @@ _BIND_FAILED_REPORT = b"B"
 SIDECAR_MODULE = "server.grpc.server"
 #: The sidecar's process name (``prctl(PR_SET_NAME)``: at most 15 bytes).
 SIDECAR_NAME = "grpc-sidecar"
-PR_SET_NAME = 15
+#: ``prctl`` options (linux/prctl.h).
+PR_SET_PDEATHSIG, PR_SET_NAME = 1, 15
 
 
 def report_bind_failed() -> None:
@@ -121,9 +122,10 @@ class Sidecar:
         self._close_report()
         read, write = os.pipe()
         try:
+            master = os.getpid()
             pid = os.fork()
             if pid == 0:
-                _run_sidecar(self.env, write)
+                _run_sidecar(self.env, write, master)
         finally:
             os.close(write)
         self.proc = Forked(pid)
@@ -234,18 +236,27 @@ class Forked:
         self.send_signal(signal.SIGKILL)
 
 
-def _run_sidecar(env: dict[str, str], report: int) -> NoReturn:
-    """In the forked child: leave the master's state behind, run the sidecar
+def _run_sidecar(env: dict[str, str], report: int, master: int) -> NoReturn:
+    """In the forked child of ``master``: leave the master's state behind, run the sidecar
     (:func:`server.grpc.server.main`) in ``env``, exit with its status. Never returns: the
     forking thread's stack is the master's (gunicorn's start-up, or :meth:`Sidecar._keep`)."""
     code = 1
     try:
+        # Ended with the master from the first instruction on (its main sets this again for a
+        # sidecar run alone): one left behind would hold the gRPC port, and the next start be
+        # refused. A master already gone by now would never send the signal.
+        ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+        if os.getppid() != master:
+            os._exit(1)
         # The master's objects stay out of the collector's walks, which would write to each
         # one's header and so copy the pages this process shares with the master.
         gc.freeze()
         for sig in signal.valid_signals() - {signal.SIGKILL, signal.SIGSTOP}:
             with contextlib.suppress(OSError, ValueError):
                 signal.signal(sig, signal.SIG_DFL)  # gunicorn's arbiter's handlers are the master's
+        # A tenant reload (the master's SIGHUP) asked while the sidecar starts waits until its
+        # main can carry it out, rather than end it as SIGHUP's default action would.
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGHUP})
         _leave_descriptors(keep=(0, 1, 2, report))
         ctypes.CDLL(None).prctl(PR_SET_NAME, SIDECAR_NAME.encode())
         os.environ.clear()

@@ -27,7 +27,7 @@ from proto import inference_pb2_grpc
 from engine.config import one_line
 from server.config import ServerConfig
 from server.model_router import ModelRouter
-from server.grpc.keeper import BIND_FAILED, report_bind_failed
+from server.grpc.keeper import BIND_FAILED, PR_SET_PDEATHSIG, report_bind_failed
 from server.grpc.service import SERVICE_NAME, InferenceService
 from server.control.state import ControlPlane
 from server.tenancy.tenants import TenantRegistry, Tenants
@@ -36,7 +36,6 @@ log = logging.getLogger("grpc")
 GRACE_S = 5.0
 #: Seconds between looks at the engine's state for the health service.
 HEALTH_POLL_S = 0.2
-PR_SET_PDEATHSIG = 1
 
 
 class PortInUse(RuntimeError):
@@ -115,6 +114,8 @@ def main() -> int:
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGHUP, lambda *_: tenants.reload())
+    # a reload asked while it started (the keeper blocks SIGHUP from the fork on) is done now
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGHUP})
     server.start()
     log.info("gRPC sidecar serving on %s (pid %d)", config.address(config.grpc_port), os.getpid())
     follow_engine(list(models.engines().values()), health_servicer, stop)

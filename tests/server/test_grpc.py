@@ -270,11 +270,45 @@ def test_sidecar_killed_mid_stream_restarts_and_leaks_nothing(small_server):
     while server.sidecar_pid() in (None, old):
         assert time.monotonic() < end, "the sidecar was not restarted"
         time.sleep(0.05)
+    # Tenant reloads (the master's SIGHUP, which it passes on) while the new sidecar starts:
+    # carried out once it can, not its death.
+    restarted = server.sidecar_pid()
+    for _ in range(6):
+        server.proc.send_signal(signal.SIGHUP)
+        time.sleep(0.05)
     channel = open_channel(server.grpc_port)
     wait_serving(channel)
     stub = inference_pb2_grpc.InferenceServiceStub(channel)
     assert stub.ChatComplete(_chat("Hi", 3)).usage.completion_tokens == 3
+    assert server.sidecar_pid() == restarted, open(server.log).read()[-3000:]
     server.wait_idle()
+
+
+def test_a_sidecar_outlives_no_master():
+    """A master killed just after it forked a sidecar (a restart's first instants, before the
+    sidecar's own start-up code runs): the sidecar ends with it, and the gRPC port is free for the
+    next server."""
+    from engine.supervisor import pid_alive
+    from shm import segment
+    from tests.support.servers import is_sidecar
+
+    with running_server("--max-slots", "1", "--max-seq-len", "128", grpc=True) as server:
+        old = server.sidecar_pid()
+        os.kill(old, signal.SIGKILL)
+        end = time.monotonic() + 30
+        while not (new := [p for p in server.children() if p != old and is_sidecar(p)]):
+            assert time.monotonic() < end, "no sidecar was started again"
+            time.sleep(0.002)
+        children = server.children()
+        os.kill(server.proc.pid, signal.SIGKILL)  # the new sidecar is still importing gRPC
+        server.proc.wait()
+        end = time.monotonic() + 30
+        while [p for p in children if pid_alive(p)]:  # the workers and the engine too
+            assert time.monotonic() < end, ("left running:", [p for p in children if pid_alive(p)], new)
+            time.sleep(0.05)
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", server.grpc_port))  # nothing holds it
+        segment.remove_orphans(segment.SHM_DIR)  # what the next start would do
 
 
 def test_16_grpc_and_16_http_streams_together(tenant_server):
