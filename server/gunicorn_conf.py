@@ -33,7 +33,7 @@ import sys
 import threading
 import time
 
-from engine.config import ConfigError
+from engine.config import ConfigError, one_line
 from engine.supervisor import EngineSupervisor, SharedMemoryTooSmall
 from server import private_dir
 from server.config import ServerConfig
@@ -144,9 +144,9 @@ def _start_engine(server) -> None:
         raise SystemExit(f"inference-server: cannot import the app: {type(e).__name__}: {e}") from None
     try:
         worker_app.preload(_config)
-    except Exception as e:  # the metadata read, the rest of the file not (a file cut short)
+    except Exception as e:  # noqa: BLE001 - a start-up error is one line
         on_exit(server)
-        raise SystemExit(f"inference-server: cannot load a model's tokenizer: {type(e).__name__}: {e}") from None
+        raise SystemExit(f"inference-server: {one_line(e)}") from None
     # Out of the collector's walks from now on, which would write to each object's header and
     # so give the master its own copy of pages its children share (Python's gc.freeze advice).
     gc.freeze()

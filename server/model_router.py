@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from engine.client import EngineClient
+from engine.config import ConfigError
 from engine.errors import InvalidRequest
 from engine.llama.tokenizer import Tokenizer
 from server.api.errors import ModelNotFound
@@ -148,9 +149,18 @@ class ModelRouter:
     @staticmethod
     def preload(config: ServerConfig) -> None:
         """Load every declared model's tokenizer into this process (:func:`load_tokenizer`): the
-        gunicorn master, before its workers fork."""
+        gunicorn master, before its workers fork.
+
+        Raises:
+            ConfigError: llama.cpp refused a model's file (one whose metadata is whole but whose
+                tensors are cut short: llama.cpp checks their bounds even for the vocabulary).
+        """
         for spec in config.models:
-            load_tokenizer(spec.path)
+            try:
+                load_tokenizer(spec.path)
+            except RuntimeError as e:
+                raise ConfigError(f"the vocabulary of {spec.id} cannot be loaded: {e} (llama.cpp's lines above "
+                                  "say why)") from None
 
     @classmethod
     def attach(cls, config: ServerConfig, transports: list[str], control: ControlPlane | None) -> "ModelRouter":
