@@ -397,6 +397,11 @@ def _engine_exited(model: str, pid: int, crashed: bool) -> None:
 
 def child_exit(server, worker) -> None:
     _process_exited(server, worker.pid, "worker")
+    if _state.get("draining"):
+        # No replacement during the drain (the worker got the SIGTERM itself: a signal to the
+        # whole process group): a new worker would refuse every request, and its boot delayed
+        # the stop by seconds. gunicorn keeps ``num_workers`` running.
+        server.num_workers = len(server.WORKERS)
 
 
 def on_exit(server) -> None:

@@ -152,3 +152,23 @@ def test_a_sidecar_that_got_the_sigterm_too_is_not_restarted_during_the_drain():
         assert "while the server drains; not restarted" in log, log[-3000:]
         assert "restarted after" not in log, log[-3000:]
         assert not leftovers(server)
+
+
+def test_no_worker_is_booted_during_the_drain():
+    """Workers that got the SIGTERM with the master (a signal to the process group) exit, the
+    idle at once, the busy after gunicorn's ``graceful_timeout``; none is replaced while the
+    master drains, and the master stops with 0."""
+    with running_server("--max-slots", "2", "--max-seq-len", "512", "--drain-timeout", "120") as server:
+        _, threads = start_streams(server, 1, 120)
+        workers = server.worker_pids()
+        server.proc.send_signal(signal.SIGTERM)
+        while health(server, "/health/ready") != 503:
+            time.sleep(0.01)
+        for pid in workers:
+            os.kill(pid, signal.SIGTERM)
+        assert server.proc.wait(60) == 0
+        for t in threads:
+            t.join(60)
+        booted = open(server.log).read().count("Booting worker")
+        assert booted == len(workers) == 2, open(server.log).read()[-3000:]
+        assert not leftovers(server)
