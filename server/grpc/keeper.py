@@ -2,9 +2,9 @@
 
 The sidecar is forked from the master, as a worker is, and imports gRPC only then: gRPC's core
 does not survive ``fork`` once it is loaded, and the master never imports it. A fork shares the
-master's pages (its imports and every model's tokenizer: ``server.http.worker_app.preload``);
-a new interpreter (``python -m server.grpc.server``, how it ran before) held its own copy of
-them, 120 MB of resident memory beside Gemma 3 270M's vocabulary. The child leaves the master's
+master's pages (its imports and every model's tokenizer: ``server.http.worker_app.preload``),
+where a new interpreter (``python -m server.grpc.server``) holds its own copy of them: 120 MB of
+resident memory beside Gemma 3 270M's vocabulary, against 55. The child leaves the master's
 signal handlers and listening sockets behind, names itself ``SIDECAR_NAME`` (``ps``, and
 ``/proc/<pid>/comm``, where its command line is the master's), and never returns into the
 master's code. A sidecar that exits while the server runs is started again after ``RESTART_S``,
