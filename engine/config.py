@@ -24,13 +24,15 @@ CACHE_ENTRY_TOKENS = 2048
 #: The defaults an embedding engine takes where the generation defaults do not fit
 #: (:meth:`EngineConfig.embedding`): a vector is published in a mailbox's row of ``max_seq_len``
 #: floats, so ``max_seq_len`` bounds the dimension (1,024 holds SmolLM2's 576, Gemma 3 270M's 640,
-#: BERT-large's 1,024); a step packs inputs into ``n_batch`` tokens (every sequence of a batch
-#: attends over the whole shared cache, masked, so a larger batch spends more on the masked
-#: part: SmolLM2 embedded 351 tokens a second in batches of 256, 313 of 512, 244 of 1,024, and
-#: 329 of 128, where the weights are read more often), and one longer input, up to
-#: ``max_seq_len``, decodes alone; short inputs are many to a batch, hence
-#: more slots; no prefix cache and no variable section (no grammar or ``logit_bias``).
-EMBED_DEFAULTS = {"max_seq_len": 1024, "n_batch": 256, "max_slots": 32, "max_queued": 128,
+#: BERT-large's 1,024); a step packs inputs into ``n_batch`` tokens, and one longer input, up to
+#: ``max_seq_len``, decodes alone. Without flash attention every sequence of a batch computes its
+#: scores over the whole batch, masked, so a larger batch spends more on the masked part, and a
+#: smaller one reads the weights more often: SmolLM2 as ``llama-embed`` embedded the
+#: benchmark's inputs (``bench.embeddings``, packed as the engine packs them, two threads) at 591,
+#: 603, 561, 589 and 520 tokens a second in batches of 128, 160, 192, 224 and 256 (medians of three
+#: rounds alternating in one process). Short inputs are many to a batch, hence more slots; no
+#: prefix cache and no variable section (no grammar or ``logit_bias``).
+EMBED_DEFAULTS = {"max_seq_len": 1024, "n_batch": 160, "max_slots": 32, "max_queued": 128,
                   "prefix_cache_tokens": 0, "max_request_extras_bytes": 0}
 
 
