@@ -83,7 +83,7 @@ def is_json_document(grammar: str) -> bool:
             and grammars[0].get("json_schema") is not None and not grammars[0].get("lark_grammar"))
 
 
-
+class GrammarConstraint:
     """One sequence's position in a grammar (the :class:`engine.llama.sampler.Constraint`
     protocol), over an ``LLMatcher`` of its own.
 
