@@ -58,8 +58,10 @@ class JsonKeys:
         self.in_string = self.escaped = False
         self.name: bytearray | None = None  # the object name being written (None: a value string)
 
-    def feed(self, data: bytes) -> None:
-        """Advance over ``data``, the next bytes of the text."""
+    def feed(self, data: bytes) -> bool:
+        """Advance over ``data``, the next bytes of the text; whether a name ended in it that its
+        object already held."""
+        repeated = False
         for b in data:
             if self.in_string:
                 if self.escaped:
@@ -69,9 +71,10 @@ class JsonKeys:
                 elif b == _QUOTE:
                     self.in_string = False
                     if self.name is not None:
-                        self.stack[-1].names.add(_name(bytes(self.name)))
-                        self.stack[-1].expects_name = False
-                        self.name = None
+                        top, name = self.stack[-1], _name(bytes(self.name))
+                        repeated |= name in top.names
+                        top.names.add(name)
+                        top.expects_name, self.name = False, None
                     continue
                 if self.name is not None:
                     self.name.append(b)
@@ -90,6 +93,7 @@ class JsonKeys:
                 self.stack[-1].expects_name = True
             elif b == _COLON and self.stack and self.stack[-1] is not None:
                 self.stack[-1].expects_name = False
+        return repeated
 
     def may_repeat(self) -> bool:
         """Whether the next token could end a name the current object already holds: the
@@ -99,42 +103,18 @@ class JsonKeys:
                                                          (top.expects_name and not self.in_string))
 
     def repeats(self, piece: bytes) -> bool:
-        """Whether ``piece``, written next, ends a name the current object already holds (or
-        holds twice in itself). Nothing changes. A piece that opens or closes a container before
-        a name ends is not judged (False): its names are another object's."""
+        """Whether ``piece``, written next, ends a name its object already holds (the current
+        object's, or one the piece opens). Nothing changes: the piece goes through a copy of the
+        innermost container (the outer ones cannot be reached without closing it)."""
         top = self.stack[-1] if self.stack else None
         if top is None or _QUOTE not in piece:
             return False
-        in_string, escaped, expects_name = self.in_string, self.escaped, top.expects_name
-        name = bytearray(self.name) if self.name is not None else None
-        seen: set = set()
-        for b in piece:
-            if in_string:
-                if escaped:
-                    escaped = False
-                elif b == _BACKSLASH:
-                    escaped = True
-                elif b == _QUOTE:
-                    in_string = False
-                    if name is not None:
-                        key = _name(bytes(name))
-                        if key in top.names or key in seen:
-                            return True
-                        seen.add(key)
-                        name, expects_name = None, False
-                    continue
-                if name is not None:
-                    name.append(b)
-            elif b == _QUOTE:
-                in_string = True
-                name = bytearray() if expects_name else None
-            elif b == _OPEN_OBJECT or b == _OPEN_ARRAY or b in _CLOSE:
-                return False
-            elif b == _COMMA:
-                expects_name = True
-            elif b == _COLON:
-                expects_name = False
-        return False
+        probe = JsonKeys()
+        probe.stack = [_Object()]
+        probe.stack[0].names, probe.stack[0].expects_name = set(top.names), top.expects_name
+        probe.in_string, probe.escaped = self.in_string, self.escaped
+        probe.name = None if self.name is None else bytearray(self.name)
+        return probe.feed(piece)
 
 
 class UniqueKeys:
