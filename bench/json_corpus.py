@@ -35,9 +35,13 @@ Each answer is judged (:func:`judge`):
   ``json_object`` and an ``open`` schema, and the schema's own bound otherwise); a key repeated
   in one object. A derailed answer may
   still be valid (``{"animal": {"name": "cat"}}`` for ``{"animal": "cat"}`` is an object).
+* **nested deeper** (``deeper``): derailed by depth, an unfinished answer judged by the depth its
+  text reaches (:func:`reached_depth`): the issue's derailment, a given object answered
+  ``{"animal":{"dog":{"cat":{"dog":...``, is a given answer nested deeper; a repetition at the
+  asked depth until ``max_tokens`` (``{"name": "cat", "age": 10, "age_in_years": 10, ...``) is not.
 * **as asked** (``given`` only): the parsed document equals the given object.
 
-``run`` returns ``{"total", "valid_and_stopped", "derailed", "as_asked", "errors", "tokens",
+``run`` returns ``{"total", "valid_and_stopped", "derailed", "deeper", "as_asked", "errors", "tokens",
 "by_kind": {kind: the same counts}, "answers": [one record per request]}``; the answers come
 back in :data:`CORPUS`'s order whatever the concurrency, and at temperature 0 they are the same
 on every run of one server build (up to the batch's effect on llama.cpp's arithmetic).
@@ -217,6 +221,25 @@ def depth(value) -> int:
     return 0
 
 
+def reached_depth(text: str) -> int:
+    """The deepest nesting the start of a JSON text reaches (containers open at once, brackets in
+    strings not counted): an unfinished answer's lower bound on :func:`depth`
+    (``{"animal":{"dog":{"cat"`` reaches 3)."""
+    deepest = level = 0
+    in_string = escaped = False
+    for c in text:
+        if in_string:
+            escaped, in_string = (False, True) if escaped else (c == "\\", c != '"')
+        elif c == '"':
+            in_string = True
+        elif c in "{[":
+            level += 1
+            deepest = max(deepest, level)
+        elif c in "}]":
+            level -= 1
+    return deepest
+
+
 def _corpus() -> list[dict]:
     """:data:`CORPUS`: ``{"kind", "name", "prompt", "schema", "json_object", "depth", "given"}``
     each (``schema`` None: any object; ``depth`` None: the schema bounds it)."""
@@ -287,8 +310,11 @@ def judge(entry: dict, text: str, finish: str | None) -> dict:
                 why.append(f"invalid: {errors[0].message[:80]}")
         if entry["depth"] is not None and depth(doc) > entry["depth"]:
             why.append(f"depth {depth(doc)} > {entry['depth']}")
+    elif entry["depth"] is not None and reached_depth(text) > entry["depth"]:
+        why.append(f"depth at least {reached_depth(text)} > {entry['depth']}")
     derailed = any(w == "length" or w.startswith(("depth", "repeated")) for w in why)
-    return {"valid": valid, "stopped": finish == "stop", "derailed": derailed, "why": why,
+    return {"valid": valid, "stopped": finish == "stop", "derailed": derailed,
+            "deeper": any(w.startswith("depth") for w in why), "why": why,
             "as_asked": entry["given"] is not None and doc == entry["given"]}
 
 
@@ -313,7 +339,8 @@ def ask(base_url: str, model: str, entry: dict, max_tokens: int, x_guidance: dic
 
 def _counts(records: list[dict]) -> dict:
     return {"total": len(records), "valid_and_stopped": sum(r["valid"] and r["stopped"] for r in records),
-            "derailed": sum(r["derailed"] for r in records), "as_asked": sum(r["as_asked"] for r in records),
+            "derailed": sum(r["derailed"] for r in records), "deeper": sum(r["deeper"] for r in records),
+            "as_asked": sum(r["as_asked"] for r in records),
             "errors": sum(r["error"] is not None for r in records), "tokens": sum(r["tokens"] for r in records)}
 
 
@@ -345,7 +372,8 @@ def summary(result: dict) -> str:
     """One line: the overall counts and ``valid_and_stopped/total`` by kind."""
     kinds = " ".join(f"{k} {v['valid_and_stopped']}/{v['total']}" for k, v in result["by_kind"].items())
     return (f"valid and stopped {result['valid_and_stopped']}/{result['total']}, derailed {result['derailed']} "
-            f"(given: {result['by_kind']['given']['derailed']}), as asked {result['as_asked']}/"
+            f"(given: {result['by_kind']['given']['derailed']}, of them nested deeper "
+            f"{result['by_kind']['given']['deeper']}), as asked {result['as_asked']}/"
             f"{result['by_kind']['given']['total']}, errors {result['errors']}, {result['tokens']} tokens; {kinds}")
 
 

@@ -10,7 +10,7 @@ import jsonschema
 import llguidance
 import pytest
 
-from bench.json_corpus import CORPUS, KINDS, OPTIONS, depth, judge, response_format
+from bench.json_corpus import CORPUS, KINDS, OPTIONS, depth, judge, reached_depth, response_format
 
 GIVEN = next(e for e in CORPUS if e["given"] == {"animal": "cat"})
 TREE = next(e for e in CORPUS if e["name"] == "tree" and e["depth"] == 4)
@@ -30,12 +30,17 @@ def test_the_corpus_has_every_kind_and_each_schema_compiles():
 
 def test_depth_counts_containers():
     assert [depth(v) for v in (3, {}, [], {"a": "b"}, {"a": {"b": []}}, [[1], 2])] == [0, 1, 1, 1, 3, 2]
+    texts = ['{"a": {"b": []}}', '{"a":{"b":{"c"', '{"a": "{[{["', '{"a": "x\\"{["', '{"a": "x\\\\", "b": [[', "", "4"]
+    assert [reached_depth(t) for t in texts] == [3, 3, 1, 1, 3, 0, 0]
 
 
 @pytest.mark.parametrize("entry,text,finish,verdict,why", [
     (GIVEN, '{"animal": "cat"}', "stop", (True, True, False, True), []),
     (GIVEN, '{"animal": "dog"}', "stop", (True, True, False, False), []),
-    (GIVEN, '{"animal":{"dog":{"cat":{"dog":{"dog"', "length", (False, False, True, False), ["length", "unfinished"]),
+    (GIVEN, '{"animal":{"dog":{"cat":{"dog":{"dog"', "length", (False, False, True, False),
+     ["length", "unfinished", "depth at least 5 > 1"]),
+    (GIVEN, '{"animal": "cat", "name": "cat", "age": 10, "ag', "length", (False, False, True, False),
+     ["length", "unfinished"]),  # derailed at the asked depth: not nested deeper
     (GIVEN, '{"animal": {"name": "cat"}}', "stop", (True, True, True, False), ["depth 2 > 1"]),  # valid, derailed
     (GIVEN, '{"animal": "cat", "animal": "cat"}', "stop", (False, True, True, False), ["repeated key 'animal'"]),
     (GIVEN, '[1]', "stop", (False, True, False, False), ["not an object"]),
@@ -48,5 +53,6 @@ def test_depth_counts_containers():
 def test_verdicts(entry, text, finish, verdict, why):
     got = judge(entry, text, finish)
     assert (got["valid"], got["stopped"], got["derailed"], got["as_asked"]) == verdict and got["why"] == why, got
+    assert got["deeper"] == any(w.startswith("depth") for w in why)
     if got["valid"] and entry["schema"] is not None:
         jsonschema.validate(json.loads(text), entry["schema"])
