@@ -103,8 +103,9 @@ class GrammarConstraint:
     def allows(self, token: int) -> bool:
         return not self.error and self.matcher.validate_tokens([token]) == 1
 
-    def allowed(self) -> np.ndarray:
-        """llguidance's bitmask of the next tokens (bit ``t % 32`` of word ``t // 32``), as ids.
+    def allowed(self, excluded: np.ndarray | None = None) -> np.ndarray:
+        """llguidance's bitmask of the next tokens (bit ``t % 32`` of word ``t // 32``), as ids,
+        less ``excluded`` (int32 ids; None: none).
         A sparse mask (the usual one after a refusal: a quote, a comma, a digit...) has only its
         non-zero words unpacked: measured 23 against 194 us for the whole 49k-token mask."""
         self.matcher.unsafe_compute_mask_ptr(self._bits.ctypes.data, self._bits.nbytes)
@@ -114,10 +115,12 @@ class GrammarConstraint:
         words = np.flatnonzero(self._bits)
         if len(words) > SPARSE_WORDS:
             bits = np.unpackbits(self._bits.view(np.uint8), bitorder="little", count=self.n_vocab)
-            return np.flatnonzero(bits).astype(np.int32)
-        bits = np.unpackbits(self._bits[words].view(np.uint8), bitorder="little").reshape(-1, 32)
-        ids = (words[:, None] * 32 + _BIT)[bits.astype(bool)]
-        return ids[ids < self.n_vocab].astype(np.int32)
+            ids = np.flatnonzero(bits).astype(np.int32)
+        else:
+            bits = np.unpackbits(self._bits[words].view(np.uint8), bitorder="little").reshape(-1, 32)
+            ids = (words[:, None] * 32 + _BIT)[bits.astype(bool)]
+            ids = ids[ids < self.n_vocab].astype(np.int32)
+        return ids if excluded is None or not len(excluded) else ids[~np.isin(ids, excluded)]
 
     def accept(self, token: int) -> None:
         if self.error:

@@ -44,6 +44,11 @@ class _Object:
         self.names: set = set()
         self.expects_name = True
 
+    def copy(self) -> "_Object":
+        other = _Object()
+        other.names, other.expects_name = set(self.names), self.expects_name
+        return other
+
 
 class JsonKeys:
     """Where a JSON text being written stands, byte by byte: the open containers (an
@@ -96,22 +101,18 @@ class JsonKeys:
         return repeated
 
     def may_repeat(self) -> bool:
-        """Whether the next token could end a name the current object already holds: the
-        innermost container is an object with names, and a name is being written or comes next."""
-        top = self.stack[-1] if self.stack else None
-        return top is not None and bool(top.names) and (self.name is not None or
-                                                         (top.expects_name and not self.in_string))
+        """Whether the next token could end a name an open object already holds: some open object
+        holds names, and no value string is being written (a token may end a name, or close a
+        container and write the next name of an outer object: ``, "a"``, ``}, "a"``)."""
+        return (self.name is not None or not self.in_string) and any(o is not None and o.names for o in self.stack)
 
     def repeats(self, piece: bytes) -> bool:
-        """Whether ``piece``, written next, ends a name its object already holds (the current
-        object's, or one the piece opens). Nothing changes: the piece goes through a copy of the
-        innermost container (the outer ones cannot be reached without closing it)."""
-        top = self.stack[-1] if self.stack else None
-        if top is None or _QUOTE not in piece:
+        """Whether ``piece``, written next, ends a name its object already holds. Nothing
+        changes: the piece goes through a copy of the open containers."""
+        if _QUOTE not in piece or not self.stack:
             return False
         probe = JsonKeys()
-        probe.stack = [_Object()]
-        probe.stack[0].names, probe.stack[0].expects_name = set(top.names), top.expects_name
+        probe.stack = [None if o is None else _Object.copy(o) for o in self.stack]
         probe.in_string, probe.escaped = self.in_string, self.escaped
         probe.name = None if self.name is None else bytearray(self.name)
         return probe.feed(piece)
@@ -143,8 +144,10 @@ class UniqueKeys:
     def allows(self, token: int) -> bool:
         return self.inner.allows(token) and not self._repeats(token)
 
-    def allowed(self) -> np.ndarray:
-        ids = self.inner.allowed()
+    def allowed(self, excluded: np.ndarray | None = None) -> np.ndarray:
+        """The grammar's allowed tokens but ``excluded``, less those that would repeat a name:
+        all of them where every one would (the grammar's choice stands)."""
+        ids = self.inner.allowed(excluded)
         if not self.keys.may_repeat():
             return ids
         candidates = ids[self.quoted[ids]]

@@ -58,8 +58,9 @@ class Constraint(Protocol):
     def allows(self, token: int) -> bool:
         """Whether ``token`` may come next."""
 
-    def allowed(self) -> np.ndarray:
-        """The token ids that may come next: int32 ``[k]``, ascending."""
+    def allowed(self, excluded: np.ndarray | None = None) -> np.ndarray:
+        """The token ids that may come next, none of ``excluded`` (int32 ids, the sampler's bans;
+        None: none): int32 ``[k]``, ascending."""
 
     def accept(self, token: int) -> None:
         """``token`` was generated: advance."""
@@ -76,7 +77,7 @@ class AllowAll:
     def allows(self, token: int) -> bool:
         return True
 
-    def allowed(self) -> np.ndarray:
+    def allowed(self, excluded: np.ndarray | None = None) -> np.ndarray:
         raise AssertionError("AllowAll refuses nothing: never asked")
 
     def accept(self, token: int) -> None:
@@ -152,9 +153,8 @@ class Sampler:
         if self.constraint is None:
             return token
         if not self.constraint.allows(token):  # rejected: pick again among the allowed tokens
-            allowed = self.constraint.allowed()
-            if len(self._banned):  # never a banned token, even one the constraint allows
-                allowed = allowed[~np.isin(allowed, self._banned)]
+            # never a banned token, even one the constraint allows
+            allowed = self.constraint.allowed(self._banned if len(self._banned) else None)
             if len(allowed):  # else the refused token stands, and the constraint fails on it
                 token = self._pick(logits, allowed)
         if self.chain is not None:

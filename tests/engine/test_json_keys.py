@@ -37,19 +37,26 @@ def fed(*chunks: bytes) -> JsonKeys:
     (b'{"a": 1}', b', "a"', False),  # no object is open
     (b'[', b'"a"', False),
     (b'{', b'"a": 1, "a"', True),  # twice in one token
+    (b'{"a": {"b": 1', b'}, "a"', True),  # closes the inner object, then the outer's name
+    (b'{"a": {"b": 1', b'}, "b"', False),
+    (b'{"a": [1', b'], "a"', True),
 ])
 def test_a_token_that_ends_a_name_already_held(text, piece, repeats):
     for cut in range(1, len(text)):  # however the text was split into tokens
-        assert fed(text[:cut], text[cut:]).repeats(piece) is repeats, (text[:cut], text[cut:])
+        keys = fed(text[:cut], text[cut:])
+        assert keys.repeats(piece) is repeats, (text[:cut], text[cut:])
+        assert keys.may_repeat() or not repeats  # the constraint asks only where one may
 
 
 def test_names_are_kept_per_object_as_the_text_goes():
     keys = fed(b'{"a": {"b": 1, "c": ["x", {"d": 2}]}, "e": "{\\"f\\": 1}", ')
     assert [o.names if o else o for o in keys.stack] == [{"a", "e"}]
     assert keys.may_repeat() and not keys.in_string
-    keys.feed(b'"g": {')
-    assert not keys.may_repeat()  # a fresh object holds no names yet
-    keys.feed(b'}}')
+    keys.feed(b'"g": {')  # a fresh object holds no names yet; the outer one's are a token away
+    assert keys.may_repeat() and not keys.repeats(b'"a"') and keys.repeats(b'}, "a"')
+    keys.feed(b'"h": "')
+    assert not keys.may_repeat()  # inside a value string
+    keys.feed(b'"}}')
     assert keys.stack == [] and not keys.may_repeat()
 
 
@@ -93,6 +100,17 @@ def test_where_only_a_repeated_name_is_allowed_the_grammar_wins(grammars, tokeni
     assert c.keys.repeats(c.piece(int(allowed[0])))
     c.accept(int(allowed[0]))
     assert not c.error
+
+
+def test_banned_tokens_are_left_out_before_the_names_are_judged(grammars, tokenizer):
+    """With "qz" banned (a ``logit_bias`` of -100 on "z"), the name "q" again is all the grammar
+    leaves: it stands, rather than nothing (which would fail the sequence)."""
+    schema = {"type": "object", "patternProperties": {"^(q|qz)$": {"type": "integer"}}, "additionalProperties": False}
+    c = constrained(grammars, schema, '{"q": 1, "q', tokenizer)
+    z = tokenizer.encode("z")[0]
+    assert z in c.allowed() and all(not c.keys.repeats(c.piece(int(t))) for t in c.allowed())
+    allowed = c.allowed(np.array([z], np.int32))
+    assert len(allowed) and z not in allowed and all(c.keys.repeats(c.piece(int(t))) for t in allowed)
 
 
 def test_only_a_grammar_that_is_one_json_document_is_tracked():

@@ -28,9 +28,10 @@ class Forbid:
         self.asked.append(token)
         return token not in self.banned
 
-    def allowed(self):
+    def allowed(self, excluded=None):
         self.masked += 1
-        return np.array(sorted(set(range(49152)) - self.banned), np.int32)
+        return np.array(sorted(set(range(49152)) - self.banned - set(excluded if excluded is not None else ())),
+                        np.int32)
 
     def accept(self, token):
         self.accepted.append(token)
