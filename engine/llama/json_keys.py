@@ -107,7 +107,7 @@ class JsonKeys:
         return (self.name is not None or not self.in_string) and any(o is not None and o.names for o in self.stack)
 
     def repeats(self, piece: bytes) -> bool:
-        """Whether ``piece``, written next, ends a name its object already holds. Nothing
+        """Whether ``piece`` (bytes), written next, ends a name its object already holds. Nothing
         changes: the piece goes through a copy of the open containers."""
         if _QUOTE not in piece or not self.stack:
             return False
@@ -145,8 +145,9 @@ class UniqueKeys:
         return self.inner.allows(token) and not self._repeats(token)
 
     def allowed(self, excluded: np.ndarray | None = None) -> np.ndarray:
-        """The grammar's allowed tokens but ``excluded``, less those that would repeat a name:
-        all of them where every one would (the grammar's choice stands)."""
+        """The grammar's allowed tokens but ``excluded``, less those whose own bytes would end a
+        name already held (the fast-forward is left to :meth:`allows`, which the sampler asks of
+        its pick again): all of them where every one would (the grammar's choice stands)."""
         ids = self.inner.allowed(excluded)
         if not self.keys.may_repeat():
             return ids
@@ -157,7 +158,25 @@ class UniqueKeys:
         return ids[~np.isin(ids, repeating)]
 
     def _repeats(self, token: int) -> bool:
-        return bool(self.quoted[token]) and self.keys.may_repeat() and self.keys.repeats(self.piece(token))
+        """Whether ``token`` (the grammar allows it), with the bytes the grammar forces after it
+        (llguidance's fast-forward, ``compute_ff_bytes``: ``or": "`` after ``"col`` where the
+        schema's names are ``color``, ``size`` and ``weight``), ends a name already held: so a
+        name the grammar can only finish as a repeat is refused where it starts to be one, not
+        where it ends. The lookahead (consume, fast-forward, roll back: about 25 us) is taken only
+        inside a name and on a token holding a quote or a comma (one that can lead into a name)."""
+        if not self.keys.may_repeat():
+            return False
+        piece = self.piece(token)
+        if self.keys.name is None and _QUOTE not in piece and _COMMA not in piece:
+            return False
+        matcher = self.inner.matcher
+        if self.inner.error or not matcher.consume_token(token):
+            return False
+        try:
+            forced = matcher.compute_ff_bytes()
+        finally:
+            matcher.rollback(1)
+        return self.keys.repeats(piece + forced)
 
     def accept(self, token: int) -> None:
         self.inner.accept(token)

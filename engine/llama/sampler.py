@@ -28,6 +28,9 @@ import numpy as np
 
 from engine.request import SamplingParams
 
+#: Picks a constraint may refuse after its allowed set gave them (:meth:`Sampler.sample`); the
+#: last pick stands after these.
+RECHECKS = 8
 _TOKEN_DATA = np.dtype([("id", np.int32), ("logit", np.float32), ("p", np.float32)])  # llama_token_data
 
 
@@ -157,6 +160,13 @@ class Sampler:
             allowed = self.constraint.allowed(self._banned if len(self._banned) else None)
             if len(allowed):  # else the refused token stands, and the constraint fails on it
                 token = self._pick(logits, allowed)
+                # A constraint may judge a token by more than its allowed set says (UniqueKeys
+                # looks past the token): a pick it refuses gives way to the next, a few times.
+                for _ in range(RECHECKS):
+                    if len(allowed) == 1 or self.constraint.allows(token):
+                        break
+                    allowed = allowed[allowed != token]
+                    token = self._pick(logits, allowed)
         if self.chain is not None:
             llama_cpp.llama_sampler_accept(self.chain, token)
         self.constraint.accept(token)

@@ -68,12 +68,14 @@ def grammars(tokenizer):
     g.close()
 
 
-def constrained(grammars, schema: dict, text: str, tokenizer) -> UniqueKeys:
+def constrained(grammars, schema: dict, text: str, tokenizer, checked: bool = True) -> UniqueKeys:
+    """The constraint of ``schema`` having accepted ``text``, each token allowed by it (by the
+    grammar alone where not ``checked``)."""
     future = grammars.compile(0, llguidance.LLMatcher.grammar_from_json_schema({**schema, "x-guidance": SPACED}))
     constraint = grammars.constraint(future)
     assert isinstance(constraint, UniqueKeys)
     for token in tokenizer.encode(text):
-        assert constraint.allows(token), text
+        assert (constraint if checked else constraint.inner).allows(token), text
         constraint.accept(token)
     return constraint
 
@@ -94,12 +96,27 @@ def test_the_grammar_allows_a_repeated_name_and_the_constraint_does_not(grammars
 def test_where_only_a_repeated_name_is_allowed_the_grammar_wins(grammars, tokenizer):
     schema = {"type": "object", "patternProperties": {"^a$": {"type": "integer"}}, "additionalProperties": False,
               "minProperties": 2}
-    c = constrained(grammars, schema, '{"a": 1, "a', tokenizer)
+    c = constrained(grammars, schema, '{"a": 1, "a', tokenizer, checked=False)
     allowed = c.allowed()
     assert np.array_equal(allowed, c.inner.allowed()) and len(allowed) == 1  # '":', llguidance's canonical token
     assert c.keys.repeats(c.piece(int(allowed[0])))
     c.accept(int(allowed[0]))
     assert not c.error
+
+
+def test_a_name_the_grammar_can_only_finish_as_a_repeat_is_refused_where_it_starts(grammars, tokenizer):
+    """llguidance's fast-forward: where the schema's names are color, size and weight, "col" can
+    only become "color"; where the only name is "a", a comma can only lead to "a" again."""
+    names = {"type": "object", "patternProperties": {"^(color|size|weight)$": {"type": "string"}},
+             "additionalProperties": False}
+    c = constrained(grammars, names, '{"color": "black", "', tokenizer)
+    col, size = tokenizer.encode("col")[0], tokenizer.encode("size")[0]
+    assert c.inner.allows(col) and not c.allows(col) and c.allows(size)
+    only_a = {"type": "object", "patternProperties": {"^a$": {"type": "integer"}}, "additionalProperties": False}
+    c = constrained(grammars, only_a, '{"a": 1', tokenizer)
+    comma, close = tokenizer.encode(",")[0], tokenizer.encode("}")[0]
+    assert c.inner.allows(comma) and not c.allows(comma) and c.allows(close)
+    assert not c.error and c.inner.allows(comma)  # the lookahead left the grammar where it was
 
 
 def test_banned_tokens_are_left_out_before_the_names_are_judged(grammars, tokenizer):

@@ -265,13 +265,22 @@ def test_json_is_written_as_the_model_writes_it_and_ends(srv):
 def test_each_name_once_in_an_object(srv):
     """A name comes once in an object (RFC 8259 §4; engine/llama/json_keys.py): asked to count
     books per shelf under an open schema, SmolLM2 wrote ``{"books": 2, "books": 2}``, which a
-    parser reads as one count. Held to a new name, it writes one and ends."""
+    parser reads as one count; held to a new name, it writes one and ends. Asked to repeat a
+    name under a schema of three, it wrote ``"color`` again, which the grammar could then only
+    finish as a repeat: refused where it starts."""
     inventory = {"type": "object", "additionalProperties": {"type": "integer", "minimum": 0}, "maxProperties": 4}
-    body = chat_body("How many books are on each shelf? Reply in JSON.", max_tokens=60, temperature=0,
-                     response_format={"type": "json_schema", "json_schema": {"name": "inventory", "schema": inventory}})
-    status, reply = answer(srv, CHAT, body)
-    assert status == 200, reply
-    choice = reply["choices"][0]
-    names = json.loads(choice["message"]["content"], object_pairs_hook=lambda pairs: [k for k, _ in pairs])
-    assert choice["finish_reason"] == "stop" and len(names) == len(set(names)) > 1, choice
-    jsonschema.validate(json.loads(choice["message"]["content"]), inventory)
+    three = {"type": "object", "patternProperties": {"^(color|size|weight)$": {"type": "string"}},
+             "additionalProperties": False}
+    bodies = [chat_body(prompt, max_tokens=60, temperature=0,
+                        response_format={"type": "json_schema", "json_schema": {"name": "n", "schema": schema}})
+              for prompt, schema in (("How many books are on each shelf? Reply in JSON.", inventory),
+                                     ('Repeat exactly: {"color": "black", "color": "black", "color": "black"}', three))]
+    with ThreadPoolExecutor(2) as pool:
+        replies = list(pool.map(lambda body: answer(srv, CHAT, body), bodies))
+    for (status, reply), body in zip(replies, bodies):
+        assert status == 200, reply
+        choice = reply["choices"][0]
+        names = json.loads(choice["message"]["content"], object_pairs_hook=lambda pairs: [k for k, _ in pairs])
+        assert choice["finish_reason"] == "stop" and len(names) == len(set(names)) >= 1, choice
+        jsonschema.validate(json.loads(choice["message"]["content"]), body["response_format"]["json_schema"]["schema"])
+    assert len(json.loads(replies[0][1]["choices"][0]["message"]["content"])) > 1
