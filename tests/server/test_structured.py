@@ -263,11 +263,10 @@ def test_json_is_written_as_the_model_writes_it_and_ends(srv):
 
 
 def test_each_name_once_in_an_object(srv):
-    """A name comes once in an object (RFC 8259 §4; engine/llama/json_keys.py): asked to count
-    books per shelf under an open schema, SmolLM2 wrote ``{"books": 2, "books": 2}``, which a
-    parser reads as one count; held to a new name, it writes one and ends. Asked to repeat a
-    name under a schema of three, it wrote ``"color`` again, which the grammar could then only
-    finish as a repeat: refused where it starts."""
+    """A name comes once in an object (RFC 8259 §4; engine/llama/json_keys.py): counting books
+    per shelf under an open schema, the model writes a second name where its first choice is
+    ``"books"`` again, and ends; asked to repeat ``"color"`` under a schema of three names, the
+    name that the grammar could only finish as a repeat is refused where it starts."""
     inventory = {"type": "object", "additionalProperties": {"type": "integer", "minimum": 0}, "maxProperties": 4}
     three = {"type": "object", "patternProperties": {"^(color|size|weight)$": {"type": "string"}},
              "additionalProperties": False}
